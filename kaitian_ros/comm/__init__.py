@@ -1,0 +1,1 @@
+"""comm layer of kaitian_ros (see docs/architecture.md)."""

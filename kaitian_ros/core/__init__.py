@@ -1,0 +1,1 @@
+"""core layer of kaitian_ros (see docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""nodes layer of kaitian_ros (see docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""runtime layer of kaitian_ros (see docs/architecture.md)."""

@@ -1,1 +1,70 @@
-"""runtime layer of kaitian_ros (see docs/architecture.md)."""
+"""Runtime layer: the only place that imports a middleware (zenoh or rclpy).
+
+``KAITIAN_RUNTIME=embedded|ros`` picks one; the default is ``ros`` when rclpy imports,
+``embedded`` otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import sys
+from typing import Any, Callable, Sequence
+
+from kaitian_ros.runtime.api import Runtime
+from kaitian_ros.runtime.node_args import NodeArgsError, parse_node_args
+
+
+def runtime_kind() -> str:
+    kind = os.environ.get("KAITIAN_RUNTIME", "").strip().lower()
+    if kind in ("embedded", "ros"):
+        return kind
+    if kind:
+        raise ValueError(f"KAITIAN_RUNTIME must be 'embedded' or 'ros', got {kind!r}")
+    return "ros" if importlib.util.find_spec("rclpy") is not None else "embedded"
+
+
+def create_runtime(default_name: str, argv: Sequence[str] | None = None) -> Any:
+    """A Runtime for a node named by ``-r __node:=`` (else ``default_name``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if runtime_kind() == "ros":
+        from kaitian_ros.runtime.ros import RosRuntime
+
+        return RosRuntime(default_name, argv)
+    from kaitian_ros.runtime.embedded import EmbeddedRuntime
+
+    return EmbeddedRuntime(parse_node_args(argv, default_name))
+
+
+def run_node(node_factory: Callable[[Runtime], Any], default_name: str,
+             argv: Sequence[str] | None = None) -> int:
+    """Entry point body of every node executable: build, spin until SIGINT/SIGTERM, clean up."""
+    try:
+        rt = create_runtime(default_name, argv)
+    except (NodeArgsError, ValueError) as exc:
+        print(f"{default_name}: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # e.g. no router reachable
+        print(f"{default_name}: cannot start runtime: {exc}", file=sys.stderr)
+        return 1
+
+    def stop(signum: int, frame: Any) -> None:
+        rt.shutdown()
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        node = node_factory(rt)
+    except ValueError as exc:  # bad parameters: one clear line, non-zero exit
+        rt.logger.error(f"refusing to start: {exc}")
+        rt.close()
+        return 2
+    try:
+        rt.spin()
+    finally:
+        close = getattr(node, "close", None)
+        if close is not None:
+            close()
+        rt.close()
+    return 0

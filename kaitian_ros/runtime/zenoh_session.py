@@ -1,0 +1,151 @@
+"""The one place that imports zenoh: sessions, keys and attachments in rmw_zenoh's format."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import zenoh
+
+from kaitian_ros.runtime import interfaces
+
+DEFAULT_ROUTER = "tcp/127.0.0.1:7447"
+LIVELINESS_PREFIX = "@ros2_lv"
+PARAM_PREFIX = "@kaitian/params"
+
+
+def router_endpoint() -> str:
+    """Router to connect to: ``KAITIAN_ROUTER`` (a zenoh endpoint) or the default."""
+    return os.environ.get("KAITIAN_ROUTER", DEFAULT_ROUTER)
+
+
+def domain_id() -> int:
+    try:
+        return int(os.environ.get("ROS_DOMAIN_ID", "0"))
+    except ValueError:
+        raise ValueError(f"ROS_DOMAIN_ID must be an integer, got {os.environ['ROS_DOMAIN_ID']!r}") from None
+
+
+def open_session(mode: str = "peer", *, connect: str | None = None, listen: str | None = None) -> Any:
+    """A zenoh session like rmw_zenoh's defaults: multicast scouting off, loopback only.
+
+    Peers connect to the router for discovery and then talk to each other directly
+    (gossip scouting), so chunks do not take a detour through the router.
+    """
+    config = zenoh.Config()
+    config.insert_json5("mode", json.dumps(mode))
+    config.insert_json5("scouting/multicast/enabled", "false")
+    if mode == "router":
+        config.insert_json5("listen/endpoints", json.dumps([listen or router_endpoint()]))
+    else:
+        config.insert_json5("connect/endpoints", json.dumps([connect or router_endpoint()]))
+        config.insert_json5("listen/endpoints", json.dumps([listen or "tcp/127.0.0.1:0"]))
+        # fail fast when no router is running instead of waiting forever
+        config.insert_json5("connect/timeout_ms", "5000")
+        config.insert_json5("connect/exit_on_failure", "true")
+    # large tensor chunks: bigger batches; never drop reliable data locally
+    config.insert_json5("transport/link/tx/batch_size", "65535")
+    return zenoh.open(config)
+
+
+def mangle(text: str) -> str:
+    """rmw_zenoh liveliness fields: '/' becomes '%', empty becomes '%'."""
+    return text.replace("/", "%") if text else "%"
+
+
+def topic_key(domain: int, topic: str, msg_type: str) -> str:
+    """``<domain>/<topic without leading slash>/<dds type name>/<RIHS01 hash>``."""
+    return f"{domain}/{topic.lstrip('/')}/{interfaces.dds_type_name(msg_type)}/{interfaces.type_hash(msg_type)}"
+
+
+def topic_key_any_type(domain: int, topic: str) -> str:
+    """Key expression matching the topic with any type name and hash (to count mismatches)."""
+    return f"{domain}/{topic.lstrip('/')}/*/*"
+
+
+def parse_topic_key(key: str) -> tuple[int, str, str, str]:
+    """(domain, topic, dds type name, hash) of a data key."""
+    parts = key.split("/")
+    if len(parts) < 4:
+        raise ValueError(f"not a topic key: {key}")
+    return int(parts[0]), "/" + "/".join(parts[1:-2]), parts[-2], parts[-1]
+
+
+def node_token(domain: int, zid: str, node_id: int, namespace: str, name: str) -> str:
+    return f"{LIVELINESS_PREFIX}/{domain}/{zid}/{node_id}/{node_id}/NN/%/{mangle(namespace.strip('/'))}/{name}"
+
+
+def endpoint_token(domain: int, zid: str, node_id: int, entity_id: int, kind: str, namespace: str,
+                   name: str, topic: str, msg_type: str, qos: str) -> str:
+    """kind: MP (publisher) or MS (subscriber)."""
+    return (f"{LIVELINESS_PREFIX}/{domain}/{zid}/{node_id}/{entity_id}/{kind}/%/"
+            f"{mangle(namespace.strip('/'))}/{name}/{mangle(topic)}/"
+            f"{interfaces.dds_type_name(msg_type)}/{interfaces.type_hash(msg_type)}/{qos}")
+
+
+@dataclass(frozen=True)
+class LivelinessEntry:
+    kind: str            # NN, MP, MS
+    namespace: str
+    node_name: str
+    topic: str = ""
+    dds_type: str = ""
+    type_hash: str = ""
+
+    @property
+    def node_fqn(self) -> str:
+        ns = "" if self.namespace in ("", "/") else self.namespace
+        return f"{ns}/{self.node_name}"
+
+    @property
+    def type_name(self) -> str:
+        """``pkg::msg::dds_::Name_`` -> ``pkg/msg/Name``."""
+        pkg, kind, _, short = self.dds_type.split("::")
+        return f"{pkg}/{kind}/{short.rstrip('_')}"
+
+
+def parse_liveliness(key: str) -> LivelinessEntry | None:
+    parts = key.split("/")
+    if len(parts) < 9 or parts[0] != LIVELINESS_PREFIX:
+        return None
+    kind = parts[5]
+    ns = "/" + parts[7].replace("%", "/") if parts[7] != "%" else "/"
+    if kind == "NN":
+        return LivelinessEntry(kind, ns, parts[8])
+    if kind in ("MP", "MS") and len(parts) >= 12:
+        return LivelinessEntry(kind, ns, parts[8], "/" + parts[9].replace("%", "/").lstrip("/"),
+                               parts[10], parts[11])
+    return None
+
+
+def make_attachment(sequence: int, timestamp_ns: int, gid: bytes) -> bytes:
+    """rmw_zenoh attachment: int64 sequence, int64 source timestamp (ns), GID (len byte + 16 bytes)."""
+    return struct.pack("<qqB", sequence, timestamp_ns, len(gid)) + gid
+
+
+def parse_attachment(raw: bytes) -> tuple[int, int, bytes]:
+    if len(raw) < 17:
+        raise ValueError("attachment too short")
+    sequence, stamp, n = struct.unpack_from("<qqB", raw)
+    return sequence, stamp, bytes(raw[17:17 + n])
+
+
+def param_key(domain: int, node_fqn: str, op: str) -> str:
+    return f"{PARAM_PREFIX}/{domain}/{node_fqn.strip('/')}/{op}"
+
+
+def as_zenoh_payload(cdr: bytes | bytearray | memoryview) -> bytes | bytearray:
+    """zenoh's put takes bytes/bytearray; hand over the serializer's buffer without a copy."""
+    if isinstance(cdr, memoryview):
+        base = cdr.obj
+        if isinstance(base, (bytes, bytearray)) and cdr.contiguous and len(base) == cdr.nbytes:
+            return base
+        return cdr.tobytes()
+    return cdr
+
+
+CongestionControl = zenoh.CongestionControl
+Priority = zenoh.Priority

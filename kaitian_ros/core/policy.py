@@ -1,0 +1,681 @@
+"""Pure share policy: live telemetry -> per-node row shares (see docs/policy.md).
+
+Everything here is a pure function of its arguments: no middleware, no threads, no I/O and no
+clock reads (time comes in as ``now_s`` / ``stamp_s``). The scheduler node owns one
+``PolicyState`` and threads it through ``observe`` / ``heartbeat`` / ``decide``; identical
+inputs give identical outputs, which is what makes the policy testable and replayable.
+
+Model (per request, node i with share x_i of the rows):
+
+    T_i(x_i) = max(x_i * W / speed_i, x_i * B / link_i) + fixed_i = x_i * k_i + fixed_i
+
+with W the model cost of a whole request, B its bytes, k_i = max(W/speed_i, B/link_i).
+``equalise_finish_time`` water-fills the common finish time T so that sum x_i = 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Mapping, Sequence, Union
+
+__all__ = [
+    "POLICIES",
+    "PARAMETERS",
+    "ParamDescriptor",
+    "PolicyConfig",
+    "TelemetrySample",
+    "NodeEstimate",
+    "Assignment",
+    "PolicyState",
+    "config_from_params",
+    "equalise_finish_time",
+    "predicted_makespan",
+    "initial_state",
+    "observe",
+    "heartbeat",
+    "decide",
+]
+
+POLICIES: tuple[str, ...] = ("adaptive", "static", "equal", "profile_once")
+
+# How many published assignments we keep to look up which share a node had for a request
+# (telemetry arrives for requests that ran under an older plan while a newer one is announced).
+_HISTORY = 8
+
+StaticShares = Union[tuple[float, ...], Mapping[str, float]]
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters and configuration
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParamDescriptor:
+    """One live-tunable parameter; the scheduler node declares ROS parameters from these.
+
+    ``type`` is one of "string", "double", "integer", "bool", "double_array". ``min``/``max``
+    are inclusive (ROS ranges are inclusive); for "double_array" they bound each element.
+    """
+
+    name: str
+    type: str
+    description: str
+    min: float | None
+    max: float | None
+    default: object
+    choices: tuple[str, ...] = ()
+
+
+PARAMETERS: tuple[ParamDescriptor, ...] = (
+    ParamDescriptor("policy", "string",
+                    "share policy: adaptive | static | equal | profile_once",
+                    None, None, "adaptive", POLICIES),
+    ParamDescriptor("ewma_alpha", "double",
+                    "weight of the newest telemetry sample in the EWMA estimates",
+                    0.01, 1.0, 0.3),
+    ParamDescriptor("min_gain", "double",
+                    "relative predicted-makespan improvement needed to publish a new plan",
+                    0.0, 1.0, 0.05),
+    ParamDescriptor("min_interval_s", "double",
+                    "minimum seconds between two load-driven plan changes",
+                    0.0, 3600.0, 0.5),
+    ParamDescriptor("dead_after_s", "double",
+                    "a node silent (no heartbeat, no telemetry) this long leaves the plan",
+                    0.05, 3600.0, 2.0),
+    ParamDescriptor("warmup_requests", "integer",
+                    "telemetry samples a node must deliver before it is a full member",
+                    1, 1000, 3),
+    ParamDescriptor("probe_share", "double",
+                    "share a warming-up newcomer gets so that it produces telemetry",
+                    0.0, 0.5, 0.05),
+    ParamDescriptor("wait_as_fixed", "bool",
+                    "use reported wait_ms as share-independent fixed cost in the model",
+                    None, None, False),
+    ParamDescriptor("static_shares", "double_array",
+                    "shares for policy=static, in plan node order (normalised to sum 1)",
+                    0.0, 1.0e6, ()),
+)
+
+_DESC = {p.name: p for p in PARAMETERS}
+
+
+def _check_range(name: str, value: float) -> None:
+    d = _DESC[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if d.min is not None and value < d.min:
+        raise ValueError(f"{name}={value} below minimum {d.min}")
+    if d.max is not None and value > d.max:
+        raise ValueError(f"{name}={value} above maximum {d.max}")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Validated policy parameters; constructing (or ``dataclasses.replace``) an invalid one
+    raises ValueError with the reason, so a refused ``param set`` can quote it verbatim."""
+
+    policy: str = "adaptive"
+    ewma_alpha: float = 0.3
+    min_gain: float = 0.05
+    min_interval_s: float = 0.5
+    dead_after_s: float = 2.0
+    warmup_requests: int = 3
+    probe_share: float = 0.05
+    wait_as_fixed: bool = False
+    # tuple: share k belongs to the k-th node of the plan order (initial node_ids first, then
+    # first appearance); mapping: node_id -> share. Normalised to sum 1 over live nodes.
+    static_shares: StaticShares = ()
+
+    def __post_init__(self) -> None:
+        # Freeze a mapping so the config stays immutable and comparable.
+        if isinstance(self.static_shares, Mapping):
+            object.__setattr__(self, "static_shares",
+                               MappingProxyType(dict(self.static_shares)))
+        elif not isinstance(self.static_shares, tuple):
+            object.__setattr__(self, "static_shares", tuple(self.static_shares))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid parameter."""
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        for name in ("ewma_alpha", "min_gain", "min_interval_s", "dead_after_s", "probe_share"):
+            _check_range(name, getattr(self, name))
+        if isinstance(self.warmup_requests, bool) or not isinstance(self.warmup_requests, int):
+            raise ValueError(f"warmup_requests must be an integer, got {self.warmup_requests!r}")
+        _check_range("warmup_requests", self.warmup_requests)
+        if not isinstance(self.wait_as_fixed, bool):
+            raise ValueError(f"wait_as_fixed must be a bool, got {self.wait_as_fixed!r}")
+        values = (list(self.static_shares.values()) if isinstance(self.static_shares, Mapping)
+                  else list(self.static_shares))
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or v < 0:
+                raise ValueError(f"static_shares must be finite and >= 0, got {v!r}")
+        if isinstance(self.static_shares, Mapping):
+            for k in self.static_shares:
+                if not isinstance(k, str) or not k:
+                    raise ValueError(f"static_shares keys must be node ids, got {k!r}")
+        if self.policy == "static" and not (values and sum(values) > 0):
+            raise ValueError("policy 'static' needs static_shares with a positive sum "
+                             "(set static_shares before switching policy)")
+
+
+def config_from_params(params: Mapping[str, object], base: PolicyConfig | None = None
+                       ) -> PolicyConfig:
+    """Build a config from ROS-style parameter values (lists -> tuples, ints -> floats).
+
+    Unknown names raise ValueError so a typo in a parameter file is not silently ignored.
+    """
+    base = base if base is not None else PolicyConfig()
+    changes: dict[str, object] = {}
+    for name, value in params.items():
+        d = _DESC.get(name)
+        if d is None:
+            raise ValueError(f"unknown policy parameter {name!r}")
+        if d.type == "double" and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        elif d.type == "double_array" and isinstance(value, Sequence) \
+                and not isinstance(value, str):
+            value = tuple(float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+                          for v in value)
+        changes[name] = value
+    return replace(base, **changes)
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TelemetrySample:
+    """What one node reports for one request.
+
+    ``work`` is the model cost (e.g. flops) the node actually computed, halo included.
+    ``wait_ms`` is only used as a fixed cost when ``wait_as_fixed`` is set (see docs).
+    """
+
+    node_id: str
+    request_id: int
+    rows: int
+    work: float
+    compute_ms: float
+    transfer_ms: float
+    wait_ms: float
+    bytes_in: int
+    bytes_out: int
+    stamp_s: float
+
+
+@dataclass(frozen=True)
+class NodeEstimate:
+    """EWMA view of one node. speed/link are ratios of EWMAs (robust to one tiny sample)."""
+
+    node_id: str
+    speed: float = 0.0            # work per ms of compute; 0.0 = unknown
+    link_rate: float = math.inf   # bytes per ms of transfer; inf = no transfer observed
+    fixed_ms: float = 0.0         # EWMA of wait_ms (share-independent cost, if enabled)
+    samples: int = 0              # valid telemetry samples folded in
+    last_seen_s: float | None = None
+    # EWMA moments the ratios come from (kept so the estimate is a pure fold over samples).
+    ew_work: float = 0.0
+    ew_compute_ms: float = 0.0
+    ew_bytes: float = 0.0
+    ew_transfer_ms: float = 0.0
+    link_samples: int = 0
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A published plan. Shares align with node_ids and sum to 1."""
+
+    version: int
+    effective_from_request: int
+    node_ids: tuple[str, ...]
+    shares: tuple[float, ...]
+    policy: str
+    reason: str
+    predicted_makespan_ms: float  # 0.0 = unknown (no telemetry yet)
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """Everything the policy remembers. Mappings are read-only views; never mutate."""
+
+    order: tuple[str, ...] = ()                                   # plan order of node ids
+    estimates: Mapping[str, NodeEstimate] = field(default_factory=lambda: MappingProxyType({}))
+    members: frozenset[str] = frozenset()                         # warm, full members
+    dead: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    assignment: Assignment | None = None                          # last published
+    history: tuple[Assignment, ...] = ()                          # newest last
+    roles: tuple[tuple[str, bool], ...] = ()                      # (node, is_member) published
+    published_estimates: Mapping[str, NodeEstimate] = field(
+        default_factory=lambda: MappingProxyType({}))
+    profile: Mapping[str, NodeEstimate] = field(default_factory=lambda: MappingProxyType({}))
+    last_publish_s: float | None = None
+    work_total: float = 0.0     # EWMA model cost of a whole request; 0.0 = unknown
+    bytes_total: float = 0.0    # EWMA bytes of a whole request
+    totals_samples: int = 0
+
+
+def _frozen(d: dict) -> Mapping:
+    return MappingProxyType(d)
+
+
+# --------------------------------------------------------------------------------------------
+# The math
+# --------------------------------------------------------------------------------------------
+
+
+def _slopes(work: float, bytes_total: float, speeds: Sequence[float],
+            link_rates: Sequence[float], fixed_ms: Sequence[float]) -> list[float]:
+    n = len(speeds)
+    if n == 0:
+        raise ValueError("need at least one node")
+    if len(link_rates) != n or len(fixed_ms) != n:
+        raise ValueError("speeds, link_rates and fixed_ms must have the same length")
+    if not (math.isfinite(work) and work > 0):
+        raise ValueError(f"work must be finite and > 0, got {work!r}")
+    if not (math.isfinite(bytes_total) and bytes_total >= 0):
+        raise ValueError(f"bytes_total must be finite and >= 0, got {bytes_total!r}")
+    k = []
+    for s, l, f in zip(speeds, link_rates, fixed_ms):
+        if not (math.isfinite(s) and s > 0):
+            raise ValueError(f"speeds must be finite and > 0, got {s!r}")
+        if not (l > 0) or math.isnan(l):
+            raise ValueError(f"link_rates must be > 0 (inf allowed), got {l!r}")
+        if not (math.isfinite(f) and f >= 0):
+            raise ValueError(f"fixed_ms must be finite and >= 0, got {f!r}")
+        transfer = 0.0 if (bytes_total == 0 or math.isinf(l)) else bytes_total / l
+        # Overlap model: compute and transfer of slabs overlap, so the slower one dominates.
+        k.append(max(work / s, transfer))
+    return k
+
+
+def equalise_finish_time(work: float, bytes_total: float, speeds: Sequence[float],
+                         link_rates: Sequence[float], fixed_ms: Sequence[float]
+                         ) -> tuple[float, ...]:
+    """Shares (>= 0, sum 1) that give every participating node the same predicted finish time.
+
+    Exact water-filling instead of bisection: T_i = x_i*k_i + f_i is linear in x_i, so for the
+    active set A (nodes with f_i < T) T = (1 + sum f_i/k_i) / sum 1/k_i. Nodes are added in
+    increasing f_i while their fixed cost is below the current T; a node whose fixed cost alone
+    exceeds T gets nothing. Deterministic, no tolerance loop.
+    """
+    k = _slopes(work, bytes_total, speeds, link_rates, fixed_ms)
+    n = len(k)
+    idx = sorted(range(n), key=lambda i: (fixed_ms[i], i))
+    inv_sum = 0.0
+    f_over_k = 0.0
+    t = math.inf
+    for i in idx:
+        if fixed_ms[i] >= t:
+            break
+        inv_sum += 1.0 / k[i]
+        f_over_k += fixed_ms[i] / k[i]
+        t = (1.0 + f_over_k) / inv_sum
+    x = [max(0.0, (t - fixed_ms[i]) / k[i]) for i in range(n)]
+    total = sum(x)
+    # Renormalise away rounding so the sum is 1 to ~1 ulp.
+    return tuple(v / total for v in x)
+
+
+def predicted_makespan(work: float, bytes_total: float, speeds: Sequence[float],
+                       link_rates: Sequence[float], fixed_ms: Sequence[float],
+                       shares: Sequence[float]) -> float:
+    """max_i T_i over nodes with a positive share (a node with no rows does not take part)."""
+    k = _slopes(work, bytes_total, speeds, link_rates, fixed_ms)
+    if len(shares) != len(k):
+        raise ValueError("shares must align with speeds")
+    times = [x * ki + f for x, ki, f in zip(shares, k, fixed_ms) if x > 0]
+    return max(times) if times else 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# State machine
+# --------------------------------------------------------------------------------------------
+
+
+def initial_state(config: PolicyConfig, node_ids: Sequence[str] = ()) -> PolicyState:
+    """Fresh state; ``node_ids`` fixes the plan order (and static tuple order) up front."""
+    config.validate()
+    order: list[str] = []
+    for n in node_ids:
+        if not isinstance(n, str) or not n:
+            raise ValueError(f"node ids must be non-empty strings, got {n!r}")
+        if n not in order:
+            order.append(n)
+    return PolicyState(order=tuple(order),
+                       estimates=_frozen({n: NodeEstimate(node_id=n) for n in order}))
+
+
+def _touch(state: PolicyState, node_id: str, stamp_s: float) -> tuple[PolicyState, NodeEstimate]:
+    """Register/refresh a node; a dead node that speaks again after its death rejoins fresh."""
+    if not isinstance(node_id, str) or not node_id:
+        raise ValueError(f"node id must be a non-empty string, got {node_id!r}")
+    order = state.order if node_id in state.order else state.order + (node_id,)
+    est = state.estimates.get(node_id) or NodeEstimate(node_id=node_id)
+    dead = state.dead
+    members = state.members
+    profile = state.profile
+    if node_id in dead and math.isfinite(stamp_s) and stamp_s > dead[node_id]:
+        # Rejoin: the device may have changed (restart, other hardware) -> measure anew.
+        est = NodeEstimate(node_id=node_id)
+        dead = _frozen({k: v for k, v in dead.items() if k != node_id})
+        members = members - {node_id}
+        profile = _frozen({k: v for k, v in profile.items() if k != node_id})
+    if math.isfinite(stamp_s) and node_id not in dead:
+        last = est.last_seen_s
+        est = replace(est, last_seen_s=stamp_s if last is None else max(last, stamp_s))
+    state = replace(state, order=order, dead=dead, members=members, profile=profile)
+    return state, est
+
+
+def _with_estimate(state: PolicyState, est: NodeEstimate) -> PolicyState:
+    d = dict(state.estimates)
+    d[est.node_id] = est
+    return replace(state, estimates=_frozen(d))
+
+
+def heartbeat(state: PolicyState, node_id: str, now_s: float, config: PolicyConfig
+              ) -> PolicyState:
+    """A node is alive at ``now_s`` (heartbeat or any other sign of life)."""
+    state, est = _touch(state, node_id, now_s)
+    return _with_estimate(state, est)
+
+
+def _ew(old: float, new: float, alpha: float, first: bool) -> float:
+    # First sample initialises the average; blending with a zero prior would bias it low.
+    return new if first else (1.0 - alpha) * old + alpha * new
+
+
+def _share_for(state: PolicyState, node_id: str, request_id: int) -> float | None:
+    """Share node_id had in the plan that governed request_id (None if unknown)."""
+    plan = None
+    for a in state.history:
+        if a.effective_from_request <= request_id:
+            plan = a
+    if plan is None:
+        if state.history:
+            return None  # older than anything we remember
+        n = len([x for x in state.order if x not in state.dead]) or 1
+        return 1.0 / n  # before any plan: assume the coordinator split equally
+    if node_id not in plan.node_ids:
+        return None
+    return plan.shares[plan.node_ids.index(node_id)]
+
+
+def observe(state: PolicyState, sample: TelemetrySample, config: PolicyConfig) -> PolicyState:
+    """Fold one telemetry sample in. Malformed samples only count as a sign of life."""
+    state, est = _touch(state, sample.node_id, sample.stamp_s)
+    if sample.node_id in state.dead:
+        return _with_estimate(state, est)  # late sample from a node we buried: ignore
+    nums = (sample.work, sample.compute_ms, sample.transfer_ms, sample.wait_ms,
+            sample.bytes_in, sample.bytes_out)
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in nums) \
+            or sample.rows <= 0 or sample.work <= 0 or sample.compute_ms <= 0:
+        return _with_estimate(state, est)
+    a = config.ewma_alpha
+    first = est.samples == 0
+    nbytes = float(sample.bytes_in + sample.bytes_out)
+    ew_work = _ew(est.ew_work, float(sample.work), a, first)
+    ew_c = _ew(est.ew_compute_ms, float(sample.compute_ms), a, first)
+    fixed = _ew(est.fixed_ms, float(sample.wait_ms), a, first)
+    link_samples = est.link_samples
+    ew_b, ew_t, link = est.ew_bytes, est.ew_transfer_ms, est.link_rate
+    if nbytes > 0 and sample.transfer_ms > 0:
+        lf = link_samples == 0
+        ew_b = _ew(ew_b, nbytes, a, lf)
+        ew_t = _ew(ew_t, float(sample.transfer_ms), a, lf)
+        link_samples += 1
+        link = ew_b / ew_t
+    est = replace(est, speed=ew_work / ew_c, link_rate=link, fixed_ms=fixed,
+                  samples=est.samples + 1, ew_work=ew_work, ew_compute_ms=ew_c,
+                  ew_bytes=ew_b, ew_transfer_ms=ew_t, link_samples=link_samples)
+    state = _with_estimate(state, est)
+    # Whole-request totals W, B from this node's part: work/share. Small (probe) shares are
+    # dominated by halo rows and would inflate W, so only fair-sized shares are used.
+    share = _share_for(state, sample.node_id, sample.request_id)
+    n_live = max(1, len([x for x in state.order if x not in state.dead]))
+    if share is not None and share >= 0.5 / n_live:
+        tf = state.totals_samples == 0
+        state = replace(state,
+                        work_total=_ew(state.work_total, sample.work / share, a, tf),
+                        bytes_total=_ew(state.bytes_total, nbytes / share, a, tf),
+                        totals_samples=state.totals_samples + 1)
+    return state
+
+
+def _totals(state: PolicyState, nodes: Sequence[str]) -> tuple[float, float]:
+    if state.totals_samples > 0 and state.work_total > 0:
+        return state.work_total, state.bytes_total
+    # Fallback: assume each node computed an equal part.
+    ests = [state.estimates[n] for n in nodes if state.estimates[n].samples > 0]
+    if not ests:
+        return 0.0, 0.0
+    w = sum(e.ew_work for e in ests) / len(ests) * len(nodes)
+    b = sum(e.ew_bytes for e in ests) / len(ests) * len(nodes)
+    return w, b
+
+
+def _model_inputs(ests: Sequence[NodeEstimate], config: PolicyConfig
+                  ) -> tuple[list[float], list[float], list[float]]:
+    return ([e.speed for e in ests], [e.link_rate for e in ests],
+            [e.fixed_ms if config.wait_as_fixed else 0.0 for e in ests])
+
+
+def _makespan(state: PolicyState, ests: Mapping[str, NodeEstimate], nodes: Sequence[str],
+              shares: Sequence[float], config: PolicyConfig) -> float:
+    """Prediction over nodes that have estimates; 0.0 when nothing is known yet."""
+    w, b = _totals(state, nodes)
+    pairs = [(ests[n], x) for n, x in zip(nodes, shares) if n in ests and ests[n].samples > 0]
+    if w <= 0 or not pairs:
+        return 0.0
+    sp, lk, fx = _model_inputs([e for e, _ in pairs], config)
+    return predicted_makespan(w, b, sp, lk, fx, [x for _, x in pairs])
+
+
+def _fmt(shares: Sequence[float]) -> str:
+    return "/".join(f"{x:.2f}" for x in shares)
+
+
+def _fmt_named(nodes: Sequence[str], shares: Sequence[float]) -> str:
+    return ", ".join(f"{n} {x:.2f}" for n, x in zip(nodes, shares)) or "(none)"
+
+
+def _adaptive_shares(state: PolicyState, ests: Mapping[str, NodeEstimate],
+                     members: Sequence[str], probes: Sequence[str], config: PolicyConfig
+                     ) -> dict[str, float]:
+    shares: dict[str, float] = {}
+    p_each = config.probe_share if members else 0.0
+    p_each = min(p_each, 0.5 / max(1, len(probes)))  # probes never take over the plan
+    budget = 1.0 - p_each * len(probes)
+    if members:
+        w, b = _totals(state, members)
+        me = [ests[n] for n in members]
+        if w > 0 and all(e.samples > 0 and e.speed > 0 for e in me):
+            sp, lk, fx = _model_inputs(me, config)
+            xs = equalise_finish_time(w * budget, b * budget, sp, lk, fx)
+        else:
+            xs = tuple(1.0 / len(members) for _ in members)
+        for n, x in zip(members, xs):
+            shares[n] = x * budget
+    for n in probes:
+        shares[n] = p_each
+    return shares
+
+
+def _static_shares(order: Sequence[str], alive: Sequence[str], config: PolicyConfig
+                   ) -> dict[str, float]:
+    if isinstance(config.static_shares, Mapping):
+        raw = {n: float(config.static_shares.get(n, 0.0)) for n in alive}
+    else:
+        pos = {n: i for i, n in enumerate(order)}
+        raw = {n: (float(config.static_shares[pos[n]]) if pos[n] < len(config.static_shares)
+                   else 0.0) for n in alive}
+    total = sum(raw.values())
+    if total <= 0:
+        return {n: 1.0 / len(alive) for n in alive}  # nobody configured is alive: equal
+    # Dead nodes' static shares go to the survivors in proportion (renormalise).
+    return {n: v / total for n, v in raw.items() if v > 0}
+
+
+def decide(state: PolicyState, now_s: float, newest_request_id: int, config: PolicyConfig,
+           lead_requests: int = 2) -> tuple[PolicyState, Assignment | None]:
+    """Maybe publish a new plan. Returns (new state, assignment or None).
+
+    Membership changes (death, join, warm-up finished, policy switch) publish at once; load
+    driven changes (adaptive only) need >= min_gain predicted improvement and min_interval_s
+    since the last publish. With no live node nothing is published.
+    """
+    if lead_requests < 0:
+        raise ValueError(f"lead_requests must be >= 0, got {lead_requests}")
+    ests = dict(state.estimates)
+    # Nodes never heard from get their grace period from the first decision on.
+    for n in state.order:
+        if ests[n].last_seen_s is None:
+            ests[n] = replace(ests[n], last_seen_s=now_s)
+    dead = dict(state.dead)
+    newly_dead = []
+    for n in state.order:
+        if n not in dead and now_s - ests[n].last_seen_s >= config.dead_after_s:
+            dead[n] = ests[n].last_seen_s
+            newly_dead.append(n)
+    members_set = set(state.members) - set(dead)
+    profile = {k: v for k, v in state.profile.items() if k not in dead}
+    alive = [n for n in state.order if n not in dead]
+    warm = {n: ests[n].samples >= config.warmup_requests for n in alive}
+
+    # Promotion. Cold start (no member yet): everybody shares equally and all are promoted
+    # together once all are warm - promoting one early would squeeze the rest to probe shares.
+    joined: list[str] = []
+    if not members_set:
+        if alive and all(warm[n] for n in alive):
+            joined = list(alive)
+    else:
+        joined = [n for n in alive if n not in members_set and warm[n]]
+    members_set.update(joined)
+    members = [n for n in alive if n in members_set]
+    probes = [n for n in alive if n not in members_set]
+
+    if config.policy == "profile_once":
+        # KAITIAN-code baseline: each member's speed is measured once, when it joins.
+        for n in members:
+            if n not in profile:
+                profile[n] = ests[n]
+    else:
+        profile = {}
+
+    state = replace(state, estimates=_frozen(ests), dead=_frozen(dead),
+                    members=frozenset(members_set), profile=_frozen(profile))
+    if not alive:
+        return state, None
+
+    # Desired plan.
+    if config.policy == "equal":
+        desired = {n: 1.0 / len(alive) for n in alive}
+    elif config.policy == "static":
+        desired = _static_shares(state.order, alive, config)
+    elif config.policy == "profile_once":
+        desired = (_adaptive_shares(state, state.profile, members, probes, config)
+                   if members else {n: 1.0 / len(alive) for n in alive})
+    else:
+        desired = _adaptive_shares(state, ests, members, probes, config) \
+            if members else {n: 1.0 / len(alive) for n in alive}
+    node_ids = tuple(n for n in state.order if n in desired)
+    shares = tuple(desired[n] for n in node_ids)
+    total = sum(shares)
+    shares = tuple(x / total for x in shares)
+    roles = tuple((n, n in members_set) for n in node_ids)
+
+    cur = state.assignment
+    model_ests = state.profile if config.policy == "profile_once" and members else state.estimates
+    new_ms = _makespan(state, model_ests, node_ids, shares, config)
+    structural = (cur is None or cur.node_ids != node_ids or state.roles != roles
+                  or cur.policy != config.policy)
+    if config.policy in ("equal", "static") and cur is not None and cur.shares != shares:
+        structural = True  # static_shares retuned live
+    reasons: list[str] = []
+    if cur is None:
+        reasons.append(f"initial plan ({config.policy}) over {len(node_ids)} node(s)")
+    else:
+        for n in newly_dead:
+            silent = now_s - dead[n]
+            reasons.append(f"{n} silent {silent:.1f} s >= dead_after_s "
+                           f"{config.dead_after_s:g}: leaves")
+        for n in node_ids:
+            if n not in cur.node_ids:
+                reasons.append(f"{n} new: probe share" if n in probes and members
+                               else f"{n} joins")
+        for n in joined:
+            if n in cur.node_ids:
+                reasons.append(f"{n} warm ({ests[n].samples} samples): full member")
+        for n in cur.node_ids:
+            if n not in node_ids and n not in newly_dead:
+                reasons.append(f"{n} leaves (no share under {config.policy})")
+        if cur.policy != config.policy:
+            reasons.append(f"policy {cur.policy} -> {config.policy}")
+        if not reasons and structural:
+            reasons.append(f"{config.policy} shares changed")
+
+    publish = structural
+    if not publish and config.policy == "adaptive":
+        cur_ms = _makespan(state, state.estimates, cur.node_ids, cur.shares, config)
+        gain = (cur_ms - new_ms) / cur_ms if cur_ms > 0 else 0.0
+        interval_ok = (state.last_publish_s is None
+                       or now_s - state.last_publish_s >= config.min_interval_s)
+        if gain >= config.min_gain and gain > 0 and interval_ok:
+            publish = True
+            reasons.append(_load_reason(state, cur, node_ids, shares))
+    if not publish:
+        return state, None
+
+    if cur is not None:
+        if cur.node_ids == node_ids:
+            reasons.append(f"shares {_fmt(cur.shares)} -> {_fmt(shares)}")
+        else:
+            reasons.append(f"shares {_fmt_named(cur.node_ids, cur.shares)} -> "
+                           f"{_fmt_named(node_ids, shares)}")
+        old_ms = _makespan(state, model_ests, cur.node_ids, cur.shares, config) \
+            if cur.node_ids == node_ids else cur.predicted_makespan_ms
+        if old_ms > 0 and new_ms > 0:
+            reasons.append(f"predicted makespan {old_ms:.0f}->{new_ms:.0f} ms")
+    else:
+        reasons.append(f"shares {_fmt_named(node_ids, shares)}")
+        if probes and config.policy in ("adaptive", "profile_once"):
+            reasons.append(f"warming up ({config.warmup_requests} samples to join)")
+    # Strictly increasing effective_from keeps "plan for request r" unambiguous.
+    eff = newest_request_id + lead_requests
+    if cur is not None:
+        eff = max(eff, cur.effective_from_request + 1)
+    version = (cur.version + 1) if cur is not None else 1
+    assignment = Assignment(version=version, effective_from_request=eff, node_ids=node_ids,
+                            shares=shares, policy=config.policy,
+                            reason=(reasons[0] + (": " + ", ".join(reasons[1:])
+                                                  if len(reasons) > 1 else "")),
+                            predicted_makespan_ms=new_ms)
+    state = replace(state, assignment=assignment,
+                    history=(state.history + (assignment,))[-_HISTORY:], roles=roles,
+                    published_estimates=state.estimates, last_publish_s=now_s)
+    return state, assignment
+
+
+def _load_reason(state: PolicyState, cur: Assignment, node_ids: Sequence[str],
+                 shares: Sequence[float]) -> str:
+    """Name the node whose share moved most and why (speed or link vs the last publish)."""
+    deltas = [abs(x - y) for x, y in zip(shares, cur.shares)]
+    n = node_ids[max(range(len(deltas)), key=lambda i: (deltas[i], -i))]
+    now = state.estimates[n]
+    then = state.published_estimates.get(n)
+    if then is None or then.samples == 0 or then.speed <= 0:
+        return f"{n} measured"
+    rs = now.speed / then.speed
+    rl = (now.link_rate / then.link_rate
+          if math.isfinite(now.link_rate) and math.isfinite(then.link_rate) else 1.0)
+    if abs(math.log(rl)) > abs(math.log(rs)):
+        return f"{n} link {'slower' if rl < 1 else 'faster'} ({rl:.2f}x)"
+    return f"{n} {'slower' if rs < 1 else 'faster'} (speed {rs:.2f}x)"

@@ -634,20 +634,21 @@ def decide(state: PolicyState, now_s: float, newest_request_id: int, config: Pol
     if not publish:
         return state, None
 
+    details: list[str] = []
     if cur is not None:
         if cur.node_ids == node_ids:
-            reasons.append(f"shares {_fmt(cur.shares)} -> {_fmt(shares)}")
+            details.append(f"shares {_fmt(cur.shares)} -> {_fmt(shares)}")
         else:
-            reasons.append(f"shares {_fmt_named(cur.node_ids, cur.shares)} -> "
+            details.append(f"shares {_fmt_named(cur.node_ids, cur.shares)} -> "
                            f"{_fmt_named(node_ids, shares)}")
         old_ms = _makespan(state, model_ests, cur.node_ids, cur.shares, config) \
             if cur.node_ids == node_ids else cur.predicted_makespan_ms
         if old_ms > 0 and new_ms > 0:
-            reasons.append(f"predicted makespan {old_ms:.0f}->{new_ms:.0f} ms")
+            details.append(f"predicted makespan {old_ms:.0f}->{new_ms:.0f} ms")
     else:
-        reasons.append(f"shares {_fmt_named(node_ids, shares)}")
+        details.append(f"shares {_fmt_named(node_ids, shares)}")
         if probes and config.policy in ("adaptive", "profile_once"):
-            reasons.append(f"warming up ({config.warmup_requests} samples to join)")
+            details.append(f"warming up ({config.warmup_requests} samples to join)")
     # Strictly increasing effective_from keeps "plan for request r" unambiguous.
     eff = newest_request_id + lead_requests
     if cur is not None:
@@ -655,8 +656,7 @@ def decide(state: PolicyState, now_s: float, newest_request_id: int, config: Pol
     version = (cur.version + 1) if cur is not None else 1
     assignment = Assignment(version=version, effective_from_request=eff, node_ids=node_ids,
                             shares=shares, policy=config.policy,
-                            reason=(reasons[0] + (": " + ", ".join(reasons[1:])
-                                                  if len(reasons) > 1 else "")),
+                            reason="; ".join(reasons) + ": " + ", ".join(details),
                             predicted_makespan_ms=new_ms)
     state = replace(state, assignment=assignment,
                     history=(state.history + (assignment,))[-_HISTORY:], roles=roles,

@@ -373,11 +373,13 @@ def test_dead_node_leaves_after_dead_after_s_and_publishes_immediately():
     assert set(sim.shares()) == {"a", "b", "c"}
     sim.alive.discard("c")
     last_seen = sim.state.estimates["c"].last_seen_s
+    for n in ("a", "b"):  # the survivors keep beating
+        sim.state = heartbeat(sim.state, n, last_seen + 0.4, cfg)
     # Just before dead_after_s: still in the plan.
     st_, a = decide(sim.state, last_seen + 0.5 - 1e-6, sim.r, cfg)
     assert a is None and "c" not in st_.dead
     # At dead_after_s: leaves, published despite min_interval_s and min_gain.
-    st_, a = decide(sim.state, last_seen + 0.5, sim.r, cfg)
+    st_, a = decide(sim.state, last_seen + 0.5 + 1e-9, sim.r, cfg)
     assert a is not None and a.node_ids == ("a", "b")
     assert a.shares == pytest.approx((0.5, 0.5))
     assert "c silent" in a.reason and "leaves" in a.reason

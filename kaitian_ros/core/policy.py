@@ -590,7 +590,10 @@ def decide(state: PolicyState, now_s: float, newest_request_id: int, config: Pol
     shares = tuple(desired[n] for n in node_ids)
     total = sum(shares)
     shares = tuple(x / total for x in shares)
-    roles = tuple((n, n in members_set) for n in node_ids)
+    # Warm-up status only shapes the plan of the measuring policies; for equal/static a node
+    # finishing its warm-up is no reason to republish.
+    measuring = config.policy in ("adaptive", "profile_once")
+    roles = tuple((n, n in members_set or not measuring) for n in node_ids)
 
     cur = state.assignment
     model_ests = state.profile if config.policy == "profile_once" and members else state.estimates
@@ -666,16 +669,23 @@ def decide(state: PolicyState, now_s: float, newest_request_id: int, config: Pol
 
 def _load_reason(state: PolicyState, cur: Assignment, node_ids: Sequence[str],
                  shares: Sequence[float]) -> str:
-    """Name the node whose share moved most and why (speed or link vs the last publish)."""
-    deltas = [abs(x - y) for x, y in zip(shares, cur.shares)]
-    n = node_ids[max(range(len(deltas)), key=lambda i: (deltas[i], -i))]
-    now = state.estimates[n]
-    then = state.published_estimates.get(n)
-    if then is None or then.samples == 0 or then.speed <= 0:
-        return f"{n} measured"
-    rs = now.speed / then.speed
-    rl = (now.link_rate / then.link_rate
-          if math.isfinite(now.link_rate) and math.isfinite(then.link_rate) else 1.0)
-    if abs(math.log(rl)) > abs(math.log(rs)):
-        return f"{n} link {'slower' if rl < 1 else 'faster'} ({rl:.2f}x)"
-    return f"{n} {'slower' if rs < 1 else 'faster'} (speed {rs:.2f}x)"
+    """Name the node whose estimate moved most since the last publish (speed or link)."""
+    best: tuple[float, int, str] | None = None
+    for i, n in enumerate(node_ids):
+        now = state.estimates[n]
+        then = state.published_estimates.get(n)
+        if then is None or then.samples == 0 or then.speed <= 0 or now.speed <= 0:
+            continue
+        rs = now.speed / then.speed
+        rl = (now.link_rate / then.link_rate
+              if math.isfinite(now.link_rate) and math.isfinite(then.link_rate) else 1.0)
+        if abs(math.log(rl)) > abs(math.log(rs)):
+            text = f"{n} link {'slower' if rl < 1 else 'faster'} ({rl:.2f}x)"
+            mag = abs(math.log(rl))
+        else:
+            text = f"{n} {'slower' if rs < 1 else 'faster'} (speed {rs:.2f}x)"
+            mag = abs(math.log(rs))
+        # Largest relative change wins; ties go to the earlier node (deterministic).
+        if best is None or mag > best[0]:
+            best = (mag, i, text)
+    return best[2] if best is not None else "estimates refined"

@@ -1,0 +1,126 @@
+"""Adaptive batch sampler: coverage, determinism, shares, empty-slice rule, rebalancing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kaitian_ros.comm.sampler import (AdaptiveBatchSampler, epoch_permutation,
+                                      shares_from_times, split_counts)
+
+
+def _ranks(n: int, world: int, B: int, **kw) -> list[AdaptiveBatchSampler]:
+    return [AdaptiveBatchSampler(n, B, r, world, **kw) for r in range(world)]
+
+
+def test_split_counts_sums_and_proportions() -> None:
+    assert split_counts(64, [0.5, 0.25, 0.25]) == (32, 16, 16)
+    assert split_counts(10, [0.3, 0.3, 0.4]) == (3, 3, 4)
+    assert split_counts(10, [1, 1, 1]) == (4, 3, 3)  # ties go to the lower rank
+    for B in (1, 2, 7, 63, 64, 1000):
+        for shares in ([0.75, 0.25], [0.1, 0.2, 0.7], [1 / 3] * 3, [0.999, 0.0005, 0.0005]):
+            c = split_counts(B, shares)
+            assert sum(c) == B
+            for ci, s in zip(c, shares):
+                assert abs(ci - s * B) < 1.0 + 1e-9  # within one sample of the exact share
+
+
+def test_empty_slice_only_below_one_sample() -> None:
+    for B in range(1, 80):
+        for shares in ([0.9, 0.08, 0.02], [0.5, 0.49, 0.01], [0.97, 0.015, 0.015]):
+            c = split_counts(B, shares)
+            for ci, s in zip(c, shares):
+                if s * B >= 1.0:
+                    assert ci >= 1, (B, shares, c)
+    assert split_counts(10, [0.98, 0.01, 0.01]) == (10, 0, 0)
+    with pytest.raises(ValueError):
+        split_counts(10, [0.0, 0.0])
+
+
+def test_shares_from_times() -> None:
+    s = shares_from_times([1.0, 3.0])  # rank 1 three times slower per sample
+    assert s == pytest.approx((0.75, 0.25))
+    assert sum(shares_from_times([0.1, 0.2, 0.7])) == pytest.approx(1.0)
+    # an unmeasured rank gets the mean speed so it is probed, not starved
+    assert shares_from_times([1.0, math.nan]) == pytest.approx((0.5, 0.5))
+    assert shares_from_times([math.nan, math.nan]) == (0.5, 0.5)
+
+
+def test_permutation_deterministic_and_epoch_dependent() -> None:
+    a, b = epoch_permutation(100, 3, 0), epoch_permutation(100, 3, 0)
+    assert (a == b).all()
+    assert not (a == epoch_permutation(100, 3, 1)).all()
+    assert not (a == epoch_permutation(100, 4, 0)).all()
+
+
+@pytest.mark.parametrize("policy", ["equal", "adaptive", "profile_once"])
+def test_exactly_once_coverage_with_changing_shares(policy: str) -> None:
+    n, world, B = 203, 3, 32  # 7 batches, last one short (11)
+    samplers = _ranks(n, world, B, seed=5, policy=policy, rebalance_every=2)
+    speeds = [1.0, 0.33, 0.6]  # emulated per-sample time = 1/speed
+    for epoch in range(3):
+        seen: list[int] = []
+        iters = [s.epoch(epoch) for s in samplers]
+        for step_slices in zip(*iters):
+            # same step, same global batch on every rank; contiguous slices in rank order
+            assert len({sl.counts for sl in step_slices}) == 1
+            assert len({sl.step for sl in step_slices}) == 1
+            off = 0
+            for r, sl in enumerate(step_slices):
+                assert sl.offset == off and sl.local_batch == len(sl.indices)
+                off += sl.local_batch
+                seen.extend(sl.indices)
+            assert off == step_slices[0].global_batch
+            for r, (s, sl) in enumerate(zip(samplers, step_slices)):
+                s.record(sl.local_batch / speeds[r] * 1e-3, sl.local_batch)
+            gathered = [s.seconds_per_sample for s in samplers]
+            for s in samplers:
+                s.maybe_rebalance(lambda x, g=gathered: g)
+        assert sorted(seen) == list(range(n)), "every sample exactly once per epoch"
+    shares = {s.shares for s in samplers}
+    assert len(shares) == 1  # identical on every rank
+    if policy == "equal":
+        assert samplers[0].shares == pytest.approx((1 / 3,) * 3)
+        assert samplers[0].rebalances == 0
+    else:
+        assert samplers[0].shares == pytest.approx(shares_from_times([1 / v for v in speeds]))
+        assert samplers[0].rebalances == (1 if policy == "profile_once" else 10)
+
+
+def test_shares_honoured_and_union_is_the_single_process_batch() -> None:
+    n, B = 500, 100
+    samplers = _ranks(n, 2, B, seed=1, initial_shares=[0.75, 0.25], policy="equal")
+    perm = epoch_permutation(n, 1, 0)
+    for k, (a, b) in enumerate(zip(samplers[0].epoch(0), samplers[1].epoch(0))):
+        assert (a.local_batch, b.local_batch) == (75, 25)
+        assert list(a.indices + b.indices) == list(perm[k * B:(k + 1) * B])
+
+
+def test_adaptive_follows_drift_profile_once_does_not() -> None:
+    res = {}
+    for policy in ("adaptive", "profile_once"):
+        ss = _ranks(1000, 2, 50, policy=policy, rebalance_every=3, ewma_alpha=1.0)
+        speeds = [1.0, 1.0]
+        for sl0, sl1 in zip(ss[0].epoch(0), ss[1].epoch(0)):
+            if sl0.step == 10:
+                speeds[1] = 0.5  # device 1 slows down 2x mid-training
+            for s, sl, v in zip(ss, (sl0, sl1), speeds):
+                s.record(sl.local_batch / v, sl.local_batch)
+            g = [s.seconds_per_sample for s in ss]
+            for s in ss:
+                s.maybe_rebalance(lambda x, g=g: g)
+        res[policy] = ss[0].shares
+    assert res["adaptive"] == pytest.approx((2 / 3, 1 / 3))
+    assert res["profile_once"] == pytest.approx((0.5, 0.5))
+
+
+def test_state_roundtrip_and_validation() -> None:
+    s = AdaptiveBatchSampler(10, 4, 0, 2, initial_shares=[0.7, 0.3])
+    t = AdaptiveBatchSampler(10, 4, 0, 2)
+    t.load_state_dict(s.state_dict())
+    assert t.shares == s.shares
+    with pytest.raises(ValueError):
+        AdaptiveBatchSampler(10, 4, 0, 2, policy="nope")
+    with pytest.raises(ValueError):
+        AdaptiveBatchSampler(10, 4, 2, 2)

@@ -437,7 +437,7 @@ def test_cold_start_equal_then_all_join_together():
     assert "warming up" in sim.published[0].reason
     pubs = sim.run(8)
     assert pubs[0].shares == pytest.approx((0.2, 0.8))
-    assert "a warm" in pubs[0].reason and "b warm" in pubs[0].reason
+    assert "a, b warm" in pubs[0].reason and "full members" in pubs[0].reason
 
 
 def test_profile_once_never_changes_except_membership():

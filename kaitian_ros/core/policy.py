@@ -614,9 +614,10 @@ def decide(state: PolicyState, now_s: float, newest_request_id: int, config: Pol
             if n not in cur.node_ids:
                 reasons.append(f"{n} new: probe share" if n in probes and members
                                else f"{n} joins")
-        for n in joined:
-            if n in cur.node_ids:
-                reasons.append(f"{n} warm ({ests[n].samples} samples): full member")
+        warmed = [n for n in joined if n in cur.node_ids]
+        if warmed:
+            reasons.append(f"{', '.join(warmed)} warm (>= {config.warmup_requests} samples): "
+                           f"full member{'s' if len(warmed) > 1 else ''}")
         for n in cur.node_ids:
             if n not in node_ids and n not in newly_dead:
                 reasons.append(f"{n} leaves (no share under {config.policy})")

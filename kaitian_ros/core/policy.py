@@ -90,7 +90,7 @@ PARAMETERS: tuple[ParamDescriptor, ...] = (
                     1, 1000, 3),
     ParamDescriptor("probe_share", "double",
                     "share a warming-up newcomer gets so that it produces telemetry",
-                    0.0, 0.5, 0.05),
+                    0.01, 0.5, 0.05),
     ParamDescriptor("wait_as_fixed", "bool",
                     "use reported wait_ms as share-independent fixed cost in the model",
                     None, None, False),
@@ -632,7 +632,8 @@ def decide(state: PolicyState, now_s: float, newest_request_id: int, config: Pol
         gain = (cur_ms - new_ms) / cur_ms if cur_ms > 0 else 0.0
         interval_ok = (state.last_publish_s is None
                        or now_s - state.last_publish_s >= config.min_interval_s)
-        if gain >= config.min_gain and gain > 0 and interval_ok:
+        # The 1e-9 floor keeps min_gain=0 from republishing on rounding noise.
+        if gain >= max(config.min_gain, 1e-9) and interval_ok:
             publish = True
             reasons.append(_load_reason(state, cur, node_ids, shares))
     if not publish:

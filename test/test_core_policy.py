@@ -224,6 +224,7 @@ class Sim:
         self._decide()
 
     def _decide(self) -> Assignment | None:
+        self.pre = self.state  # what decide saw (for tests that re-check its arithmetic)
         self.state, a = decide(self.state, self.now, self.r, self.cfg)
         if a is not None:
             self.published.append(a)
@@ -290,8 +291,7 @@ def test_adaptive_converges_and_follows_a_slowdown():
     assert last.effective_from_request - r0 <= 10
     assert "compute_1 slower" in last.reason and "->" in last.reason
     assert "predicted makespan" in last.reason
-    assert sim.speeds["compute_1"] > 0 and last.predicted_makespan_ms == pytest.approx(
-        0.25 * W / (1 / 3), rel=0.05)
+    assert last.predicted_makespan_ms == pytest.approx(0.25 * W / (1 / 3), rel=0.05)
 
 
 def test_link_aware_shares():
@@ -307,7 +307,7 @@ def test_link_aware_shares():
 
 def test_versions_strictly_increase_and_effective_from_ahead():
     sim = Sim(_cfg(), {"a": 1.0, "b": 2.0, "c": 0.5})
-    for k, sp in enumerate([0.2, 3.0, 1.0, 0.3]):
+    for sp in [0.2, 3.0, 1.0, 0.3]:
         sim.speeds["a"] = sp
         sim.run(6)
     v = [a.version for a in sim.published]
@@ -330,25 +330,31 @@ def test_hysteresis_suppresses_small_changes():
 
 
 @FAST
-@given(st.floats(0.0, 0.5), st.floats(0.5, 1.0))
+@given(st.floats(0.0, 0.5), st.floats(0.3, 1.0))
 def test_hysteresis_threshold_property(min_gain, slow):
-    """A load-driven publish happens only if its predicted gain reaches min_gain."""
+    """Every load-driven publish had a predicted gain >= min_gain under the estimates it saw;
+    every suppressed decision had less."""
     sim = Sim(_cfg(min_gain=min_gain), {"a": 1.0, "b": 1.0})
     sim.run(6)
-    before = sim.state.assignment
     sim.speeds["b"] = slow
-    for a in sim.run(8):
-        if a.node_ids == before.node_ids:
-            assert a.policy == "adaptive"
-            st_ = sim.state
-            # Re-evaluate both plans under the estimates at the end; gain over the old plan
-            # must have been at least min_gain when published (checked via the model here).
-            ests = [st_.estimates[n] for n in a.node_ids]
-            sp = [e.speed for e in ests]
-            old = predicted_makespan(W, 1.0, sp, [math.inf] * 2, [0, 0], before.shares)
-            new = predicted_makespan(W, 1.0, sp, [math.inf] * 2, [0, 0], a.shares)
-            assert (old - new) / old >= min_gain - 1e-9
-            before = a
+    for _ in range(10):
+        before = sim.state.assignment
+        a = sim.step()
+        pre = sim.pre
+        if not all(pre.estimates[n].samples > 0 for n in before.node_ids):
+            continue
+        sp = [pre.estimates[n].speed for n in before.node_ids]
+        inf2 = [math.inf] * len(sp)
+        old = predicted_makespan(pre.work_total, 0.0, sp, inf2, [0.0] * len(sp), before.shares)
+        best = predicted_makespan(pre.work_total, 0.0, sp, inf2, [0.0] * len(sp),
+                                  equalise_finish_time(pre.work_total, 0.0, sp, inf2,
+                                                       [0.0] * len(sp)))
+        gain = (old - best) / old
+        if a is None:
+            assert gain < max(min_gain, 1e-9) + 1e-12
+        else:
+            assert a.node_ids == before.node_ids
+            assert gain >= min_gain - 1e-12
 
 
 def test_min_interval_respected():

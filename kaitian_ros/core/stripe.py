@@ -1,0 +1,268 @@
+"""Incremental wavefront executor for one node's stripe of one request.
+
+A `StripeRunner` owns one preallocated row buffer per trunk value it touches (covering the
+rows it computes plus the rows it receives). Every `feed` of rows (image slabs from the
+coordinator, halo rows from neighbours) computes, op by op in topological order, every
+not-yet-computed row whose input window is now fully available - in maximal contiguous runs,
+so each row of each op is computed exactly once and convs see as many rows per call as have
+arrived. Own segment-k output rows are immediately segment k+1 input; rows neighbours need are
+emitted as HALO, rows of the last segment as OUTPUT, as soon as they exist.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .graph import EMPTY, Interval, ModelGraph, border_rows, hull, intersect, iv_add, \
+    iv_intersect, iv_sub
+from .plan import Plan
+
+COORDINATOR = "coordinator"
+
+
+@dataclass(frozen=True, eq=False)
+class Emission:
+    role: str  # "HALO" or "OUTPUT"
+    segment: int  # HALO: segment whose input these rows are; OUTPUT: last segment
+    consumer: str  # node id, or "coordinator" for OUTPUT
+    row_offset: int
+    rows: Tensor  # (N, C, r, W), contiguous, owned by the receiver
+
+
+def _contains(ivs: list[Interval], row: int) -> bool:
+    return any(a <= row < b for a, b in ivs)
+
+
+class StripeRunner:
+    """Executes `node_id`'s part of `plan` for one request (see module docstring).
+
+    `min_run_rows`: a run shorter than this is deferred while rows next to it are still to
+    come (they will arrive - the plan guarantees every needed row), trading a little latency
+    for fewer, larger torch calls. 1 = fully eager.
+    """
+
+    def __init__(self, graph: ModelGraph, plan: Plan, node_id: str, *,
+                 min_run_rows: int = 1) -> None:
+        self.graph, self.plan, self.node_id = graph, plan, node_id
+        self.min_run_rows = max(1, int(min_run_rows))
+        me = plan.index(node_id)
+        nv = graph.num_values
+        self._comp: list[Interval] = [EMPTY] * nv  # rows this node computes, per value
+        self._buf_rng: list[Interval] = [EMPTY] * nv
+        self._expect: list[list[Interval]] = [[] for _ in range(nv)]  # rows still to receive
+        self._seg_in: list[int] = [s.in_value for s in plan.segments]
+        self._targets: dict[int, list[tuple[str, int, Interval]]] = {}  # value -> halo targets
+        last = plan.num_segments - 1
+        for k, seg in enumerate(plan.segments):
+            comp, _ = graph.required_rows(seg.in_value, seg.out_value, seg.out_rows[me])
+            for v, r in comp.items():
+                self._comp[v] = r if r[0] < r[1] else EMPTY
+            need = seg.in_rows[me]
+            own_in = EMPTY if k == 0 else plan.segments[k - 1].out_rows[me]
+            self._expect[seg.in_value] = iv_sub([need], own_in) if need[0] < need[1] else []
+            self._buf_rng[seg.in_value] = hull(need, own_in)
+            if k > 0:
+                self._targets[seg.in_value] = [(h.dst, k, (h.lo, h.hi))
+                                               for h in plan.halo_targets(node_id, k)]
+        self._final = graph.output_value
+        self._last_seg = last
+        for v in range(1, nv):
+            self._buf_rng[v] = hull(self._buf_rng[v], self._comp[v])
+        self._remaining: list[list[Interval]] = [
+            [self._comp[v]] if self._comp[v][0] < self._comp[v][1] else [] for v in range(nv)]
+        self._avail: list[list[Interval]] = [[] for _ in range(nv)]
+        self._bufs: list[Tensor | None] = [None] * nv
+        self._ops = [j for j in range(len(graph.ops)) if self._remaining[j + 1]]
+        self._n: int | None = None
+        self._dtype: torch.dtype | None = None
+        self._stats = {"rows_computed": 0, "runs": 0, "compute_s": 0.0, "rows_in": 0,
+                       "halo_rows_in": 0, "halo_rows_out": 0, "output_rows": 0, "feeds": 0,
+                       "flops_planned": plan.flops_for(node_id)}
+
+    # ------------------------------------------------------------------ public
+    @property
+    def done(self) -> bool:
+        return not any(self._remaining[j + 1] for j in self._ops)
+
+    def expected_rows(self, segment: int) -> list[Interval]:
+        """Rows of `segment`'s input still to be received (image rows for segment 0)."""
+        return list(self._expect[self._seg_in[segment]])
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    def feed(self, segment: int, row_offset: int, rows: Tensor) -> list[Emission]:
+        if not 0 <= segment < len(self._seg_in):
+            raise ValueError(f"segment {segment} out of range 0..{len(self._seg_in) - 1}")
+        v = self._seg_in[segment]
+        c, _, w = self.graph.value_shapes[v]
+        if not isinstance(rows, Tensor) or rows.dim() != 4:
+            raise ValueError(f"rows must be a 4-D tensor (N,C,r,W), got "
+                             f"{getattr(rows, 'shape', type(rows))}")
+        n, rc, r, rw = rows.shape
+        if rc != c or rw != w or r < 1:
+            raise ValueError(f"segment {segment} rows must have shape (N,{c},r>=1,{w}), "
+                             f"got {tuple(rows.shape)}")
+        if self._n is not None and n != self._n:
+            raise ValueError(f"batch size {n} differs from earlier rows ({self._n})")
+        lo, hi = int(row_offset), int(row_offset) + r
+        exp = self._expect[v]
+        if not any(a <= lo and hi <= b for a, b in exp):
+            raise ValueError(f"node {self.node_id}: rows [{lo},{hi}) of segment {segment} not "
+                             f"expected (still expecting {exp})")
+        if not rows.is_floating_point():
+            raise ValueError(f"rows must be floating point, got {rows.dtype}")
+        if self._n is None:
+            self._allocate(n, rows.dtype)
+        t0 = time.perf_counter()
+        buf = self._bufs[v]
+        off = self._buf_rng[v][0]
+        buf[:, :, lo - off:hi - off].copy_(rows)
+        self._expect[v] = iv_sub(exp, (lo, hi))
+        self._avail[v] = iv_add(self._avail[v], (lo, hi))
+        self._stats["rows_in" if segment == 0 else "halo_rows_in"] += r
+        self._stats["feeds"] += 1
+        out = self._advance({v})
+        self._stats["compute_s"] += time.perf_counter() - t0
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _allocate(self, n: int, dtype: torch.dtype) -> None:
+        self._n, self._dtype = n, dtype
+        for v, (lo, hi) in enumerate(self._buf_rng):
+            if hi > lo:
+                c, _, w = self.graph.value_shapes[v]
+                self._bufs[v] = torch.empty((n, c, hi - lo, w), dtype=dtype)
+
+    def _advance(self, changed: set[int]) -> list[Emission]:
+        out: list[Emission] = []
+        ops = self.graph.ops
+        for j in self._ops:
+            v = j + 1
+            rem = self._remaining[v]
+            if not rem:
+                continue
+            op = ops[j]
+            if not any(u in changed for u in op.inputs):
+                continue  # nothing new to compute from
+            cov: list[Interval] | None = None
+            for u in op.inputs:
+                cu: list[Interval] = []
+                for iv in self._avail[u]:
+                    cu = iv_add(cu, op.covered(iv))
+                cov = cu if cov is None else iv_intersect(cov, cu)
+            runs = iv_intersect(rem, cov or [])
+            for a, b in runs:
+                if b - a < self.min_run_rows and (_contains(rem, a - 1) or _contains(rem, b)):
+                    continue  # more rows next to this run are coming: compute them together
+                self._compute(j, a, b)
+                changed.add(v)
+                out.extend(self._emit(v, a, b))
+        return out
+
+    def _compute(self, j: int, a: int, b: int) -> None:
+        op = self.graph.ops[j]
+        bufs, rngs = self._bufs, self._buf_rng
+        if op.window is not None:
+            u = op.inputs[0]
+            ra, rb = op.window.raw(a, b)
+            ca, cb = max(ra, 0), min(rb, op.window.in_h)
+            off = rngs[u][0]
+            x = border_rows(bufs[u][:, :, ca - off:cb - off], ca - ra, rb - cb, op.pad_value)
+            xs = [x]
+        else:
+            xs = [bufs[u][:, :, a - rngs[u][0]:b - rngs[u][0]] for u in op.inputs]
+        y = op.run(xs, a, b)
+        v = j + 1
+        off = rngs[v][0]
+        bufs[v][:, :, a - off:b - off].copy_(y)
+        self._avail[v] = iv_add(self._avail[v], (a, b))
+        self._remaining[v] = iv_sub(self._remaining[v], (a, b))
+        self._stats["rows_computed"] += b - a
+        self._stats["runs"] += 1
+
+    def _emit(self, v: int, a: int, b: int) -> list[Emission]:
+        out: list[Emission] = []
+        buf, off = self._bufs[v], self._buf_rng[v][0]
+        if v == self._final:
+            out.append(Emission("OUTPUT", self._last_seg, COORDINATOR, a,
+                                buf[:, :, a - off:b - off].clone()))
+            self._stats["output_rows"] += b - a
+        for dst, seg, rng in self._targets.get(v, ()):
+            lo, hi = intersect((a, b), rng)
+            if lo < hi:
+                out.append(Emission("HALO", seg, dst, lo, buf[:, :, lo - off:hi - off].clone()))
+                self._stats["halo_rows_out"] += hi - lo
+        return out
+
+
+def run_plan_locally(
+    graph: ModelGraph,
+    plan: Plan,
+    image: Tensor,
+    *,
+    slab_rows: int | None = None,
+    seed: int | None = None,
+    min_run_rows: int = 1,
+    runners_out: dict[str, StripeRunner] | None = None,
+) -> Tensor:
+    """Simulate the whole collaborative trunk in-process and gather its output.
+
+    The coordinator sends each active node its input rows in slabs of `slab_rows` (default
+    `plan.slab_rows`); emissions are routed until every runner is done. With `seed`, slabs
+    and messages are delivered in a random order (what a network may do). Pass a dict as
+    `runners_out` to get the runners (for their stats).
+    """
+    if image.dim() != 4 or tuple(image.shape[1:]) != tuple(plan.input_shape):
+        raise ValueError(f"image must be (N,{','.join(map(str, plan.input_shape))}), "
+                         f"got {tuple(image.shape)}")
+    slab = plan.slab_rows if slab_rows is None else int(slab_rows)
+    if slab < 1:
+        raise ValueError("slab_rows must be >= 1")
+    rng = random.Random(seed) if seed is not None else None
+    runners = {n: StripeRunner(graph, plan, n, min_run_rows=min_run_rows)
+               for n in plan.active_nodes()}
+    if runners_out is not None:
+        runners_out.update(runners)
+    queue: list[tuple[str, int, int, Tensor]] = []
+    per_node: list[list[tuple[str, int, int, Tensor]]] = []
+    for n in runners:
+        lo, hi = plan.input_rows_for(n)
+        per_node.append([(n, 0, a, image[:, :, a:min(a + slab, hi)])
+                         for a in range(lo, hi, slab)])
+    if rng is None:  # round-robin over nodes, slabs in order
+        for i in range(max((len(p) for p in per_node), default=0)):
+            queue.extend(p[i] for p in per_node if i < len(p))
+    else:
+        queue = [m for p in per_node for m in p]
+        rng.shuffle(queue)
+    c, h, w = plan.output_shape
+    result = image.new_full((image.shape[0], c, h, w), float("nan"))
+    written = [False] * h
+    pos = 0
+    while pos < len(queue):
+        if rng is not None:  # deliver any pending message next
+            k = rng.randrange(pos, len(queue))
+            queue[pos], queue[k] = queue[k], queue[pos]
+        node, seg, off, rows = queue[pos]
+        pos += 1
+        for e in runners[node].feed(seg, off, rows):
+            if e.role == "OUTPUT":
+                r = e.rows.shape[2]
+                if any(written[e.row_offset:e.row_offset + r]):
+                    raise RuntimeError(f"output rows from {e.row_offset} written twice")
+                written[e.row_offset:e.row_offset + r] = [True] * r
+                result[:, :, e.row_offset:e.row_offset + r] = e.rows
+            else:
+                queue.append((e.consumer, e.segment, e.row_offset, e.rows))
+    stuck = [n for n, r in runners.items() if not r.done]
+    if stuck or not all(written):
+        raise RuntimeError(f"plan did not complete: runners not done {stuck}, "
+                           f"missing output rows {[i for i, x in enumerate(written) if not x]}")
+    return result

@@ -253,3 +253,214 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any,
         r = min(errors)
         raise RuntimeError(f"rank {r} failed: {errors[r]}")
     return [results[r] for r in range(world_size)]
+
+
+# --------------------------------------------------------------------------------------
+# kaitian train
+# --------------------------------------------------------------------------------------
+_CHILD_RESULT_ENV = "KAITIAN_RESULT_PATH"
+
+
+class _ArgError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump, no SystemExit(2)
+        raise _ArgError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="kaitian train", description="collaborative heterogeneous training")
+    p.add_argument("--config", help="YAML file with TrainingConfig keys (ranks: N allowed)")
+    p.add_argument("--ranks", type=int, help="number of ranks to spawn on this host")
+    p.add_argument("--devices", help="comma list, one per rank (or one for all): cpu,cpu:b,cuda:0")
+    p.add_argument("--slowdowns", help="comma list of emulated slowdown factors (>= 1) per rank")
+    p.add_argument("--policy", choices=("adaptive", "equal", "profile_once"))
+    p.add_argument("--epochs", type=int)
+    p.add_argument("--global-batch", type=int)
+    p.add_argument("--model")
+    p.add_argument("--dataset")
+    p.add_argument("--lr", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--checkpoint-dir")
+    p.add_argument("--timeout", type=float, help="collective / failure timeout in seconds")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    return p
+
+
+def _config_from_args(a: argparse.Namespace) -> tuple[Any, int | None]:
+    from kaitian_ros.comm.trainer import TrainingConfig
+
+    d: dict[str, Any] = {}
+    ranks = a.ranks
+    if a.config:
+        import yaml
+
+        try:
+            loaded = yaml.safe_load(Path(a.config).read_text()) or {}
+        except OSError as e:
+            raise ValueError(f"cannot read config {a.config}: {e.strerror}") from None
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config {a.config} must be a mapping")
+        loaded = dict(loaded.get("training", loaded))  # allow a `training:` section
+        if ranks is None and "ranks" in loaded:
+            ranks = int(loaded["ranks"])
+        loaded.pop("ranks", None)
+        d.update(loaded)
+    if a.devices:
+        d["devices"] = tuple(x.strip() for x in a.devices.split(",") if x.strip())
+    if a.slowdowns:
+        try:
+            d["emulated_slowdown"] = tuple(float(x) for x in a.slowdowns.split(","))
+        except ValueError:
+            raise ValueError(f"--slowdowns must be numbers, got {a.slowdowns!r}") from None
+    for k_arg, k_cfg in (("policy", "policy"), ("epochs", "epochs"), ("global_batch", "global_batch"),
+                         ("model", "model"), ("dataset", "dataset"), ("lr", "lr"),
+                         ("seed", "seed"), ("checkpoint_dir", "checkpoint_dir"),
+                         ("timeout", "timeout_s")):
+        v = getattr(a, k_arg)
+        if v is not None:
+            d[k_cfg] = v
+    if a.resume:
+        d["resume"] = True
+    cfg = TrainingConfig.from_dict(d)
+    if ranks is None:
+        ranks = max(len(cfg.devices), len(cfg.emulated_slowdown))
+    if ranks <= 0:
+        raise ValueError("--ranks must be positive")
+    for name, lst in (("devices", cfg.devices), ("slowdowns", cfg.emulated_slowdown)):
+        if len(lst) not in (1, ranks):
+            raise ValueError(f"{len(lst)} {name} given for {ranks} ranks")
+    return cfg, ranks
+
+
+def _run_one_rank(cfg: Any) -> int:
+    """Run as one rank from the torchrun environment; errors as one stderr line."""
+    from kaitian_ros.comm.trainer import RankTrainer
+
+    torch.set_num_threads(int(os.environ.get("KAITIAN_THREADS", "1")))
+    env = DistEnv.from_environ()
+    hb = None
+    trainer = None
+    try:
+        hb = init_distributed(env, timeout_s=cfg.timeout_s)
+        trainer = RankTrainer(cfg, local_rank=env.local_rank)
+        res = trainer.run()
+        dist.barrier()
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        msg = f"rank {env.rank}: {type(e).__name__}: {first}"
+        # RuntimeError covers gloo/c10d failures (DistBackendError is a subclass): find
+        # out whose fault it is. Other errors (bad config, bad model) are reported as is.
+        if hb is not None and isinstance(e, RuntimeError):
+            labels = [cfg.device_for(r) for r in range(env.world_size)] \
+                if len(cfg.devices) in (1, env.world_size) else None
+            why = hb.diagnose(labels)
+            if not why.startswith("no peer"):
+                msg = f"rank {env.rank}: aborting, {why} ({type(e).__name__})"
+        print(f"kaitian train: {msg}", file=sys.stderr, flush=True)
+        shutdown_distributed(hb, "aborting")
+        os._exit(1)  # don't let a half-dead process group hang interpreter shutdown
+    out = os.environ.get(_CHILD_RESULT_ENV)
+    if out:
+        Path(out).write_text(json.dumps(res.summary()))
+    shutdown_distributed(hb)
+    return 0
+
+
+def _spawn_local(argv: list[str], cfg: Any, ranks: int, as_json: bool) -> int:
+    """Spawn ``ranks`` children with torchrun env; watch them; aggregate their results."""
+    port = free_port()
+    tmp = Path(tempfile.mkdtemp(prefix="kaitian-train-"))
+    procs: list[subprocess.Popen] = []
+    for r in range(ranks):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r),
+                   LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env[_CHILD_RESULT_ENV] = str(tmp / f"rank{r}.json")
+        procs.append(subprocess.Popen([sys.executable, "-m", "kaitian_ros.comm.launch", *argv],
+                                      env=env))
+    first_dead: tuple[int, int] | None = None
+    dead_at = 0.0
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            if first_dead is None:
+                for r, c in enumerate(codes):
+                    if c not in (None, 0):
+                        first_dead, dead_at = (r, c), time.monotonic()
+                        break
+            if all(c is not None for c in codes):
+                break
+            # the survivors normally notice through their own collectives within seconds;
+            # past the grace period the parent stops them so nothing hangs
+            if first_dead is not None and time.monotonic() - dead_at > min(cfg.timeout_s, 15.0):
+                for p in procs:
+                    if p.poll() is None:
+                        p.terminate()
+                for p in procs:
+                    try:
+                        p.wait(timeout=5)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                break
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        print("kaitian train: interrupted", file=sys.stderr)
+        return 130
+    if first_dead is not None:
+        r, c = first_dead
+        how = f"signal {-c}" if c < 0 else f"exit code {c}"
+        print(f"kaitian train: rank {r} ({cfg.device_for(r)}) died ({how}); "
+              "training stopped" + (", resume with --resume" if cfg.checkpoint_dir else ""),
+              file=sys.stderr)
+        return 1
+    results = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(ranks)]
+    r0 = results[0]
+    summary = {"ranks": ranks, "devices": [x["device"] for x in results],
+               "emulated_slowdown": [cfg.slowdown_for(r) for r in range(ranks)],
+               "policy": cfg.policy, "test_accuracy": r0["test_accuracy"],
+               "accuracy_per_epoch": r0["accuracy_per_epoch"],
+               "samples_per_s": r0["samples_per_s"], "train_seconds": r0["train_seconds"],
+               "comm_seconds": [x["comm_seconds"] for x in results],
+               "final_shares": r0["final_shares"], "epochs_completed": r0["epochs_completed"]}
+    if as_json:
+        print(json.dumps(summary))
+    else:
+        emu = any(s != 1.0 for s in summary["emulated_slowdown"])
+        print(f"trained {summary['epochs_completed']} epochs on {ranks} ranks "
+              f"({', '.join(summary['devices'])}; slowdowns {summary['emulated_slowdown']}"
+              f"{' EMULATED' if emu else ''}), policy {cfg.policy}: test accuracy "
+              f"{summary['test_accuracy']:.4f}, {summary['samples_per_s']:.0f} samples/s, "
+              f"final shares {[round(s, 3) for s in summary['final_shares']]}")
+    return 0
+
+
+def main_train(argv: list[str]) -> int:
+    """``kaitian train``: spawn local ranks, or run as one rank under torchrun."""
+    try:
+        a = _parser().parse_args(argv)
+        cfg, ranks = _config_from_args(a)
+    except (_ArgError, ValueError, TypeError) as e:
+        print(f"kaitian train: error: {e}", file=sys.stderr)
+        return 2
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        try:
+            return _run_one_rank(cfg)
+        except Exception as e:  # e.g. a bad MASTER_PORT
+            print(f"kaitian train: error: {e}", file=sys.stderr)
+            return 1
+    return _spawn_local(argv, cfg, ranks, a.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main_train(sys.argv[1:]))

@@ -1,0 +1,436 @@
+"""Per-rank training loop for heterogeneous data parallelism (pure torch.distributed).
+
+No middleware here: a ROS trainer node wraps :class:`RankTrainer`, passes ``on_step`` to
+publish telemetry and calls :meth:`RankTrainer.set_emulated_slowdown` from a parameter
+callback. The process group must already be initialised (see ``comm.launch``).
+
+One step on rank r: take this rank's contiguous slice (b_r samples) of the global batch
+(``comm.sampler``), forward/backward with the loss averaged over the local slice, the DDP
+hook scales by b_r/B and all-reduces hierarchically (``comm.hooks``), optimizer step --
+which makes every rank's update the single-process update on the union batch. Then, if
+the rank emulates a slower device (factor s), it sleeps (s-1) x the real compute time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import threading
+import time
+import warnings
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from kaitian_ros.comm.groups import CommGroups, build_groups, parse_device
+from kaitian_ros.comm.hooks import HOOKS, HookState
+from kaitian_ros.comm.sampler import POLICIES, AdaptiveBatchSampler
+
+CHECKPOINT_NAME = "checkpoint.pt"
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Everything that defines a training run; identical on every rank.
+
+    ``devices`` and ``emulated_slowdown`` are per rank (a single entry applies to all).
+    A device ``cpu:a`` is the CPU labelled as its own device type (see ``comm.groups``).
+    ``emulated_slowdown`` s >= 1 makes a rank behave like a device s times slower.
+    """
+
+    model: str = "digits_cnn"
+    dataset: str = "digits"  # or "package.module:callable" -> Dataset or (train, test)
+    num_classes: int | None = None  # None: 10 for digits, else inferred from labels
+    global_batch: int = 64
+    epochs: int = 5
+    lr: float = 0.05
+    momentum: float = 0.9
+    seed: int = 0
+    policy: str = "adaptive"
+    rebalance_every: int = 5
+    ewma_alpha: float = 0.5
+    hook: str = "hierarchical"
+    devices: tuple[str, ...] = ("cpu",)
+    emulated_slowdown: tuple[float, ...] = (1.0,)
+    checkpoint_dir: str | None = None
+    resume: bool = False
+    timeout_s: float = 60.0
+    max_steps: int | None = None  # stop after this many steps in total (benchmarks)
+    evaluate_every_epoch: bool = True
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.hook not in HOOKS:
+            raise ValueError(f"hook must be one of {', '.join(HOOKS)}, got {self.hook!r}")
+        if self.global_batch <= 0 or self.epochs <= 0 or self.rebalance_every <= 0:
+            raise ValueError("global_batch, epochs and rebalance_every must be positive")
+        if not self.devices:
+            raise ValueError("devices must not be empty")
+        if any(not (s >= 1.0 and math.isfinite(s)) for s in self.emulated_slowdown):
+            raise ValueError("emulated_slowdown factors must be finite and >= 1")
+        # tuples even when built from YAML/JSON lists (frozen: use object.__setattr__)
+        object.__setattr__(self, "devices", tuple(str(d) for d in self.devices))
+        object.__setattr__(self, "emulated_slowdown",
+                           tuple(float(s) for s in self.emulated_slowdown))
+
+    def device_for(self, rank: int, local_rank: int | None = None) -> str:
+        if len(self.devices) == 1:
+            d = self.devices[0]
+            # one bare accelerator type for all ranks: one device per local rank (torchrun)
+            if d in ("cuda", "npu", "mlu", "xpu") and local_rank is not None:
+                return f"{d}:{local_rank}"
+            return d
+        if rank >= len(self.devices):
+            raise ValueError(f"rank {rank} has no device: devices={list(self.devices)}")
+        return self.devices[rank]
+
+    def slowdown_for(self, rank: int) -> float:
+        s = self.emulated_slowdown
+        if not s:
+            return 1.0
+        if len(s) == 1:
+            return s[0]
+        if rank >= len(s):
+            raise ValueError(f"rank {rank} has no emulated_slowdown entry: {list(s)}")
+        return s[rank]
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "TrainingConfig":
+        names = {f.name for f in fields(TrainingConfig)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown training config keys: {', '.join(sorted(unknown))}")
+        d = dict(d)
+        for k in ("devices", "emulated_slowdown"):
+            if k in d and isinstance(d[k], (str, int, float)):
+                d[k] = (d[k],)
+        return TrainingConfig(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["devices"], out["emulated_slowdown"] = list(self.devices), list(self.emulated_slowdown)
+        return out
+
+
+@dataclass(frozen=True)
+class TrainingStep:
+    """Telemetry of one step on one rank (what a trainer node publishes)."""
+
+    rank: int
+    device: str
+    epoch: int
+    step: int
+    local_batch: int
+    global_batch: int
+    share: float
+    step_ms: float  # wall time of the whole step on this rank
+    compute_ms: float  # step_ms - comm_ms (includes the emulated slowdown)
+    comm_ms: float  # blocked in gradient communication (incl. waiting for slower ranks)
+    loss: float  # mean loss over this rank's slice (nan for an empty slice)
+    samples_per_s: float  # this rank's local_batch / step time
+    emulated: bool  # True when the speed of this rank is emulated (slowdown != 1)
+    slowdown: float
+
+
+@dataclass(frozen=True)
+class TrainingResult:
+    rank: int
+    world_size: int
+    device: str
+    epochs_completed: int
+    steps: int
+    test_accuracy: float
+    samples_per_s: float  # global samples / training wall time (eval and checkpoints excluded)
+    train_seconds: float
+    comm_seconds: float
+    final_shares: tuple[float, ...]
+    accuracy_per_epoch: tuple[float, ...]
+    history: tuple[TrainingStep, ...] = field(repr=False, default=())
+
+    def summary(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("history")
+        d["final_shares"] = list(self.final_shares)
+        d["accuracy_per_epoch"] = list(self.accuracy_per_epoch)
+        return d
+
+
+# --------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class DataSplit:
+    """Train and test sets; tensors when the dataset fits in memory as such."""
+
+    train: Any
+    test: Any
+    num_classes: int
+    in_channels: int
+
+
+def _digits(seed_split: int = 0) -> DataSplit:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    d = load_digits()
+    x = (d.images / 16.0).astype(np.float32)[:, None, :, :]  # (N, 1, 8, 8) in [0, 1]
+    y = d.target.astype(np.int64)
+    # fixed random_state: the split must not depend on the training seed
+    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.25, random_state=seed_split,
+                                          stratify=y)
+    return DataSplit(train=(torch.from_numpy(xtr), torch.from_numpy(ytr)),
+                     test=(torch.from_numpy(xte), torch.from_numpy(yte)),
+                     num_classes=10, in_channels=1)
+
+
+def load_data(spec: str, num_classes: int | None = None) -> DataSplit:
+    """``"digits"`` or ``"package.module:callable"`` returning a Dataset or (train, test).
+
+    A single Dataset is split 75/25 deterministically. Items are ``(x, label)``.
+    """
+    if spec == "digits":
+        return _digits()
+    mod, _, attr = spec.partition(":")
+    if not mod or not attr:
+        raise ValueError(f"dataset must be 'digits' or 'package.module:callable', got {spec!r}")
+    try:
+        obj: Any = importlib.import_module(mod)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot import dataset {spec!r}: {e}") from None
+    got = obj()
+    if isinstance(got, tuple) and len(got) == 2:
+        train, test = got
+    else:
+        n = len(got)
+        perm = np.random.default_rng(0).permutation(n)
+        cut = int(round(n * 0.75))
+        train = torch.utils.data.Subset(got, perm[:cut].tolist())
+        test = torch.utils.data.Subset(got, perm[cut:].tolist())
+    x0, _ = train[0]
+    in_ch = int(torch.as_tensor(x0).shape[0])
+    if num_classes is None:
+        labels = {int(train[i][1]) for i in range(len(train))}
+        num_classes = max(labels) + 1
+    return DataSplit(train=train, test=test, num_classes=num_classes, in_channels=in_ch)
+
+
+def _size(ds: Any) -> int:
+    return int(ds[1].shape[0]) if isinstance(ds, tuple) else len(ds)
+
+
+def _batch(ds: Any, idx: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(ds, tuple):
+        t = torch.as_tensor(np.asarray(idx, dtype=np.int64))
+        return ds[0][t], ds[1][t]
+    if not idx:
+        x0, _ = ds[0]
+        x0 = torch.as_tensor(x0)
+        return x0.new_zeros((0, *x0.shape)), torch.zeros(0, dtype=torch.long)
+    items = [ds[i] for i in idx]
+    return (torch.stack([torch.as_tensor(x) for x, _ in items]),
+            torch.as_tensor([int(y) for _, y in items], dtype=torch.long))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, test: Any, device: torch.device, batch: int = 512) -> float:
+    """Top-1 accuracy on the test set."""
+    model.eval()
+    n, correct = _size(test), 0
+    for lo in range(0, n, batch):
+        x, y = _batch(test, list(range(lo, min(n, lo + batch))))
+        correct += int((model(x.to(device)).argmax(1).cpu() == y).sum())
+    model.train()
+    return correct / max(n, 1)
+
+
+def _build_model(cfg: TrainingConfig, data: DataSplit) -> nn.Module:
+    from kaitian_ros.core.models import build_model
+
+    return build_model(cfg.model, num_classes=data.num_classes, in_channels=data.in_channels,
+                       seed=cfg.seed)
+
+
+# --------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------
+class RankTrainer:
+    """One rank of a collaborative training run. Call :meth:`run` on every rank."""
+
+    def __init__(self, config: TrainingConfig, *, rank: int | None = None,
+                 world_size: int | None = None, local_rank: int | None = None,
+                 on_step: Callable[[TrainingStep], None] | None = None,
+                 data: DataSplit | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised (use comm.launch)")
+        self.config = config
+        self.rank = dist.get_rank() if rank is None else rank
+        self.world_size = dist.get_world_size() if world_size is None else world_size
+        self.device_label = config.device_for(self.rank, local_rank)
+        self.device, self.group_label = parse_device(self.device_label)
+        self.on_step = on_step
+        self._data = data
+        self._slowdown = config.slowdown_for(self.rank)
+        self._lock = threading.Lock()
+        self.groups: CommGroups | None = None
+
+    # -- live tuning (thread-safe; read once per step) ----------------------------------
+    def set_emulated_slowdown(self, factor: float) -> None:
+        """Make this rank emulate a device ``factor`` times slower, from the next step on."""
+        if not (factor >= 1.0 and math.isfinite(factor)):
+            raise ValueError("emulated slowdown must be finite and >= 1")
+        with self._lock:
+            self._slowdown = float(factor)
+
+    @property
+    def emulated_slowdown(self) -> float:
+        with self._lock:
+            return self._slowdown
+
+    # -- helpers -----------------------------------------------------------------------
+    def _gather_float(self, x: float) -> list[float]:
+        t = torch.tensor([x], dtype=torch.float64)
+        out = [torch.zeros(1, dtype=torch.float64) for _ in range(self.world_size)]
+        dist.all_gather(out, t, group=self.groups.world if self.groups else None)
+        return [float(o.item()) for o in out]
+
+    def _checkpoint_path(self) -> Path | None:
+        d = self.config.checkpoint_dir
+        return Path(d) / CHECKPOINT_NAME if d else None
+
+    def _save(self, model: nn.Module, opt: torch.optim.Optimizer,
+              sampler: AdaptiveBatchSampler, epoch: int, accs: list[float]) -> None:
+        path = self._checkpoint_path()
+        if path is None or self.rank != 0:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"epoch": epoch, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                    "sampler": sampler.state_dict(), "accuracy_per_epoch": accs,
+                    "config": self.config.to_dict(), "world_size": self.world_size}, tmp)
+        os.replace(tmp, path)  # atomic: a crash mid-save never leaves a torn checkpoint
+
+    def _load(self) -> dict | None:
+        """Rank 0 reads the checkpoint and broadcasts it (other hosts need no shared disk)."""
+        path = self._checkpoint_path()
+        box: list[Any] = [None]
+        if self.rank == 0 and path is not None and path.exists():
+            box[0] = torch.load(path, map_location="cpu", weights_only=False)
+        dist.broadcast_object_list(box, src=0, group=self.groups.world)
+        return box[0]
+
+    # -- run ---------------------------------------------------------------------------
+    def run(self) -> TrainingResult:
+        cfg = self.config
+        torch.manual_seed(cfg.seed)
+        data = self._data or load_data(cfg.dataset, cfg.num_classes)
+        self.groups = build_groups(self.group_label, timeout_s=cfg.timeout_s)
+        model = _build_model(cfg, data).to(self.device).train()
+        # init_sync=False: every rank builds identical weights from the seed (and resume
+        # broadcasts the checkpoint), so DDP's own broadcast -- which would need one
+        # backend for all vendors' devices -- is unnecessary.
+        ddp_kw: dict[str, Any] = {}
+        if self.device.type != "cpu" and self.device.index is not None:
+            ddp_kw["device_ids"] = [self.device.index]
+        # broadcast_buffers=False: buffers (BN stats) stay rank-local; syncing them would
+        # need a backend spanning all vendors in the forward pass. The kwarg is deprecated
+        # in favour of forward_sync_buffers, which however still syncs at init.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            ddp = DDP(model, process_group=self.groups.world, init_sync=False,
+                      broadcast_buffers=False, gradient_as_bucket_view=True, **ddp_kw)
+        state = HookState(groups=self.groups, flat_group=self.groups.world)
+        ddp.register_comm_hook(state, HOOKS[cfg.hook])
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+        sampler = AdaptiveBatchSampler(_size(data.train), cfg.global_batch, self.rank,
+                                       self.world_size, seed=cfg.seed, policy=cfg.policy,
+                                       rebalance_every=cfg.rebalance_every,
+                                       ewma_alpha=cfg.ewma_alpha)
+        start_epoch, accs = 0, []
+        if cfg.resume:
+            ck = self._load()
+            if ck is not None:
+                model.load_state_dict(ck["model"])
+                opt.load_state_dict(ck["optimizer"])
+                if int(ck.get("world_size", -1)) == self.world_size:
+                    sampler.load_state_dict(ck["sampler"])
+                # else: resumed on a different set of ranks; shares start equal again
+                start_epoch, accs = int(ck["epoch"]) + 1, list(ck["accuracy_per_epoch"])
+
+        # Size-1 dims (in_channels=1 convs) give grads "different" strides than the bucket
+        # view; harmless, but the reducer warns on every run.
+        warnings.filterwarnings("ignore", message="Grad strides do not match bucket view")
+        history: list[TrainingStep] = []
+        train_s = comm_s = 0.0
+        samples = 0
+        steps = 0
+        epoch = start_epoch - 1
+        stop = False
+        for epoch in range(start_epoch, cfg.epochs):
+            for sl in sampler.epoch(epoch):
+                if cfg.max_steps is not None and steps >= cfg.max_steps:
+                    stop = True
+                    break
+                t0 = time.perf_counter()
+                x, y = _batch(data.train, sl.indices)
+                x, y = x.to(self.device), y.to(self.device)
+                state.set_batch(sl.local_batch, sl.global_batch)
+                opt.zero_grad(set_to_none=False)
+                out = ddp(x)
+                # sum / b: mean over the local slice, and an exact zero for an empty one
+                loss = nn.functional.cross_entropy(out, y, reduction="sum") / max(sl.local_batch, 1)
+                loss.backward()  # the comm hook runs inside
+                opt.step()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                real = time.perf_counter() - t0
+                comm = state.take_comm_seconds()
+                s = self.emulated_slowdown
+                if s > 1.0:
+                    time.sleep((s - 1.0) * max(real - comm, 0.0))
+                wall = time.perf_counter() - t0
+                compute = wall - comm
+                sampler.record(compute, sl.local_batch)
+                sampler.maybe_rebalance(self._gather_float)  # collective when due
+                train_s += wall
+                comm_s += comm
+                samples += sl.global_batch
+                steps += 1
+                rec = TrainingStep(
+                    rank=self.rank, device=self.device_label, epoch=epoch, step=sl.step,
+                    local_batch=sl.local_batch, global_batch=sl.global_batch,
+                    share=sl.local_batch / sl.global_batch, step_ms=wall * 1e3,
+                    compute_ms=compute * 1e3, comm_ms=comm * 1e3,
+                    loss=float(loss.item()) if sl.local_batch else math.nan,
+                    samples_per_s=sl.local_batch / wall if wall > 0 else 0.0,
+                    emulated=s != 1.0, slowdown=s)
+                history.append(rec)
+                if self.on_step is not None:
+                    self.on_step(rec)
+            if stop:
+                break
+            if cfg.evaluate_every_epoch or epoch == cfg.epochs - 1:
+                accs.append(evaluate(model, data.test, self.device))
+            self._save(model, opt, sampler, epoch, accs)
+        acc = evaluate(model, data.test, self.device)
+        return TrainingResult(
+            rank=self.rank, world_size=self.world_size, device=self.device_label,
+            epochs_completed=max(epoch + (0 if stop else 1), 0), steps=steps,
+            test_accuracy=acc, samples_per_s=samples / train_s if train_s > 0 else 0.0,
+            train_seconds=train_s, comm_seconds=comm_s, final_shares=sampler.shares,
+            accuracy_per_epoch=tuple(accs), history=tuple(history))
+
+
+def train_rank(config: TrainingConfig, *, local_rank: int | None = None,
+               on_step: Callable[[TrainingStep], None] | None = None) -> TrainingResult:
+    """Run this rank of ``config`` in an initialised process group."""
+    return RankTrainer(config, local_rank=local_rank, on_step=on_step).run()

@@ -1,0 +1,125 @@
+"""Trunk/head split: reference equality, row maps, unsplittable ops, user models."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from kaitian_ros.core.graph import UnsplittableModelError, Window, split_model
+from kaitian_ros.core.models import build_model
+
+torch.set_num_threads(1)
+
+CASES = [("resnet18", (3, 64, 64)), ("mobilenet_v2", (3, 64, 64)), ("vgg11", (3, 64, 64)),
+         ("digits_cnn", (1, 8, 8)), ("digits_cnn", (3, 32, 32))]
+
+
+@pytest.mark.parametrize("name,shape", CASES)
+def test_trunk_then_head_equals_model(name: str, shape: tuple[int, int, int]) -> None:
+    m = build_model(name, in_channels=shape[0])
+    g = split_model(m, shape)
+    x = torch.randn(2, *shape, generator=torch.Generator().manual_seed(1))
+    t = g.run_trunk(x)
+    assert tuple(t.shape[1:]) == g.trunk_output_shape and g.input_shape == shape
+    with torch.no_grad():
+        assert torch.allclose(g.run_head(t), m(x), atol=1e-5, rtol=1e-5)
+    fused = g.run_ops(x)  # conv+BN folded, epilogues fused: same numbers within float noise
+    assert (fused - t).abs().max() <= 1e-4 * t.abs().max()
+    assert g.trunk_flops() > 0 and g.cut_values
+
+
+def test_window_maps_are_inverse() -> None:
+    for k, s, p, d, h in [(3, 1, 1, 1, 17), (7, 2, 3, 1, 32), (3, 2, 1, 1, 15), (3, 1, 2, 2, 20),
+                          (2, 2, 0, 1, 16), (1, 2, 0, 1, 9)]:
+        out_h = (h + 2 * p - d * (k - 1) - 1) // s + 1
+        w = Window(k, s, p, d, h, out_h)
+        for lo in range(h):
+            for hi in range(lo + 1, h + 1):
+                a, b = w.covered((lo, hi))
+                for r in range(out_h):
+                    nlo, nhi = w.needs((r, r + 1))
+                    assert (a <= r < b) == (lo <= nlo and nhi <= hi)
+
+
+class _Transposer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.c2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.c1(x)).transpose(2, 3)  # mixes rows and columns
+        x = self.c2(x)
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+def test_non_splittable_op_is_named() -> None:
+    with pytest.raises(UnsplittableModelError, match="transpose"):
+        split_model(_Transposer(), (3, 16, 16))
+
+
+class _Upsampler(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3, padding=1)
+        self.up = nn.Upsample(scale_factor=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(self.c(x)).mean((2, 3))
+
+
+def test_unknown_module_in_trunk_is_named() -> None:
+    with pytest.raises(UnsplittableModelError, match="Upsample"):
+        split_model(_Upsampler(), (3, 16, 16))
+
+
+class _Exotic(nn.Module):
+    """Functional pools, avg pool with padding/ceil_mode, 'same' conv, cat, scalar ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 4, padding="same")
+        self.b = nn.Conv2d(3, 4, 3, stride=2, padding=2, dilation=2)
+        self.bn = nn.BatchNorm2d(8).eval()
+        self.pool = nn.AvgPool2d(3, 2, 1, ceil_mode=True, count_include_pad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = nn.functional.max_pool2d(torch.relu(self.a(x)), 3, 2, 1, ceil_mode=True)
+        b = self.b(x) * 0.5 + 1.0
+        y = self.bn(torch.cat([a, nn.functional.silu(b)], dim=1))
+        y = self.pool(y) + nn.functional.avg_pool2d(y, 3, 2, 1, ceil_mode=True)
+        return torch.flatten(y, 1).sum(1)
+
+
+def test_exotic_local_ops_split_exactly() -> None:
+    torch.manual_seed(0)
+    m = _Exotic()
+    with torch.no_grad():
+        m.bn.running_mean.normal_()
+    g = split_model(m, (3, 21, 19))
+    x = torch.randn(1, 3, 21, 19)
+    t = g.run_trunk(x)
+    assert (g.run_ops(x) - t).abs().max() <= 1e-5 * t.abs().max()
+    with torch.no_grad():
+        assert torch.allclose(g.run_head(t), m(x))
+
+
+def test_user_model_import_path(tmp_path, monkeypatch) -> None:
+    (tmp_path / "kt_user_net.py").write_text(textwrap.dedent("""
+        from torch import nn
+
+        def net():
+            return nn.Sequential(nn.Conv2d(3, 6, 5, padding=2), nn.BatchNorm2d(6), nn.ReLU(),
+                                 nn.MaxPool2d(2), nn.Conv2d(6, 6, 3, padding=1), nn.ReLU(),
+                                 nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 3))
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    m = build_model("kt_user_net:net")
+    g = split_model(m, (3, 24, 24))
+    assert g.trunk_output_shape == (6, 12, 12)
+    sys.modules.pop("kt_user_net", None)

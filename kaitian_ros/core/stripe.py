@@ -24,6 +24,7 @@ from .graph import EMPTY, Interval, ModelGraph, border_rows, hull, intersect, iv
 from .plan import Plan
 
 COORDINATOR = "coordinator"
+DEFAULT_MIN_RUN_ROWS = 8
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,11 +45,12 @@ class StripeRunner:
 
     `min_run_rows`: a run shorter than this is deferred while rows next to it are still to
     come (they will arrive - the plan guarantees every needed row), trading a little latency
-    for fewer, larger torch calls. 1 = fully eager.
+    for fewer, larger torch calls. 1 = fully eager. Measured (ResNet-18 224, one thread): a
+    1-2 row conv call costs ~1.5x per row of a 56-row call, so the default batches a little.
     """
 
     def __init__(self, graph: ModelGraph, plan: Plan, node_id: str, *,
-                 min_run_rows: int = 1) -> None:
+                 min_run_rows: int = DEFAULT_MIN_RUN_ROWS) -> None:
         self.graph, self.plan, self.node_id = graph, plan, node_id
         self.min_run_rows = max(1, int(min_run_rows))
         me = plan.index(node_id)
@@ -209,7 +211,7 @@ def run_plan_locally(
     *,
     slab_rows: int | None = None,
     seed: int | None = None,
-    min_run_rows: int = 1,
+    min_run_rows: int = DEFAULT_MIN_RUN_ROWS,
     runners_out: dict[str, StripeRunner] | None = None,
 ) -> Tensor:
     """Simulate the whole collaborative trunk in-process and gather its output.

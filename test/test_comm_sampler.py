@@ -124,3 +124,13 @@ def test_state_roundtrip_and_validation() -> None:
         AdaptiveBatchSampler(10, 4, 0, 2, policy="nope")
     with pytest.raises(ValueError):
         AdaptiveBatchSampler(10, 4, 2, 2)
+
+
+def test_no_rebalance_without_measurements() -> None:
+    s = AdaptiveBatchSampler(100, 10, 0, 2, policy="profile_once", rebalance_every=1)
+    assert not s.maybe_rebalance(lambda x: [math.nan, 0.5])  # profile needs every rank
+    assert s.rebalances == 0 and s.shares == (0.5, 0.5)
+    assert s.maybe_rebalance(lambda x: [1.0, 3.0])
+    assert s.shares == pytest.approx((0.75, 0.25))
+    s.record(1.0, 5, global_batch=7)  # short global batch: not a speed sample
+    assert math.isnan(s.seconds_per_sample)

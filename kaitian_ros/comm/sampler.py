@@ -96,7 +96,7 @@ class AdaptiveBatchSampler:
     """Per-rank sampler; all ranks construct it with the same arguments except ``rank``.
 
     Drive it as: ``for sl in sampler.epoch(e): ...train...; sampler.record(compute_s,
-    sl.local_batch); sampler.maybe_rebalance(gather)`` where ``gather(x)`` all-gathers one
+    sl.local_batch)`` (optional: skip warm-up steps) ``; sampler.maybe_rebalance(gather)`` where ``gather(x)`` all-gathers one
     float from every rank (rank order). Shares may change between steps of an epoch; the
     iterator reads them lazily, and coverage stays exact because the permutation and the
     global batch boundaries do not depend on shares.
@@ -149,9 +149,16 @@ class AdaptiveBatchSampler:
             yield sl
 
     # -- measurement and rebalancing ---------------------------------------------------
-    def record(self, compute_seconds: float, local_batch: int) -> None:
-        """Feed this rank's compute time of one step (without time blocked in comm)."""
-        self._since_rebalance += 1
+    def record(self, compute_seconds: float, local_batch: int,
+               global_batch: int | None = None) -> None:
+        """Feed this rank's compute time of one step (without time blocked in comm).
+
+        Steps of a short global batch (end of epoch) are ignored when ``global_batch`` is
+        given: with a per-step fixed cost their per-sample time is biased against slow
+        devices, and the shares are for full batches anyway.
+        """
+        if global_batch is not None and global_batch < self.global_batch:
+            return
         if local_batch <= 0 or compute_seconds <= 0:
             return  # no information about speed from an empty slice
         x = compute_seconds / local_batch
@@ -169,12 +176,19 @@ class AdaptiveBatchSampler:
         return not (self.policy == "profile_once" and self.rebalances >= 1)
 
     def maybe_rebalance(self, gather: Callable[[float], Sequence[float]]) -> bool:
-        """Collective when due: all ranks must call it after every step."""
+        """Count the step; collective when due: all ranks must call it after every step."""
+        self._since_rebalance += 1
         if not self.due():
             return False
         times = list(gather(self._ewma))
         if len(times) != self.world_size:
             raise RuntimeError(f"gather returned {len(times)} values for {self.world_size} ranks")
+        measured = [math.isfinite(t) and t > 0 for t in times]
+        # Same gathered vector on every rank -> same decision everywhere. Without data
+        # (warm-up, only short batches so far) keep the shares and don't spend the one
+        # profile of profile_once on nothing.
+        if not all(measured) if self.policy == "profile_once" else not any(measured):
+            return False
         self.shares = shares_from_times(times)
         self.rebalances += 1
         self._since_rebalance = 0

@@ -34,6 +34,7 @@ from kaitian_ros.comm.hooks import HOOKS, HookState
 from kaitian_ros.comm.sampler import POLICIES, AdaptiveBatchSampler
 
 CHECKPOINT_NAME = "checkpoint.pt"
+WARMUP_STEPS = 2  # steps per run not used as speed measurements
 
 
 @dataclass(frozen=True)
@@ -399,7 +400,11 @@ class RankTrainer:
                     time.sleep((s - 1.0) * max(real - comm, 0.0))
                 wall = time.perf_counter() - t0
                 compute = wall - comm
-                sampler.record(compute, sl.local_batch)
+                # The first two steps of a run are not speed samples: lazy allocation, and
+                # DDP's bucket rebuild in step 1 runs a collective outside the hook that
+                # would count a fast rank's wait for a slow one as its compute.
+                if steps >= WARMUP_STEPS:
+                    sampler.record(compute, sl.local_batch, sl.global_batch)
                 sampler.maybe_rebalance(self._gather_float)  # collective when due
                 train_s += wall
                 comm_s += comm

@@ -1,0 +1,1 @@
+"""Benchmarks of kaitian_ros (kaitian bench ...)."""

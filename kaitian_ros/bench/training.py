@@ -1,0 +1,224 @@
+"""``kaitian bench training``: heterogeneous data-parallel training, policies compared.
+
+In one run, on digits with ``digits_cnn`` (CPU, gloo, ranks forked on this host):
+
+* solo runs: each emulated device speed alone on the whole global batch -> its throughput
+  (the "ideal" of a policy is the sum of its devices' solo throughputs) and, for speed 1
+  trained for the full schedule, the single-device accuracy;
+* 2 ranks at emulated speeds 1 : 0.33 with policies equal / profile_once / adaptive;
+* control 1 : 1 (equal, adaptive);
+* drift: 1 : 1 and rank 1 slows 2x halfway through (profile_once, adaptive).
+
+Speeds are EMULATED: a rank with slowdown s sleeps (s-1) x its real compute time after
+each step (``comm.trainer``). Efficiency = samples/s / ideal samples/s. Communication
+overhead = per step the smallest blocked-in-communication time over the ranks (the last
+rank to arrive waits for nobody, so its blocked time is the transfer itself), summed,
+over the training wall time. The first two steps of every run (lazy initialisation, DDP's
+bucket rebuild) are left out of all rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+DEFAULT_DIR = Path("bench/results")
+WARMUP = 2  # first steps of every run left out of rates (lazy init, DDP bucket rebuild)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str
+    slowdowns: tuple[float, ...]
+    policy: str
+    drift: tuple[int, int, float] | None = None  # (rank, at step, new slowdown)
+    solo: bool = False  # one rank on the whole batch; ``max_steps`` limits it
+    max_steps: int | None = None
+
+
+def _rank_fn(rank: int, world: int, cfg: Any, drift: tuple[int, int, float] | None) -> dict:
+    from kaitian_ros.comm.trainer import RankTrainer, TrainingStep
+
+    box: dict[str, Any] = {}
+
+    def on_step(s: TrainingStep) -> None:
+        if drift is not None and rank == drift[0] and s.step + 1 == drift[1]:
+            box["t"].set_emulated_slowdown(drift[2])
+
+    box["t"] = RankTrainer(cfg, on_step=on_step)
+    res = box["t"].run()
+    return {"acc": res.test_accuracy, "shares": list(res.final_shares),
+            "steps": [(h.step, h.global_batch, h.local_batch, h.step_ms, h.comm_ms, h.slowdown)
+                      for h in res.history]}
+
+
+def _run(spec: RunSpec, base: Any) -> dict:
+    from kaitian_ros.comm.launch import run_local
+
+    world = len(spec.slowdowns)
+    devices = ("cpu",) if world == 1 else tuple(f"cpu:{chr(97 + r)}" for r in range(world))
+    cfg = replace(base, devices=devices, emulated_slowdown=spec.slowdowns, policy=spec.policy,
+                  max_steps=spec.max_steps)
+    outs = run_local(_rank_fn, world, cfg, spec.drift, timeout_s=120)
+    n = len(outs[0]["steps"])
+    per_step_wall = [max(o["steps"][i][3] for o in outs) for i in range(n)]
+    per_step_comm = [min(o["steps"][i][4] for o in outs) for i in range(n)]
+    gb = [s[1] for s in outs[0]["steps"]]
+    # leave out the warm-up steps everywhere; ranks' step boundaries are offset, so the
+    # training time is the largest per-rank sum of step times (not a sum of per-step maxima)
+    w = WARMUP
+    wall_s = max(sum(s[3] for s in o["steps"][w:]) for o in outs) / 1e3
+    samples = sum(gb[w:])
+    return {"outs": outs, "samples_per_s": samples / wall_s if wall_s else 0.0,
+            "comm_overhead_pct": 100 * sum(per_step_comm[w:]) / 1e3 / wall_s if wall_s else 0.0,
+            "final_accuracy": outs[0]["acc"], "final_shares": outs[0]["shares"],
+            "throughput": [g / (w / 1e3) for g, w in zip(gb, per_step_wall)],
+            "slowdown_per_step": [[o["steps"][i][5] for o in outs] for i in range(len(gb))],
+            "global_batches": gb}
+
+
+def _ideal(slowdowns_per_step: Sequence[Sequence[float]], global_batches: Sequence[int],
+           solo: dict[float, float]) -> float:
+    """Samples/s if every device ran at its solo rate, phase by phase (drift changes it)."""
+    t = sum(g / sum(solo[s] for s in sl)
+            for sl, g in zip(slowdowns_per_step[WARMUP:], global_batches[WARMUP:]))
+    return sum(global_batches[WARMUP:]) / t if t else 0.0
+
+
+def _plot(runs: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for name, r in runs.items():
+        th = r["throughput"]
+        k = 3  # moving average: single steps are noisy on a shared 2-core box
+        sm = [sum(th[max(0, i - k + 1):i + 1]) / len(th[max(0, i - k + 1):i + 1])
+              for i in range(len(th))]
+        ax.plot(range(WARMUP, len(sm)), sm[WARMUP:], label=name, lw=1.3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("global samples/s (3-step moving average)")
+    ax.set_title("Heterogeneous training throughput (digits_cnn, CPU, EMULATED device speeds)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_bench(quick: bool) -> tuple[dict, dict[str, dict]]:
+    import torch
+
+    from kaitian_ros.comm.trainer import TrainingConfig
+
+    torch.set_num_threads(1)
+    epochs = 16 if quick else 30
+    base = TrainingConfig(model="digits_cnn", dataset="digits", global_batch=512,
+                          epochs=epochs, lr=0.1, momentum=0.9, seed=0, rebalance_every=3,
+                          ewma_alpha=0.5, evaluate_every_epoch=False, timeout_s=60)
+    steps_total = epochs * 3  # 1347 training samples / 512 -> 3 steps per epoch
+    solo_steps = 10 if quick else 20
+    specs = [
+        RunSpec("solo speed 1 (single device)", (1.0,), "equal", solo=True),
+        RunSpec("solo speed 0.33", (3.0,), "equal", solo=True, max_steps=solo_steps),
+        RunSpec("solo speed 0.5", (2.0,), "equal", solo=True, max_steps=solo_steps),
+        RunSpec("equal", (1.0, 3.0), "equal"),
+        RunSpec("profile_once", (1.0, 3.0), "profile_once"),
+        RunSpec("adaptive", (1.0, 3.0), "adaptive"),
+        RunSpec("equal@1:1", (1.0, 1.0), "equal"),
+        RunSpec("adaptive@1:1", (1.0, 1.0), "adaptive"),
+        RunSpec("profile_once+drift", (1.0, 1.0), "profile_once",
+                drift=(1, steps_total // 2, 2.0)),
+        RunSpec("adaptive+drift", (1.0, 1.0), "adaptive", drift=(1, steps_total // 2, 2.0)),
+    ]
+    runs: dict[str, dict] = {}
+    solo_rate: dict[float, float] = {}
+    for spec in specs:
+        t0 = time.perf_counter()
+        r = _run(spec, base)
+        r["seconds"] = time.perf_counter() - t0
+        r["spec"] = spec
+        runs[spec.name] = r
+        if spec.solo:
+            solo_rate[spec.slowdowns[0]] = r["samples_per_s"]
+    result: dict[str, Any] = {
+        "policies": {},
+        "single_device_accuracy": runs["solo speed 1 (single device)"]["final_accuracy"],
+        "emulated_speeds": True,
+        "setup": {"model": base.model, "dataset": base.dataset, "global_batch": base.global_batch,
+                  "epochs": epochs, "lr": base.lr, "rebalance_every": base.rebalance_every,
+                  "quick": quick, "solo_samples_per_s": {str(1 / k)[:4]: v
+                                                         for k, v in solo_rate.items()}},
+    }
+    for name, r in runs.items():
+        spec: RunSpec = r["spec"]
+        if spec.solo:
+            continue
+        ideal = _ideal(r["slowdown_per_step"], r["global_batches"], solo_rate)
+        speeds = ":".join(f"{1 / s:.2g}" for s in spec.slowdowns)
+        result["policies"][name] = {
+            "samples_per_s": r["samples_per_s"], "ideal_samples_per_s": ideal,
+            "efficiency": r["samples_per_s"] / ideal if ideal else 0.0,
+            "comm_overhead_pct": r["comm_overhead_pct"], "final_accuracy": r["final_accuracy"],
+            "policy": spec.policy, "emulated_speeds": speeds,
+            "drift": (f"rank {spec.drift[0]} slows to speed {1 / spec.drift[2]:.2g} at step "
+                      f"{spec.drift[1]}" if spec.drift else None),
+            "final_shares": r["final_shares"], "steps": len(r["throughput"]),
+        }
+    return result, runs
+
+
+def _table(result: dict) -> str:
+    rows = [f"{'run':22s} {'speeds (EMULATED)':>17s} {'samples/s':>10s} {'ideal':>8s} "
+            f"{'eff':>6s} {'comm %':>7s} {'acc':>7s}  shares"]
+    for name, p in result["policies"].items():
+        rows.append(f"{name:22s} {p['emulated_speeds']:>17s} {p['samples_per_s']:10.0f} "
+                    f"{p['ideal_samples_per_s']:8.0f} {p['efficiency']:6.3f} "
+                    f"{p['comm_overhead_pct']:7.2f} {p['final_accuracy']:7.4f}  "
+                    f"{[round(s, 3) for s in p['final_shares']]}"
+                    + (f"  ({p['drift']})" if p["drift"] else ""))
+    rows.append(f"single-device accuracy: {result['single_device_accuracy']:.4f}; solo "
+                f"samples/s by speed: "
+                + ", ".join(f"{k}: {v:.0f}" for k, v in result["setup"]["solo_samples_per_s"].items()))
+    return "\n".join(rows)
+
+
+def main(argv: list[str]) -> int:
+    """``kaitian bench training [--json PATH] [--quick]``."""
+    p = argparse.ArgumentParser(prog="kaitian bench training")
+    p.add_argument("--json", help=f"result JSON path (default {DEFAULT_DIR}/training.json)")
+    p.add_argument("--quick", action="store_true", help="short schedule (< 2 min on 2 cores)")
+    p.add_argument("--out-dir", default=str(DEFAULT_DIR), help="where the PNG (and JSON) go")
+    try:
+        a = p.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    out_dir = Path(a.out_dir)
+    json_path = Path(a.json) if a.json else out_dir / "training.json"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        result, runs = run_bench(a.quick)
+        result["bench_seconds"] = time.perf_counter() - t0
+        png = out_dir / "training_throughput.png"
+        _plot({k: v for k, v in runs.items() if not v["spec"].solo}, png)
+        result["plot"] = str(png)
+        json_path.write_text(json.dumps(result, indent=2))
+    except Exception as e:
+        print(f"kaitian bench training: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(_table(result))
+    print(f"wrote {json_path} and {png} ({result['bench_seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -45,7 +45,10 @@ def make_logger(name: str) -> logging.Logger:
         class _RosFormatter(logging.Formatter):
             def format(self, record: logging.LogRecord) -> str:
                 level = {"WARNING": "WARN", "CRITICAL": "FATAL"}.get(record.levelname, record.levelname)
-                return f"[{level}] [{record.created:.3f}] [{name}]: {record.getMessage()}"
+                line = f"[{level}] [{record.created:.3f}] [{name}]: {record.getMessage()}"
+                if record.exc_info:
+                    line += "\n" + self.formatException(record.exc_info)
+                return line
 
         handler.setFormatter(_RosFormatter())
         logger.addHandler(handler)

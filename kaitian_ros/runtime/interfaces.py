@@ -131,9 +131,9 @@ def header(frame_id: str = "", stamp: Any = None) -> Any:
     return msg_class("Header")(stamp=stamp or stamp_now(), frame_id=frame_id)
 
 
-def make(name: str, **fields: Any) -> Any:
+def make(msg_type: str, /, **fields: Any) -> Any:
     """Build a message, defaulting every field the caller leaves out (a header stamps now)."""
-    full = full_type_name(name)
+    full = full_type_name(msg_type)
     _, fielddefs = typestore().fielddefs[full]
     unknown = set(fields) - {f for f, _ in fielddefs}
     if unknown:

@@ -1,0 +1,313 @@
+"""The ``kaitian`` command: launch, router, node/topic/param introspection, train, bench.
+
+User mistakes print one line on stderr and exit non-zero, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import threading
+import time
+from typing import Any, Sequence
+
+import numpy as np
+import yaml
+
+BENCHES = ("transport", "inference", "adaptivity", "training")
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit code 2 (or the code given)."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not argparse's usage dump
+        raise CliError(f"{self.prog}: {message}")
+
+
+def message_to_data(msg: Any, max_array: int | None = 16) -> Any:
+    """Plain YAML-able data of a rosbags message (long arrays elided like ``ros2 topic echo --no-arr``)."""
+    if hasattr(msg, "__dataclass_fields__"):
+        return {k: message_to_data(getattr(msg, k), max_array) for k in msg.__dataclass_fields__
+                if not k.isupper() and k != "__msgtype__"}
+    if isinstance(msg, np.ndarray):
+        if max_array is not None and msg.size > max_array:
+            return f"<array type: {msg.dtype}, length: {msg.size}>"
+        return msg.tolist()
+    if isinstance(msg, (list, tuple)):
+        if max_array is not None and len(msg) > max_array:
+            return f"<sequence length: {len(msg)}>"
+        return [message_to_data(m, max_array) for m in msg]
+    if isinstance(msg, np.generic):
+        return msg.item()
+    return msg
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from kaitian_ros.runtime.graph_client import GraphClient, GraphError
+
+    try:
+        return GraphClient(args.router)
+    except GraphError as exc:
+        raise CliError(str(exc), 1) from None
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from kaitian_ros.launcher import launch
+    from kaitian_ros.runtime import zenoh_session as zs
+    from kaitian_ros.scenario import ScenarioError, load_scenario
+
+    try:
+        scenario = load_scenario(args.scenario, args.overrides)
+    except ScenarioError as exc:
+        raise CliError(str(exc)) from None
+    router = args.router or zs.router_endpoint()
+    view = None
+    if not args.no_view and any(n.executable == "coordinator" for n in scenario.nodes):
+        from kaitian_ros.live_view import LiveView
+
+        view = LiveView(router, scenario)
+    try:
+        code = launch(scenario, router, duration_s=args.duration, on_tick=view.tick if view else None)
+    except RuntimeError as exc:
+        raise CliError(str(exc), 1) from None
+    finally:
+        if view is not None:
+            view.close()
+    return code
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from kaitian_ros.runtime import zenoh_session as zs
+
+    endpoint = args.listen or zs.router_endpoint()
+    try:
+        session = zs.open_session("router", listen=endpoint)
+    except Exception as exc:
+        raise CliError(f"cannot listen on {endpoint}: {exc}", 1) from None
+    print(f"router listening on {endpoint} (Ctrl-C to stop)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        session.close()
+    return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        for name in client.nodes():
+            print(name)
+    return 0
+
+
+def cmd_topic(args: argparse.Namespace) -> int:
+    from kaitian_ros.runtime.graph_client import GraphError, RateMeter
+
+    with _client(args) as client:
+        if args.topic_cmd == "list":
+            for info in client.topics():
+                print(f"{info.name} [{', '.join(info.types)}]" if args.show_types else info.name)
+            return 0
+        topic = args.topic if args.topic.startswith("/") else "/" + args.topic
+        try:
+            msg_type = args.type or client.topic_type(topic)
+        except GraphError as exc:
+            raise CliError(str(exc), 1) from None
+        done = threading.Event()
+        if args.topic_cmd == "echo":
+            count = {"n": 0}
+            lock = threading.Lock()
+
+            def show(msg: Any, size: int) -> None:
+                with lock:
+                    if done.is_set():
+                        return
+                    if msg is None:
+                        print(f"# undecodable {size}-byte payload dropped", file=sys.stderr)
+                        return
+                    print(yaml.safe_dump(message_to_data(msg, None if args.full_arrays else 16),
+                                         sort_keys=False).rstrip())
+                    print("---", flush=True)
+                    count["n"] += 1
+                    if args.once or (args.count and count["n"] >= args.count):
+                        done.set()
+
+            sub = client.subscribe(topic, msg_type, show)
+        else:
+            meter = RateMeter(args.window)
+            sub = client.subscribe(topic, msg_type, lambda msg, size: meter.tick(size))
+        deadline = time.monotonic() + args.timeout if args.timeout else None
+        try:
+            while not done.is_set():
+                done.wait(1.0)
+                if args.topic_cmd == "hz":
+                    stats = meter.summary()
+                    if stats:
+                        print(f"average rate: {stats['rate']:.3f}\n\tmin: {stats['min']:.3f}s "
+                              f"max: {stats['max']:.3f}s std dev: {stats['std']:.5f}s "
+                              f"window: {stats['window']}", flush=True)
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+        except KeyboardInterrupt:
+            pass
+        del sub
+    return 0
+
+
+def _format_value(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def cmd_param(args: argparse.Namespace) -> int:
+    from kaitian_ros.runtime.graph_client import GraphError
+    from kaitian_ros.runtime.node_args import parse_value
+
+    node = args.node if args.node.startswith("/") else "/" + args.node
+    with _client(args) as client:
+        try:
+            if args.param_cmd == "list":
+                print(f"{node}:")
+                for p in client.list_parameters(node):
+                    print(f"  {p['name']}")
+            elif args.param_cmd == "describe":
+                for p in client.list_parameters(node):
+                    if p["name"] == args.name:
+                        print(yaml.safe_dump(p, sort_keys=False).rstrip())
+                        return 0
+                raise CliError(f"parameter '{args.name}' not declared on {node}", 1)
+            elif args.param_cmd == "get":
+                value = client.get_parameter(node, args.name)
+                kind = {bool: "Boolean", int: "Integer", float: "Double", str: "String"}.get(type(value), "Array")
+                print(f"{kind} value is: {_format_value(value)}")
+            elif args.param_cmd == "set":
+                ok, reason = client.set_parameters(node, {args.name: parse_value(args.value)})
+                if not ok:
+                    print(f"Setting parameter failed: {reason}", file=sys.stderr)
+                    return 1
+                print("Set parameter successful")
+            elif args.param_cmd == "dump":
+                values = {p["name"]: p["value"] for p in client.list_parameters(node)}
+                print(yaml.safe_dump({node: {"ros__parameters": values}}, sort_keys=False).rstrip())
+        except GraphError as exc:
+            raise CliError(str(exc), 1) from None
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    module = importlib.import_module(f"kaitian_ros.bench.{args.bench}")
+    return int(module.main(rest) or 0)
+
+
+def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
+    from kaitian_ros.comm.launch import main_train
+
+    return int(main_train(rest) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kaitian", description="kaitian_ros: heterogeneous collaborative inference "
+                                                 "and training on ROS 2 or the embedded Zenoh runtime")
+    parser.add_argument("--router", help="zenoh endpoint of the graph's router "
+                                         "(default $KAITIAN_ROUTER or tcp/127.0.0.1:7447)")
+    common = _Parser(add_help=False)
+    common.add_argument("--router", default=argparse.SUPPRESS, help="zenoh endpoint of the graph's router")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add = sub.add_parser
+
+    def add_parser(name: str, **kw: Any) -> argparse.ArgumentParser:
+        return _add(name, parents=[common], **kw)
+
+    sub.add_parser = add_parser  # type: ignore[method-assign]
+
+    p = sub.add_parser("launch", help="start a scenario's node graph (like ros2 launch)")
+    p.add_argument("scenario", help="scenario name in config/ (e.g. hetero_inference) or a .yaml path")
+    p.add_argument("overrides", nargs="*", help="launch arguments name:=value")
+    p.add_argument("--duration", type=float, help="stop after this many seconds")
+    p.add_argument("--no-view", action="store_true", help="no live terminal view")
+
+    p = sub.add_parser("router", help="run a zenoh router for a graph")
+    p.add_argument("--listen", help="endpoint to listen on (default tcp/127.0.0.1:7447)")
+
+    p = sub.add_parser("node", help="node introspection")
+    p.add_argument("node_cmd", choices=["list"])
+
+    p = sub.add_parser("topic", help="topic introspection")
+    tsub = p.add_subparsers(dest="topic_cmd", required=True, parser_class=_Parser)
+    _inner_tsub = tsub.add_parser
+    tsub.add_parser = lambda name, _f=_inner_tsub, **kw: _f(name, parents=[common], **kw)  # type: ignore[method-assign]
+    q = tsub.add_parser("list")
+    q.add_argument("-t", "--show-types", action="store_true")
+    for name in ("echo", "hz"):
+        q = tsub.add_parser(name)
+        q.add_argument("topic")
+        q.add_argument("type", nargs="?", help="message type (default: discovered)")
+        q.add_argument("--timeout", type=float, help="stop after this many seconds")
+        if name == "echo":
+            q.add_argument("--once", action="store_true")
+            q.add_argument("--count", type=int, default=0)
+            q.add_argument("--full-arrays", action="store_true", help="print long arrays in full")
+        else:
+            q.add_argument("--window", type=int, default=100)
+
+    p = sub.add_parser("param", help="parameters of a running node")
+    psub = p.add_subparsers(dest="param_cmd", required=True, parser_class=_Parser)
+    _inner_psub = psub.add_parser
+    psub.add_parser = lambda name, _f=_inner_psub, **kw: _f(name, parents=[common], **kw)  # type: ignore[method-assign]
+    q = psub.add_parser("list")
+    q.add_argument("node")
+    for name in ("get", "describe"):
+        q = psub.add_parser(name)
+        q.add_argument("node")
+        q.add_argument("name")
+    q = psub.add_parser("set")
+    q.add_argument("node")
+    q.add_argument("name")
+    q.add_argument("value")
+    q = psub.add_parser("dump")
+    q.add_argument("node")
+
+    p = sub.add_parser("bench", help="benchmarks (compare baselines side by side, write JSON + PNG)")
+    p.add_argument("bench", choices=BENCHES)
+    sub.add_parser("train", help="collaborative training across this host's devices")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        # bench/train pass their own flags through to their modules
+        args, rest = parser.parse_known_args(argv)
+        if args.command not in ("bench", "train") and rest:
+            raise CliError(f"kaitian: unrecognized arguments: {' '.join(rest)}")
+        if args.command == "launch":
+            return cmd_launch(args)
+        if args.command == "router":
+            return cmd_router(args)
+        if args.command == "node":
+            return cmd_node(args)
+        if args.command == "topic":
+            return cmd_topic(args)
+        if args.command == "param":
+            return cmd_param(args)
+        if args.command == "bench":
+            return cmd_bench(args, rest)
+        return cmd_train(args, rest)
+    except CliError as exc:
+        print(str(exc), file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

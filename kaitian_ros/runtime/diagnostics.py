@@ -1,0 +1,34 @@
+"""/diagnostics publishing (diagnostic_msgs/DiagnosticArray), shared by every node."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from kaitian_ros.runtime import interfaces
+from kaitian_ros.runtime.api import QoS, Runtime
+
+DIAGNOSTICS_TOPIC = "/diagnostics"
+
+
+class Level(enum.IntEnum):
+    OK = 0
+    WARN = 1
+    ERROR = 2
+    STALE = 3
+
+
+class DiagnosticsPublisher:
+    def __init__(self, rt: Runtime, hardware_id: str = "") -> None:
+        self.rt = rt
+        self.hardware_id = hardware_id
+        self.pub = rt.create_publisher(DIAGNOSTICS_TOPIC, "DiagnosticArray", QoS.RELIABLE)
+
+    def status(self, level: Level, message: str, values: dict[str, Any], name: str | None = None) -> Any:
+        kv = [interfaces.make("KeyValue", key=str(k), value=str(v)) for k, v in values.items()]
+        return interfaces.make("DiagnosticStatus", level=int(level), name=name or f"kaitian: {self.rt.node_name}",
+                               message=message, hardware_id=self.hardware_id, values=kv)
+
+    def publish(self, level: Level, message: str, values: dict[str, Any], name: str | None = None) -> None:
+        array = interfaces.make("DiagnosticArray", status=[self.status(level, message, values, name)])
+        self.pub.publish(array)

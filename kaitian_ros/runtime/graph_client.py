@@ -1,0 +1,154 @@
+"""Introspection of a running embedded graph: what ``ros2 node/topic/param`` do, over Zenoh."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kaitian_ros.runtime import interfaces
+from kaitian_ros.runtime import zenoh_session as zs
+
+QUERY_TIMEOUT_S = 3.0
+SETTLE_S = 0.3
+
+
+class GraphError(RuntimeError):
+    """A request to the graph that failed (no such node, refused, no answer)."""
+
+
+@dataclass(frozen=True)
+class TopicInfo:
+    name: str
+    types: tuple[str, ...]
+    publishers: int
+    subscribers: int
+
+
+class GraphClient:
+    def __init__(self, router: str | None = None, domain: int | None = None) -> None:
+        self.domain = zs.domain_id() if domain is None else domain
+        self.router = router or zs.router_endpoint()
+        try:
+            self.session = zs.open_session("peer", connect=self.router)
+        except Exception as exc:
+            raise GraphError(f"cannot reach a router at {self.router}: {exc}") from None
+        # a fresh session needs a moment before the router routes queries to it
+        time.sleep(SETTLE_S)
+
+    def close(self) -> None:
+        self.session.close()
+
+    def __enter__(self) -> "GraphClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def liveliness(self) -> list[zs.LivelinessEntry]:
+        entries = []
+        for reply in self.session.liveliness().get(f"{zs.LIVELINESS_PREFIX}/{self.domain}/**",
+                                                   timeout=QUERY_TIMEOUT_S):
+            if reply.ok is not None:
+                entry = zs.parse_liveliness(str(reply.ok.key_expr))
+                if entry is not None:
+                    entries.append(entry)
+        return entries
+
+    def wait_for_nodes(self, names: list[str], timeout_s: float) -> bool:
+        """True once every node (fully qualified or plain name) is alive."""
+        deadline = time.monotonic() + timeout_s
+        wanted = {n if n.startswith("/") else "/" + n for n in names}
+        while time.monotonic() < deadline:
+            if wanted <= set(self.nodes()):
+                return True
+            time.sleep(0.2)
+        return False
+
+    def nodes(self) -> list[str]:
+        return sorted({e.node_fqn for e in self.liveliness() if e.kind == "NN"})
+
+    def topics(self) -> list[TopicInfo]:
+        found: dict[str, dict[str, Any]] = {}
+        for e in self.liveliness():
+            if e.kind not in ("MP", "MS"):
+                continue
+            info = found.setdefault(e.topic, {"types": set(), "MP": 0, "MS": 0})
+            info["types"].add(e.type_name)
+            info[e.kind] += 1
+        return [TopicInfo(name, tuple(sorted(v["types"])), v["MP"], v["MS"]) for name, v in sorted(found.items())]
+
+    def topic_type(self, topic: str) -> str:
+        for info in self.topics():
+            if info.name == topic:
+                return info.types[0]
+        raise GraphError(f"topic '{topic}' not found (is its publisher running?)")
+
+    def subscribe(self, topic: str, msg_type: str, callback: Callable[[Any, int], None]) -> Any:
+        """Raw subscription for echo/hz: callback(decoded message or None, payload bytes)."""
+        key = zs.topic_key(self.domain, topic, msg_type)
+
+        def on_sample(sample: Any) -> None:
+            raw = sample.payload.to_bytes()
+            try:
+                msg = interfaces.decode(raw, msg_type)
+            except interfaces.DecodeError:
+                msg = None
+            callback(msg, len(raw))
+
+        sub = self.session.declare_subscriber(key, on_sample)
+        if any(e.kind == "MP" and e.topic == topic for e in self.liveliness()):
+            # pick up a latched value like a late-joining transient-local subscriber would
+            self.session.get(key, lambda r: r.ok is not None and on_sample(r.ok), timeout=QUERY_TIMEOUT_S)
+        return sub
+
+    def _param_request(self, node: str, op: str, request: dict[str, Any]) -> dict[str, Any]:
+        fqn = node if node.startswith("/") else "/" + node
+        replies = list(self.session.get(zs.param_key(self.domain, fqn, op),
+                                        payload=json.dumps(request).encode(), timeout=QUERY_TIMEOUT_S))
+        for reply in replies:
+            if reply.ok is not None:
+                return json.loads(reply.ok.payload.to_bytes())
+        raise GraphError(f"node '{fqn}' not found (no parameter service answered)")
+
+    def list_parameters(self, node: str) -> list[dict[str, Any]]:
+        return self._param_request(node, "list", {})["parameters"]
+
+    def get_parameter(self, node: str, name: str) -> Any:
+        answer = self._param_request(node, "get", {"names": [name]})
+        if not answer.get("successful"):
+            raise GraphError(answer.get("reason", "refused"))
+        return answer["values"][name]
+
+    def set_parameters(self, node: str, values: dict[str, Any]) -> tuple[bool, str]:
+        answer = self._param_request(node, "set", {"values": values})
+        return bool(answer.get("successful")), str(answer.get("reason", ""))
+
+
+class RateMeter:
+    """``ros2 topic hz`` statistics over a sliding window of arrival times."""
+
+    def __init__(self, window: int = 100) -> None:
+        self.window = window
+        self.stamps: list[float] = []
+        self.sizes: list[int] = []
+        self.lock = threading.Lock()
+
+    def tick(self, size: int = 0) -> None:
+        with self.lock:
+            self.stamps.append(time.monotonic())
+            self.sizes.append(size)
+            del self.stamps[:-self.window - 1]
+            del self.sizes[:-self.window - 1]
+
+    def summary(self) -> dict[str, float] | None:
+        with self.lock:
+            if len(self.stamps) < 2:
+                return None
+            gaps = [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+        mean = sum(gaps) / len(gaps)
+        std = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5
+        return {"rate": 1.0 / mean if mean > 0 else float("inf"), "min": min(gaps), "max": max(gaps),
+                "std": std, "window": len(gaps)}

@@ -1,0 +1,169 @@
+"""Scenario files: one YAML per scenario in ROS 2 parameter-file form, read by both launchers.
+
+Each top-level key is a node name with ``ros__parameters``; the extra parameter ``executable``
+names the node program (ROS nodes ignore parameters they do not declare, so the same file is
+passed to them unchanged). Launch arguments ``name:=value`` override parameters:
+
+- ``param:=value`` sets ``param`` in every node that has it in the file,
+- ``node.param:=value`` sets it in one node,
+- ``compute_nodes:=N`` keeps/clones ``compute_*`` nodes to exactly N (clones copy the last one),
+- ``slowdowns:=[1.0,2.0,...]`` sets ``emulated_slowdown`` of the compute nodes in order.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from kaitian_ros.runtime.interfaces import find_share_file
+from kaitian_ros.runtime.node_args import parse_value
+
+EXECUTABLES = ("image_source", "compute", "coordinator", "scheduler", "trainer", "monitor")
+_COMPUTE = re.compile(r"^compute_(\d+)$")
+
+
+class ScenarioError(ValueError):
+    """A scenario that cannot be loaded or an override that does not apply."""
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    name: str
+    executable: str
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    path: Path
+    nodes: tuple[NodeSpec, ...]
+    overrides: tuple[tuple[str, Any], ...] = ()
+
+    def node(self, name: str) -> NodeSpec:
+        for spec in self.nodes:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+    def compute_nodes(self) -> tuple[NodeSpec, ...]:
+        return tuple(n for n in self.nodes if n.executable == "compute")
+
+    def parameter_file_dict(self) -> dict[str, Any]:
+        """The resolved graph in ROS 2 parameter-file form (what nodes receive)."""
+        return {n.name: {"ros__parameters": {"executable": n.executable} | n.parameters} for n in self.nodes}
+
+
+def scenario_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path
+    try:
+        return find_share_file("config", f"{name_or_path}.yaml")
+    except FileNotFoundError:
+        raise ScenarioError(f"unknown scenario '{name_or_path}' (give a name from config/ or a .yaml path; "
+                            f"available: {', '.join(available_scenarios()) or 'none'})") from None
+
+
+def available_scenarios() -> list[str]:
+    from kaitian_ros.runtime.interfaces import share_dirs
+
+    names: set[str] = set()
+    for base in share_dirs():
+        names.update(p.stem for p in (base / "config").glob("*.yaml"))
+    return sorted(names)
+
+
+def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
+    out = []
+    for arg in args:
+        if ":=" not in arg:
+            raise ScenarioError(f"launch arguments look like name:=value, got '{arg}'")
+        key, value = arg.split(":=", 1)
+        if not key:
+            raise ScenarioError(f"empty launch argument name in '{arg}'")
+        out.append((key, parse_value(value)))
+    return out
+
+
+def load_scenario(name_or_path: str, overrides: Sequence[tuple[str, Any]] | Sequence[str] = ()) -> Scenario:
+    path = scenario_path(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ScenarioError(f"{path}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict) or not data:
+        raise ScenarioError(f"{path}: expected a mapping of node names to ros__parameters")
+    nodes: list[NodeSpec] = []
+    for name, section in data.items():
+        if name in ("/**", "**"):
+            continue
+        if not isinstance(section, dict) or not isinstance(section.get("ros__parameters"), dict):
+            raise ScenarioError(f"{path}: node '{name}' has no ros__parameters mapping")
+        params = dict(section["ros__parameters"])
+        executable = params.pop("executable", None)
+        if executable not in EXECUTABLES:
+            raise ScenarioError(f"{path}: node '{name}' needs 'executable' in {list(EXECUTABLES)}, got {executable!r}")
+        nodes.append(NodeSpec(name, executable, params))
+    pairs = parse_overrides(overrides) if overrides and isinstance(overrides[0], str) else list(overrides)
+    nodes = apply_overrides(nodes, pairs)
+    return Scenario(path.stem, path, tuple(nodes), tuple(pairs))
+
+
+def apply_overrides(nodes: list[NodeSpec], overrides: Sequence[tuple[str, Any]]) -> list[NodeSpec]:
+    nodes = [NodeSpec(n.name, n.executable, copy.deepcopy(n.parameters)) for n in nodes]
+    for key, value in overrides:
+        if key == "compute_nodes":
+            nodes = _resize_compute(nodes, value)
+        elif key == "slowdowns":
+            computes = [n for n in nodes if n.executable == "compute"]
+            if not isinstance(value, list) or len(value) != len(computes):
+                raise ScenarioError(f"slowdowns:= needs a list of {len(computes)} numbers (one per compute node)")
+            for spec, slowdown in zip(computes, value):
+                spec.parameters["emulated_slowdown"] = float(slowdown)
+        elif "." in key and key.split(".", 1)[0] in {n.name for n in nodes}:
+            node_name, param = key.split(".", 1)
+            next(n for n in nodes if n.name == node_name).parameters[param] = value
+        else:
+            hits = [n for n in nodes if key in n.parameters]
+            if not hits:
+                raise ScenarioError(f"launch argument '{key}' matches no parameter of any node "
+                                    f"(use node.param:=value to add one to a node)")
+            for spec in hits:
+                spec.parameters[key] = value
+    _sync_compute_lists(nodes)
+    return nodes
+
+
+def _resize_compute(nodes: list[NodeSpec], count: Any) -> list[NodeSpec]:
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= 64:
+        raise ScenarioError(f"compute_nodes:= must be an integer in [1, 64], got {count!r}")
+    computes = [n for n in nodes if n.executable == "compute"]
+    if not computes:
+        raise ScenarioError("compute_nodes:= given but the scenario has no compute node")
+    others = [n for n in nodes if n.executable != "compute"]
+    template = computes[-1]
+    resized = computes[:count]
+    for index in range(len(resized), count):
+        resized.append(NodeSpec(f"compute_{index}", "compute", copy.deepcopy(template.parameters)))
+    first = nodes.index(computes[0])
+    before = [n for n in others if nodes.index(n) < first]
+    after = [n for n in others if nodes.index(n) > first]
+    return before + resized + after
+
+
+def _sync_compute_lists(nodes: list[NodeSpec]) -> None:
+    """Coordinator/scheduler list the compute nodes; keep those lists equal to the graph's."""
+    names = [n.name for n in nodes if n.executable == "compute"]
+    for spec in nodes:
+        if "compute_nodes" in spec.parameters and spec.executable != "compute":
+            spec.parameters["compute_nodes"] = list(names)
+        if spec.executable in ("coordinator", "scheduler") and "static_shares" in spec.parameters:
+            shares = spec.parameters["static_shares"]
+            if isinstance(shares, list) and len(shares) != len(names):
+                spec.parameters["static_shares"] = [1.0] * len(names)

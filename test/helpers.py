@@ -1,0 +1,386 @@
+"""Shared test utilities: free ports, a router per test, child processes, an in-process probe node.
+
+Tests import fixtures from here (``from helpers import router``). Run as a script, this file is
+also the small "other process" the transport tests talk to::
+
+    python test/helpers.py echo TYPE [TYPE ...]      # re-encode /rt_in/<T> onto /rt_out/<T>
+    python test/helpers.py latched_pub TOPIC TEXT... # publish Strings on a latched topic, then spin
+    python test/helpers.py sub_print TOPIC QOS N     # print the first N Strings received, exit
+    python test/helpers.py qos_pub                   # Strings on /qos/reliable and /qos/best_effort
+
+Every child prints one JSON line ``{"ready": ...}`` once its entities are declared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+REPO = Path(__file__).resolve().parents[1]
+HELPERS = Path(__file__).resolve()
+DEADLINE_S = 20.0  # liveness deadline for "eventually" waits (never a performance assertion)
+
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+# --- ports, routers, environments ---------------------------------------------------------
+
+def free_port() -> int:
+    """A TCP port the kernel just handed out (bind to port 0), so parallel runs never collide."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(router: str, **extra: str) -> dict[str, str]:
+    env = dict(os.environ, KAITIAN_ROUTER=router, KAITIAN_RUNTIME="embedded", ROS_DOMAIN_ID="0",
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.pop("KAITIAN_LOG_LEVEL", None)
+    env.update(extra)
+    return env
+
+
+class Router:
+    """A zenoh router session hosted in the test process on a fresh loopback port."""
+
+    def __init__(self) -> None:
+        from kaitian_ros.runtime import zenoh_session as zs
+
+        last: Exception | None = None
+        for _ in range(5):  # the port could be taken between free_port() and listen: retry
+            self.endpoint = f"tcp/127.0.0.1:{free_port()}"
+            try:
+                self.session = zs.open_session("router", listen=self.endpoint)
+                return
+            except Exception as exc:  # pragma: no cover - rare race
+                last = exc
+        raise RuntimeError(f"could not host a router: {last}")
+
+    def close(self) -> None:
+        self.session.close()
+
+
+try:
+    import pytest
+
+    @pytest.fixture
+    def router() -> Iterator[Router]:
+        r = Router()
+        yield r
+        r.close()
+
+    @pytest.fixture(scope="module")
+    def module_router() -> Iterator[Router]:
+        r = Router()
+        yield r
+        r.close()
+except ImportError:  # children do not need pytest
+    pass
+
+
+def wait_until(predicate: Callable[[], Any], what: str, timeout_s: float = DEADLINE_S,
+               interval_s: float = 0.02) -> Any:
+    """Poll until ``predicate()`` is truthy; fail naming ``what`` if it never becomes so."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+# --- child processes ----------------------------------------------------------------------
+
+class Proc:
+    """A child process whose merged output is collected line by line on a thread."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], *, new_session: bool = False) -> None:
+        self.cmd = cmd
+        self.p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, text=True, bufsize=1, cwd=str(REPO),
+                                  start_new_session=new_session)
+        self.lines: list[str] = []
+        self._lock = threading.Lock()
+        self._reader = threading.Thread(target=self._pump, daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        assert self.p.stdout is not None
+        for line in self.p.stdout:
+            with self._lock:
+                self.lines.append(line.rstrip("\n"))
+
+    @property
+    def pid(self) -> int:
+        return self.p.pid
+
+    def output(self) -> str:
+        with self._lock:
+            return "\n".join(self.lines)
+
+    def find(self, pattern: str) -> list[re.Match]:
+        rx = re.compile(pattern)
+        with self._lock:
+            return [m for m in (rx.search(line) for line in self.lines) if m]
+
+    def wait_for(self, pattern: str, count: int = 1, timeout_s: float = DEADLINE_S) -> list[re.Match]:
+        def seen() -> list[re.Match] | None:
+            found = self.find(pattern)
+            if len(found) >= count:
+                return found
+            if self.p.poll() is not None:
+                self._reader.join(timeout=1.0)
+                found = self.find(pattern)
+                if len(found) >= count:
+                    return found
+                raise AssertionError(f"{self.cmd[1:4]} exited ({self.p.returncode}) before printing "
+                                     f"{pattern!r}:\n{self.output()}")
+            return None
+
+        try:
+            return wait_until(seen, f"{pattern!r} in the output of {self.cmd[1:4]}", timeout_s)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n--- output ---\n{self.output()}") from None
+
+    def ready(self, timeout_s: float = DEADLINE_S) -> dict[str, Any]:
+        match = self.wait_for(r'^\{"ready"', timeout_s=timeout_s)[0]
+        return json.loads(match.string)["ready"]
+
+    def alive(self) -> bool:
+        return self.p.poll() is None
+
+    def wait(self, timeout_s: float = DEADLINE_S) -> int:
+        code = self.p.wait(timeout=timeout_s)
+        self._reader.join(timeout=2.0)
+        return code
+
+    def stop(self) -> None:
+        """SIGINT, then SIGKILL if it does not end; always reaps."""
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGINT)
+            try:
+                self.p.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        self._reader.join(timeout=2.0)
+
+
+def spawn_helper(role: str, *args: str, router: str) -> Proc:
+    return Proc([sys.executable, "-u", str(HELPERS), role, *args], child_env(router))
+
+
+def spawn_node(module: str, name: str, router: str, *params: str) -> Proc:
+    """A node executable as ``launch`` starts it: ``python -m kaitian_ros.nodes.X --ros-args ...``."""
+    cmd = [sys.executable, "-u", "-m", f"kaitian_ros.nodes.{module}", "--ros-args", "-r", f"__node:={name}"]
+    for p in params:
+        cmd += ["-p", p]
+    return Proc(cmd, child_env(router))
+
+
+def run_cli(*args: str, router: str | None = None, timeout_s: float = 30.0) -> subprocess.CompletedProcess:
+    """``kaitian ARGS`` as a user types it (the console script's module, in a fresh interpreter)."""
+    cmd = [sys.executable, "-m", "kaitian_ros.cli"]
+    if router is not None:
+        cmd += ["--router", router]
+    env = child_env(router or "tcp/127.0.0.1:1")
+    return subprocess.run(cmd + list(args), env=env, capture_output=True, text=True, timeout=timeout_s,
+                          cwd=str(REPO))
+
+
+# --- process inspection (no psutil on this box: /proc) -------------------------------------
+
+def pid_running(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    state = stat.rsplit(")", 1)[1].split()[0]
+    return state not in ("Z", "X")
+
+
+def pids_with_env(key: str, value: str) -> list[int]:
+    """Live processes whose environment has ``key=value`` (finds every descendant we spawned)."""
+    needle = f"{key}={value}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0") and pid_running(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+# --- an in-process probe node ----------------------------------------------------------------
+
+class Collector:
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, item: Any) -> None:
+        with self.lock:
+            self.items.append(item)
+
+    def snapshot(self) -> list[Any]:
+        with self.lock:
+            return list(self.items)
+
+    def __len__(self) -> int:
+        with self.lock:
+            return len(self.items)
+
+
+class Probe:
+    """An EmbeddedRuntime node in the test process, spinning on a thread."""
+
+    def __init__(self, router: str, name: str = "probe") -> None:
+        from kaitian_ros.runtime.embedded import EmbeddedRuntime
+        from kaitian_ros.runtime.node_args import NodeArgs
+
+        self.rt = EmbeddedRuntime(NodeArgs(name), router=router, domain=0)
+        self.thread = threading.Thread(target=self.rt.spin, daemon=True)
+        self.thread.start()
+
+    def collect(self, topic: str, msg_type: str, qos: Any = None) -> Collector:
+        from kaitian_ros.runtime.api import QoS
+
+        sink = Collector()
+        self.rt.create_subscription(topic, msg_type, sink, qos or QoS.RELIABLE)
+        return sink
+
+    def close(self) -> None:
+        self.rt.shutdown()
+        self.thread.join(timeout=5.0)
+        self.rt.close()
+
+
+def raw_session(router: str) -> Any:
+    """A plain zenoh peer session (to publish bytes no kaitian publisher would produce)."""
+    from kaitian_ros.runtime import zenoh_session as zs
+
+    return zs.open_session("peer", connect=router)
+
+
+# --- child roles --------------------------------------------------------------------------------
+
+def _child_runtime(name: str) -> Any:
+    from kaitian_ros.runtime.embedded import EmbeddedRuntime
+    from kaitian_ros.runtime.node_args import NodeArgs
+
+    rt = EmbeddedRuntime(NodeArgs(name), domain=0)
+    signal.signal(signal.SIGINT, lambda *_: rt.shutdown())
+    signal.signal(signal.SIGTERM, lambda *_: rt.shutdown())
+    return rt
+
+
+def _ready(**info: Any) -> None:
+    print(json.dumps({"ready": info}), flush=True)
+
+
+def _role_echo(types: list[str]) -> None:
+    """Decode what arrives on /rt_in/<T> and publish it re-encoded on /rt_out/<T>."""
+    from kaitian_ros.runtime import interfaces
+    from kaitian_ros.runtime.api import QoS
+
+    rt = _child_runtime("echo")
+    gids = {}
+    for name in types:
+        short = name.rsplit("/", 1)[-1]
+        pub = rt.create_publisher(f"/rt_out/{short}", name, QoS.RELIABLE)
+        gids[short] = pub.gid.hex()
+
+        def forward(msg: Any, pub: Any = pub, name: str = name) -> None:
+            pub.publish_raw(interfaces.encode(msg, name))
+
+        rt.create_subscription(f"/rt_in/{short}", name, forward, QoS.RELIABLE)
+    _ready(gids=gids)
+    rt.spin()
+    rt.close()
+
+
+def _role_latched_pub(topic: str, texts: list[str]) -> None:
+    from kaitian_ros.runtime import interfaces
+    from kaitian_ros.runtime.api import QoS
+
+    rt = _child_runtime("latched_pub")
+    pub = rt.create_publisher(topic, "String", QoS.LATCHED)
+    for text in texts:
+        pub.publish(interfaces.make("String", data=text))
+    _ready(published=texts)
+    rt.spin()
+    rt.close()
+
+
+def _role_sub_print(topic: str, qos: str, count: int) -> None:
+    from kaitian_ros.runtime.api import QoS
+
+    rt = _child_runtime("sub_print")
+    got: list[str] = []
+
+    def on_msg(msg: Any) -> None:
+        got.append(msg.data)
+        print(json.dumps({"data": msg.data}), flush=True)
+        if len(got) >= count:
+            rt.shutdown()
+
+    rt.create_subscription(topic, "String", on_msg, QoS(qos))
+    _ready(topic=topic)
+    rt.spin()
+    rt.close()
+
+
+def _role_qos_pub() -> None:
+    from kaitian_ros.runtime import interfaces
+    from kaitian_ros.runtime.api import QoS
+
+    rt = _child_runtime("qos_pub")
+    pubs = {q: rt.create_publisher(f"/qos/{q.value}", "String", q) for q in (QoS.RELIABLE, QoS.BEST_EFFORT)}
+    index = {"n": 0}
+
+    def tick() -> None:
+        index["n"] += 1
+        for q, pub in pubs.items():
+            pub.publish(interfaces.make("String", data=f"{q.value} {index['n']}"))
+
+    rt.create_timer(0.02, tick)
+    _ready(topics=[p.topic for p in pubs.values()])
+    rt.spin()
+    rt.close()
+
+
+def main(argv: list[str]) -> int:
+    role, args = argv[0], argv[1:]
+    if role == "echo":
+        _role_echo(args)
+    elif role == "latched_pub":
+        _role_latched_pub(args[0], args[1:])
+    elif role == "sub_print":
+        _role_sub_print(args[0], args[1], int(args[2]))
+    elif role == "qos_pub":
+        _role_qos_pub()
+    else:
+        print(f"unknown role {role}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

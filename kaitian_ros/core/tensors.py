@@ -1,0 +1,66 @@
+"""Image -> model input tensor (pure numpy/torch), shared by the coordinator and the tests
+that compare the collaborative result with a single-device run on the same input."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# ImageNet statistics: the reference CNNs are ImageNet-shaped; random weights do not care,
+# but trained state_dicts loaded by users do.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+ENCODINGS = ("rgb8", "bgr8", "mono8")
+
+
+class ImageFormatError(ValueError):
+    """An image whose encoding, size or data length cannot be converted."""
+
+
+def image_to_array(data: np.ndarray, height: int, width: int, encoding: str, step: int) -> np.ndarray:
+    """HxWxC uint8 RGB (or HxWx1 mono) view of sensor_msgs/Image fields; validates sizes."""
+    if encoding not in ENCODINGS:
+        raise ImageFormatError(f"unsupported encoding {encoding!r} (supported: {', '.join(ENCODINGS)})")
+    channels = 1 if encoding == "mono8" else 3
+    if height <= 0 or width <= 0:
+        raise ImageFormatError(f"empty image {width}x{height}")
+    if step < width * channels or len(data) < step * height:
+        raise ImageFormatError(f"image data {len(data)} bytes too short for {width}x{height} "
+                               f"{encoding} with step {step}")
+    rows = np.asarray(data[: step * height], dtype=np.uint8).reshape(height, step)
+    pixels = rows[:, : width * channels].reshape(height, width, channels)
+    if encoding == "bgr8":
+        pixels = pixels[:, :, ::-1]
+    return pixels
+
+
+def preprocess(pixels: np.ndarray, out_height: int, out_width: int, in_channels: int = 3,
+               normalise: bool = True) -> torch.Tensor:
+    """uint8 HxWxC -> float32 (1, in_channels, out_height, out_width), resized and normalised."""
+    import cv2
+
+    if pixels.shape[2] == 1 and in_channels == 3:
+        pixels = np.repeat(pixels, 3, axis=2)
+    if pixels.shape[0] != out_height or pixels.shape[1] != out_width:
+        pixels = cv2.resize(np.ascontiguousarray(pixels), (out_width, out_height),
+                            interpolation=cv2.INTER_AREA)
+        if pixels.ndim == 2:
+            pixels = pixels[:, :, None]
+    x = torch.from_numpy(np.array(pixels, dtype=np.float32, order="C")).div_(255.0)
+    x = x.permute(2, 0, 1).unsqueeze(0)
+    if in_channels == 1 and x.shape[1] == 3:
+        x = x.mean(dim=1, keepdim=True)
+    if normalise:
+        if x.shape[1] == 3:
+            mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+            std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+        else:
+            mean, std = torch.tensor(0.5).view(1, 1, 1, 1), torch.tensor(0.25).view(1, 1, 1, 1)
+        x = (x - mean) / std
+    return x.contiguous()
+
+
+def relative_error(result: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |result - reference| / max |reference|: the invariant's error measure."""
+    scale = float(reference.abs().max())
+    return float((result - reference).abs().max()) / (scale if scale > 0 else 1.0)

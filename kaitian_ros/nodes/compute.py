@@ -1,0 +1,257 @@
+"""compute node: one per accelerator; computes its row stripe of every request, streaming.
+
+Receives INPUT (image rows from the coordinator) and HALO (rows from neighbours) chunks on
+``/kaitian/chunks/<node>``, feeds them to a StripeRunner per request (wavefront: every row
+whose receptive field has arrived is computed at once), publishes HALO rows to neighbours and
+OUTPUT rows to the coordinator as soon as they exist, then NodeTelemetry for the request.
+Plans come from the coordinator's latched ``/kaitian/plan`` topic by version; a chunk of an
+unknown, retired or mismatched plan is dropped and counted, never a crash.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kaitian_ros.core.plan import Plan
+from kaitian_ros.core.stripe import StripeRunner
+from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.runtime import interfaces, run_node
+from kaitian_ros.runtime.api import ParameterDescriptor as P
+from kaitian_ros.runtime.api import ParameterType as T
+from kaitian_ros.runtime.api import QoS, Runtime, SetParametersResult
+from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher, Level
+
+PARAMETERS = ic.MODEL_PARAMETERS + (
+    P("device", T.STRING, "cpu", "torch device string this node computes on (cpu, cuda:0, ...)", read_only=True),
+    P("threads", T.INTEGER, 1, "torch CPU threads for this node", 1, 256),
+    P("emulated_slowdown", T.DOUBLE, 1.0,
+      "emulate a slower device: after each compute sleep (s-1)x its duration (1.0 = real speed)", 1.0, 100.0),
+    P("min_run_rows", T.INTEGER, 8, "defer conv runs shorter than this while more rows are coming", 1, 4096),
+    P("heartbeat_hz", T.DOUBLE, 4.0, "heartbeat telemetry rate", 2.0, 100.0),
+    P("request_timeout_s", T.DOUBLE, 10.0, "forget an unfinished request after this long", 0.1, 3600.0),
+    P("max_plans", T.INTEGER, 8, "plan versions kept for requests still in flight", 2, 1000),
+    P("pending_timeout_s", T.DOUBLE, 2.0, "hold chunks of a not-yet-known plan this long", 0.0, 60.0),
+)
+
+
+@dataclass
+class RequestState:
+    request_id: int
+    plan_version: int
+    runner: StripeRunner
+    started_s: float
+    first_input_s: float = 0.0
+    last_input_s: float = 0.0
+    first_output_s: float = 0.0
+    last_output_s: float = 0.0
+    compute_s: float = 0.0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    frame_id: str = ""
+    slab_counts: dict = field(default_factory=dict)
+
+
+class ComputeNode:
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.node_id = rt.node_name
+        self.params = rt.declare_parameters(PARAMETERS)
+        torch.set_num_threads(self.params["threads"])
+        self.device = torch.device(self.params["device"])
+        if self.device.type != "cpu":
+            raise ValueError(f"device {self.params['device']}: only the cpu path is implemented in "
+                             f"StripeRunner buffers here; use 'cpu'")
+        self.spec = ic.ModelSpec.from_params(self.params)
+        self.graph = ic.build_graph(self.spec)
+        self.plans: collections.OrderedDict[int, Plan] = collections.OrderedDict()
+        self.requests: dict[int, RequestState] = {}
+        self.pending: list[tuple[float, Any]] = []  # chunks waiting for their plan
+        self.retired_below = 0  # plan versions below this are gone
+        self.completed = 0
+        self.pubs: dict[str, Any] = {}
+        self.telemetry = rt.create_publisher(ic.TELEMETRY_TOPIC, "NodeTelemetry")
+        self.diagnostics = DiagnosticsPublisher(rt, hardware_id=self.params["device"])
+        rt.create_subscription(ic.PLAN_TOPIC, "LoadAssignment", self._on_plan, QoS.LATCHED)
+        rt.create_subscription(ic.chunk_topic(self.node_id), "TensorChunk", self._on_chunk)
+        rt.add_on_set_parameters_callback(self._on_set)
+        self.hb_timer = rt.create_timer(1.0 / self.params["heartbeat_hz"], self._heartbeat)
+        rt.create_timer(1.0, self._housekeeping)
+        rt.logger.info(f"{self.spec.name} {self.spec.input_shape} on {self.params['device']}, "
+                       f"slowdown {self.params['emulated_slowdown']}"
+                       f"{' (EMULATED)' if self.emulated else ''}")
+
+    @property
+    def emulated(self) -> bool:
+        return self.params["emulated_slowdown"] != 1.0
+
+    def _on_set(self, changes: dict[str, Any]) -> SetParametersResult:
+        if "threads" in changes:
+            torch.set_num_threads(changes["threads"])
+        if "heartbeat_hz" in changes:
+            self.hb_timer.cancel()
+            self.hb_timer = self.rt.create_timer(1.0 / changes["heartbeat_hz"], self._heartbeat)
+        self.params = self.params | changes
+        return SetParametersResult(True)
+
+    # --- plans --------------------------------------------------------------------------
+    def _on_plan(self, msg: Any) -> None:
+        try:
+            pv = ic.PlanVersion.from_msg(msg)
+        except ValueError as exc:
+            self.rt.rejected.count(f"bad plan: {exc}")
+            return
+        if pv.version in self.plans or pv.version < self.retired_below:
+            return
+        try:
+            plan = ic.plan_for(self.graph, pv.node_ids, pv.shares, self.params["slab_rows"])
+        except ValueError as exc:
+            self.rt.rejected.count(f"bad plan: v{pv.version}: {exc}")
+            return
+        self.plans[pv.version] = plan
+        self.plans = collections.OrderedDict(sorted(self.plans.items()))
+        while len(self.plans) > self.params["max_plans"]:
+            old, _ = self.plans.popitem(last=False)
+            self.retired_below = max(self.retired_below, old + 1)
+        waiting, self.pending = self.pending, []
+        for _, chunk in waiting:
+            self._on_chunk(chunk)
+
+    # --- chunks -------------------------------------------------------------------------
+    def _publisher(self, consumer: str) -> Any:
+        pub = self.pubs.get(consumer)
+        if pub is None:
+            pub = self.pubs[consumer] = self.rt.create_publisher(ic.chunk_topic(consumer), "TensorChunk")
+        return pub
+
+    def _on_chunk(self, msg: Any) -> None:
+        now = time.time()
+        if msg.consumer != self.node_id:
+            self.rt.rejected.count(f"misaddressed: chunk for {msg.consumer!r}")
+            return
+        if msg.role not in (ic.ROLE_INPUT, ic.ROLE_HALO):
+            self.rt.rejected.count(f"bad role: {msg.role}")
+            return
+        version = int(msg.plan_version)
+        plan = self.plans.get(version)
+        if plan is None:
+            if version < self.retired_below or (self.plans and version < next(iter(self.plans))):
+                self.rt.rejected.count(f"stale plan: v{version} retired")
+            else:
+                self.pending.append((now, msg))  # plan message still on its way
+            return
+        if self.node_id not in plan.active_nodes():
+            self.rt.rejected.count(f"not in plan: v{version} has no rows for {self.node_id}")
+            return
+        state = self.requests.get(int(msg.request_id))
+        if state is not None and state.plan_version != version:
+            if version < state.plan_version:
+                self.rt.rejected.count(f"stale plan: request {msg.request_id} moved to v{state.plan_version}")
+                return
+            state = None  # re-dispatched under a newer plan: start over
+        try:
+            rows = ic.chunk_rows(msg)
+            if state is None:
+                state = RequestState(int(msg.request_id), version,
+                                     StripeRunner(self.graph, plan, self.node_id,
+                                                  min_run_rows=self.params["min_run_rows"]),
+                                     started_s=now, frame_id=msg.header.frame_id)
+            t0 = time.perf_counter()
+            emissions = state.runner.feed(int(msg.segment), int(msg.row_offset), rows)
+            spent = time.perf_counter() - t0
+        except (ValueError, interfaces.DecodeError) as exc:
+            self.rt.rejected.count(f"bad chunk: request {msg.request_id}: {exc}")
+            return
+        self.requests[state.request_id] = state
+        if msg.role == ic.ROLE_INPUT:
+            state.first_input_s = state.first_input_s or now
+            state.last_input_s = now
+        state.bytes_in += len(msg.data)
+        slowdown = self.params["emulated_slowdown"]
+        if slowdown > 1.0 and spent > 0:
+            time.sleep((slowdown - 1.0) * spent)  # emulated: this device is s times slower
+            spent *= slowdown
+        state.compute_s += spent
+        self._publish(state, plan, emissions)
+        if state.runner.done:
+            self._finish(state, plan)
+
+    def _publish(self, state: RequestState, plan: Plan, emissions: list) -> None:
+        for e in emissions:
+            role = ic.ROLE_OF_NAME[e.role]
+            key = (e.consumer, e.segment)
+            index = state.slab_counts.get(key, 0)
+            state.slab_counts[key] = index + 1
+            total = plan.output_shape[1] if role == ic.ROLE_OUTPUT else self.graph.value_shapes[
+                plan.segments[e.segment].in_value][1]
+            msg = ic.chunk_message(request_id=state.request_id, plan_version=state.plan_version,
+                                   producer=self.node_id, consumer=e.consumer, segment=e.segment, role=role,
+                                   row_offset=e.row_offset, total_rows=total, rows=e.rows,
+                                   slab_index=index, frame_id=state.frame_id)
+            self._publisher(e.consumer).publish(msg)
+            state.bytes_out += e.rows.numel() * e.rows.element_size()
+            if role == ic.ROLE_OUTPUT:
+                now = time.time()
+                state.first_output_s = state.first_output_s or now
+                state.last_output_s = now
+
+    def _finish(self, state: RequestState, plan: Plan) -> None:
+        del self.requests[state.request_id]
+        self.completed += 1
+        stats = state.runner.stats()
+        end = time.time()
+        wall_ms = (end - state.started_s) * 1e3
+        rows = sum(b - a for a, b in (plan.segment_rows_for(self.node_id, k) for k in range(plan.num_segments)))
+        self.telemetry.publish(self._telemetry_msg(
+            request_id=state.request_id, plan_version=state.plan_version, rows=rows,
+            work=float(stats["flops_planned"]), compute_ms=state.compute_s * 1e3,
+            transfer_ms=max(0.0, (state.last_input_s - state.first_input_s) * 1e3),
+            wait_ms=max(0.0, wall_ms - state.compute_s * 1e3), bytes_in=state.bytes_in,
+            bytes_out=state.bytes_out, first_input_s=state.first_input_s, last_input_s=state.last_input_s,
+            first_output_s=state.first_output_s, last_output_s=state.last_output_s))
+
+    def _telemetry_msg(self, **fields: Any) -> Any:
+        return interfaces.make("NodeTelemetry", node_id=self.node_id, device=self.params["device"],
+                               emulated=self.emulated, emulated_slowdown=self.params["emulated_slowdown"],
+                               queue_depth=len(self.requests), rejected_count=self.rt.rejected.total,
+                               last_reject_reason=self.rt.rejected.last_reason, **fields)
+
+    # --- timers -------------------------------------------------------------------------
+    def _heartbeat(self) -> None:
+        self.telemetry.publish(self._telemetry_msg(request_id=0))
+
+    def _housekeeping(self) -> None:
+        now = time.time()
+        timeout = self.params["request_timeout_s"]
+        for rid in [r for r, s in self.requests.items() if now - s.started_s > timeout]:
+            del self.requests[rid]
+            self.rt.rejected.count(f"request timeout: request {rid} never completed (missing rows)")
+        keep = []
+        for stamp, chunk in self.pending:
+            if now - stamp > self.params["pending_timeout_s"]:
+                self.rt.rejected.count(f"unknown plan: v{chunk.plan_version} never announced")
+            else:
+                keep.append((stamp, chunk))
+        self.pending = keep
+        rejected = self.rt.rejected
+        level = Level.OK if not self.plans else Level.OK
+        text = f"{self.completed} requests" + (f", {rejected.total} dropped" if rejected.total else "")
+        if not self.plans:
+            level, text = Level.WARN, "waiting for a plan from the coordinator"
+        self.diagnostics.publish(level, text + (" (speed EMULATED)" if self.emulated else ""), {
+            "device": self.params["device"], "emulated": self.emulated,
+            "emulated_slowdown": self.params["emulated_slowdown"], "in_flight": len(self.requests),
+            "plans": ",".join(map(str, self.plans)), "rejected": rejected.total,
+            "last_reject_reason": rejected.last_reason} | {f"rejected.{k}": v for k, v in rejected.counts.items()})
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_node(ComputeNode, "compute", argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,123 @@
+"""What the coordinator and compute nodes share: model parameters, topics, chunk messages.
+
+Both sides build the same model from the same parameters (the scenario file gives every
+inference node the same ``model``/``input_*``/``seed``/``weights``) and derive the same plan
+from a plan version's node list and shares, so a chunk only needs to carry its plan version.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kaitian_ros.core.graph import ModelGraph, split_model
+from kaitian_ros.core.models import build_model
+from kaitian_ros.core.plan import Plan, make_plan
+from kaitian_ros.runtime import interfaces
+from kaitian_ros.runtime.api import ParameterDescriptor as P
+from kaitian_ros.runtime.api import ParameterType as T
+
+COORDINATOR = "coordinator"
+CHUNK_TOPIC_PREFIX = "/kaitian/chunks/"
+TELEMETRY_TOPIC = "/kaitian/telemetry"
+PLAN_TOPIC = "/kaitian/plan"              # the plan versions actually executed (coordinator, latched)
+ASSIGNMENT_TOPIC = "/kaitian/assignment"  # the scheduler's proposals (latched)
+FUSED_TOPIC = "/kaitian/fused"
+ROLE_INPUT, ROLE_HALO, ROLE_OUTPUT = 0, 1, 2
+ROLE_NAMES = {ROLE_INPUT: "INPUT", ROLE_HALO: "HALO", ROLE_OUTPUT: "OUTPUT"}
+ROLE_OF_NAME = {v: k for k, v in ROLE_NAMES.items()}
+
+MODEL_PARAMETERS = (
+    P("model", T.STRING, "resnet18", "reference CNN name or 'package.module:callable'", read_only=True),
+    P("input_height", T.INTEGER, 224, "model input height (rows)", 8, 4096, read_only=True),
+    P("input_width", T.INTEGER, 224, "model input width", 8, 4096, read_only=True),
+    P("input_channels", T.INTEGER, 3, "model input channels", 1, 4, read_only=True),
+    P("num_classes", T.INTEGER, 1000, "classifier outputs", 1, 100000, read_only=True),
+    P("seed", T.INTEGER, 0, "seed of the random weights (when no weights file)", 0, 2**31 - 1, read_only=True),
+    P("weights", T.STRING, "", "state_dict file to load ('' = random weights from seed)", read_only=True),
+    P("slab_rows", T.INTEGER, 8, "rows per streamed slab (image rows from the coordinator)", 1, 4096),
+)
+
+
+def chunk_topic(node_id: str) -> str:
+    return CHUNK_TOPIC_PREFIX + node_id
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    input_shape: tuple[int, int, int]
+    num_classes: int
+    seed: int
+    weights: str
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> "ModelSpec":
+        return cls(params["model"], (params["input_channels"], params["input_height"], params["input_width"]),
+                   params["num_classes"], params["seed"], params["weights"])
+
+
+def build_graph(spec: ModelSpec) -> ModelGraph:
+    """Model in eval mode, traced and split into trunk and head (raises ValueError clearly)."""
+    try:
+        model = build_model(spec.name, num_classes=spec.num_classes, in_channels=spec.input_shape[0],
+                            seed=spec.seed, state_dict_path=spec.weights or None)
+        return split_model(model, spec.input_shape)
+    except (ImportError, AttributeError, FileNotFoundError, RuntimeError) as exc:
+        raise ValueError(f"cannot build model {spec.name!r}: {exc}") from None
+
+
+def plan_for(graph: ModelGraph, node_ids: tuple[str, ...], shares: tuple[float, ...], slab_rows: int) -> Plan:
+    return make_plan(graph, list(node_ids), list(shares), slab_rows=slab_rows)
+
+
+@dataclass(frozen=True)
+class PlanVersion:
+    """A plan as the coordinator executes it: version, first request, nodes and shares."""
+
+    version: int
+    effective_from_request: int
+    node_ids: tuple[str, ...]
+    shares: tuple[float, ...]
+    policy: str
+    reason: str
+
+    def to_msg(self, predicted_ms: float = 0.0) -> Any:
+        import numpy as np
+
+        return interfaces.make("LoadAssignment", version=self.version,
+                               effective_from_request=self.effective_from_request,
+                               node_ids=list(self.node_ids), shares=np.asarray(self.shares, np.float64),
+                               policy=self.policy, reason=self.reason, predicted_makespan_ms=predicted_ms)
+
+    @classmethod
+    def from_msg(cls, msg: Any) -> "PlanVersion":
+        shares = tuple(float(s) for s in msg.shares)
+        node_ids = tuple(msg.node_ids)
+        if len(shares) != len(node_ids) or not node_ids:
+            raise ValueError(f"assignment v{msg.version}: {len(node_ids)} nodes but {len(shares)} shares")
+        if any(not math.isfinite(s) or s < 0 for s in shares) or sum(shares) <= 0:
+            raise ValueError(f"assignment v{msg.version}: invalid shares {shares}")
+        return cls(int(msg.version), int(msg.effective_from_request), node_ids, shares, msg.policy, msg.reason)
+
+
+def chunk_message(*, request_id: int, plan_version: int, producer: str, consumer: str, segment: int,
+                  role: int, row_offset: int, total_rows: int, rows: torch.Tensor, slab_index: int = 0,
+                  last_slab: bool = False, frame_id: str = "") -> Any:
+    return interfaces.make("TensorChunk", header=interfaces.header(frame_id), request_id=request_id,
+                           plan_version=plan_version, producer=producer, consumer=consumer,
+                           segment=segment, role=role, row_offset=row_offset, total_rows=total_rows,
+                           slab_index=slab_index, last_slab=last_slab, **interfaces.tensor_fields(rows))
+
+
+def chunk_rows(msg: Any) -> torch.Tensor:
+    """The rows a chunk carries as a float tensor (N, C, r, W); DecodeError if inconsistent."""
+    rows = interfaces.tensor_from_fields(msg)
+    if rows.dim() != 4:
+        raise interfaces.DecodeError(f"chunk shape {tuple(rows.shape)} is not (N,C,rows,W)")
+    if not rows.is_floating_point():
+        raise interfaces.DecodeError(f"chunk dtype {rows.dtype} is not floating point")
+    return rows

@@ -86,7 +86,7 @@ def rcl_descriptor(desc: ParameterDescriptor, modules: Any) -> Any:  # modules: 
 
     Types are checked by api.ParameterDescriptor.check in the on-set callback (dynamic_typing):
     that accepts an integer for a double as the embedded runtime does, and an empty array
-    default does not get rclpy's inferred BYTE_ARRAY type.
+    default (which rclpy infers as BYTE_ARRAY) can later be set to the declared array type.
     """
     extra = ""
     if desc.choices:
@@ -338,11 +338,13 @@ class RosRuntime:
         """The one rclpy on-set callback: api check, then the node's callbacks (in order)."""
         from rcl_interfaces.msg import SetParametersResult as RclResult
 
+        if self._declaring:  # rclpy runs on-set callbacks at declaration too; already checked
+            return RclResult(successful=True, reason="")
         values = {p.name: plain_value(p.value) for p in parameters}
         ours = {n: v for n, v in values.items() if n in self._descriptors}
         # parameters we did not declare (use_sim_time, ...) are rclpy's business
         result, proposed = self.check_parameters(ours)
-        if result.successful and proposed and not self._declaring:
+        if result.successful and proposed:
             for callback in self._on_set:
                 try:
                     result = callback(dict(proposed))

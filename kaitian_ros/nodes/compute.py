@@ -23,7 +23,7 @@ from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.runtime import interfaces, run_node
 from kaitian_ros.runtime.api import ParameterDescriptor as P
 from kaitian_ros.runtime.api import ParameterType as T
-from kaitian_ros.runtime.api import QoS, Runtime, SetParametersResult
+from kaitian_ros.runtime.api import MessageInfo, QoS, Runtime, SetParametersResult
 from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher, Level
 
 PARAMETERS = ic.MODEL_PARAMETERS + (
@@ -45,6 +45,7 @@ class RequestState:
     plan_version: int
     runner: StripeRunner
     started_s: float
+    first_sent_s: float = 0.0   # coordinator's publish time of the first INPUT slab
     first_input_s: float = 0.0
     last_input_s: float = 0.0
     first_output_s: float = 0.0
@@ -70,14 +71,14 @@ class ComputeNode:
         self.graph = ic.build_graph(self.spec)
         self.plans: collections.OrderedDict[int, Plan] = collections.OrderedDict()
         self.requests: dict[int, RequestState] = {}
-        self.pending: list[tuple[float, Any]] = []  # chunks waiting for their plan
+        self.pending: list[tuple[float, Any, Any]] = []  # chunks waiting for their plan
         self.retired_below = 0  # plan versions below this are gone
         self.completed = 0
         self.pubs: dict[str, Any] = {}
         self.telemetry = rt.create_publisher(ic.TELEMETRY_TOPIC, "NodeTelemetry")
         self.diagnostics = DiagnosticsPublisher(rt, hardware_id=self.params["device"])
         rt.create_subscription(ic.PLAN_TOPIC, "LoadAssignment", self._on_plan, QoS.LATCHED)
-        rt.create_subscription(ic.chunk_topic(self.node_id), "TensorChunk", self._on_chunk)
+        rt.create_subscription(ic.chunk_topic(self.node_id), "TensorChunk", self._on_chunk, with_info=True)
         rt.add_on_set_parameters_callback(self._on_set)
         self.hb_timer = rt.create_timer(1.0 / self.params["heartbeat_hz"], self._heartbeat)
         rt.create_timer(1.0, self._housekeeping)
@@ -118,8 +119,8 @@ class ComputeNode:
             old, _ = self.plans.popitem(last=False)
             self.retired_below = max(self.retired_below, old + 1)
         waiting, self.pending = self.pending, []
-        for _, chunk in waiting:
-            self._on_chunk(chunk)
+        for _, chunk, info in waiting:
+            self._on_chunk(chunk, info)
 
     # --- chunks -------------------------------------------------------------------------
     def _publisher(self, consumer: str) -> Any:
@@ -128,8 +129,11 @@ class ComputeNode:
             pub = self.pubs[consumer] = self.rt.create_publisher(ic.chunk_topic(consumer), "TensorChunk")
         return pub
 
-    def _on_chunk(self, msg: Any) -> None:
+    def _on_chunk(self, msg: Any, info: MessageInfo | None = None) -> None:
         now = time.time()
+        # arrival as the middleware saw it, not when this (maybe busy) node got to it
+        arrived = info.received_s if info is not None else now
+        sent = info.source_timestamp_s if info is not None and info.source_timestamp_s else arrived
         if msg.consumer != self.node_id:
             self.rt.rejected.count(f"misaddressed: chunk for {msg.consumer!r}")
             return
@@ -142,7 +146,7 @@ class ComputeNode:
             if version < self.retired_below or (self.plans and version < next(iter(self.plans))):
                 self.rt.rejected.count(f"stale plan: v{version} retired")
             else:
-                self.pending.append((now, msg))  # plan message still on its way
+                self.pending.append((now, msg, info))  # plan message still on its way
             return
         if self.node_id not in plan.active_nodes():
             self.rt.rejected.count(f"not in plan: v{version} has no rows for {self.node_id}")
@@ -168,8 +172,9 @@ class ComputeNode:
             return
         self.requests[state.request_id] = state
         if msg.role == ic.ROLE_INPUT:
-            state.first_input_s = state.first_input_s or now
-            state.last_input_s = now
+            state.first_sent_s = min(state.first_sent_s or sent, sent)
+            state.first_input_s = min(state.first_input_s or arrived, arrived)
+            state.last_input_s = max(state.last_input_s, arrived)
         state.bytes_in += len(msg.data)
         slowdown = self.params["emulated_slowdown"]
         if slowdown > 1.0 and spent > 0:
@@ -209,7 +214,7 @@ class ComputeNode:
         self.telemetry.publish(self._telemetry_msg(
             request_id=state.request_id, plan_version=state.plan_version, rows=rows,
             work=float(stats["flops_planned"]), compute_ms=state.compute_s * 1e3,
-            transfer_ms=max(0.0, (state.last_input_s - state.first_input_s) * 1e3),
+            transfer_ms=max(0.0, (state.last_input_s - state.first_sent_s) * 1e3),
             wait_ms=max(0.0, wall_ms - state.compute_s * 1e3), bytes_in=state.bytes_in,
             bytes_out=state.bytes_out, first_input_s=state.first_input_s, last_input_s=state.last_input_s,
             first_output_s=state.first_output_s, last_output_s=state.last_output_s))
@@ -231,11 +236,11 @@ class ComputeNode:
             del self.requests[rid]
             self.rt.rejected.count(f"request timeout: request {rid} never completed (missing rows)")
         keep = []
-        for stamp, chunk in self.pending:
+        for stamp, chunk, info in self.pending:
             if now - stamp > self.params["pending_timeout_s"]:
                 self.rt.rejected.count(f"unknown plan: v{chunk.plan_version} never announced")
             else:
-                keep.append((stamp, chunk))
+                keep.append((stamp, chunk, info))
         self.pending = keep
         rejected = self.rt.rejected
         level = Level.OK if not self.plans else Level.OK

@@ -79,6 +79,7 @@ class Coordinator:
         self.alive: tuple[str, ...] = ()
         self.assignment: ic.PlanVersion | None = None  # scheduler's latest proposal
         self.current: ic.PlanVersion | None = None
+        self.pending: ic.PlanVersion | None = None  # adopted, effective from a later request
         self.plans: dict[int, Plan] = {}
         self.requests: dict[int, Request] = {}
         self.waiting: Any = None  # newest image waiting for an in-flight slot
@@ -162,21 +163,34 @@ class Coordinator:
             return
         total = sum(shares)
         shares = tuple(s / total for s in shares)
-        if self.current is not None and self.current.node_ids == nodes and all(
-                math.isclose(a, b, abs_tol=1e-9) for a, b in zip(self.current.shares, shares)):
+        latest = self.pending or self.current
+        if latest is not None and latest.node_ids == nodes and all(
+                math.isclose(a, b, abs_tol=1e-9) for a, b in zip(latest.shares, shares)):
             return
-        version = (self.current.version + 1) if self.current else 1
+        latest = self.pending or self.current
+        version = (latest.version + 1) if latest else 1
         pv = ic.PlanVersion(version, max(self.next_request, effective), nodes, shares, policy, reason)
         try:
             self.plans[version] = ic.plan_for(self.graph, nodes, shares, self.params["slab_rows"])
         except ValueError as exc:
             self.rt.logger.error(f"cannot plan {nodes} {shares}: {exc}")
             return
+        if effective > self.next_request:
+            # the scheduler asked for a switch at a later request: hold it until then
+            self.pending = pv
+            return
+        self._activate(pv)
+
+    def _activate(self, pv: ic.PlanVersion) -> None:
+        version = pv.version
+        self.pending = None
         self.current = pv
+        nodes, shares, reason = pv.node_ids, pv.shares, pv.reason
         self.plan_pub.publish(pv.to_msg(self.plans[version].estimated_ms))
         self.rt.logger.info(f"plan v{version}: " + ", ".join(f"{n} {s:.2f}" for n, s in zip(nodes, shares))
                             + f" ({reason})")
-        in_use = {r.version for r in self.requests.values()} | {version}
+        in_use = {r.version for r in self.requests.values()} | {version} | (
+            {self.pending.version} if self.pending else set())
         self.plans = {v: p for v, p in self.plans.items() if v in in_use}
 
     # --- requests -----------------------------------------------------------------------
@@ -201,6 +215,8 @@ class Coordinator:
 
     def _dispatch_new(self, msg: Any, x: torch.Tensor, received: float) -> None:
         rid = self.next_request
+        if self.pending is not None and rid >= self.pending.effective_from_request:
+            self._activate(self.pending)
         self.next_request += 1
         c, h, w = self.out_shape
         req = Request(rid, self.current.version, self.plans[self.current.version], msg.header.stamp,
@@ -315,7 +331,6 @@ class Coordinator:
             self.alive = tuple(n for n in self.alive if n not in dead)
             self.rt.logger.warning(f"compute node(s) {dead} silent > {self.params['dead_after_s']} s: "
                                    f"leaving the plan")
-            self.current_before = self.current
             self._replan(f"{', '.join(dead)} lost")
             self._redispatch(set(dead))
         now = time.time()

@@ -109,6 +109,15 @@ class SetParametersResult:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class MessageInfo:
+    """Delivery facts of a message (``with_info=True`` subscriptions), like rclpy's MessageInfo."""
+
+    received_s: float        # wall time the middleware handed it over (before the executor queue)
+    source_timestamp_s: float  # wall time the publisher published it (0.0 if unknown)
+    sequence: int = 0         # publisher's sequence number (0 if unknown)
+
+
 ParametersCallback = Callable[[dict[str, ParameterValue]], SetParametersResult]
 
 
@@ -165,9 +174,10 @@ class Runtime(Protocol):
 
     def create_publisher(self, topic: str, msg_type: str, qos: QoS = QoS.RELIABLE) -> Publisher: ...
 
-    def create_subscription(self, topic: str, msg_type: str, callback: Callable[[Any], None],
-                            qos: QoS = QoS.RELIABLE) -> Subscription:
-        """Deliver decoded messages to ``callback``; undecodable ones are dropped and counted."""
+    def create_subscription(self, topic: str, msg_type: str, callback: Callable[..., None],
+                            qos: QoS = QoS.RELIABLE, *, with_info: bool = False) -> Subscription:
+        """Deliver decoded messages to ``callback`` (``callback(msg, MessageInfo)`` with
+        ``with_info``); undecodable ones are dropped and counted."""
 
     def create_timer(self, period_s: float, callback: Callable[[], None]) -> Timer: ...
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime import zenoh_session as zs
 from kaitian_ros.runtime.api import (
+    MessageInfo,
     ParameterDescriptor,
     ParametersCallback,
     ParameterValue,
@@ -93,8 +94,9 @@ class EmbeddedPublisher:
 
 class EmbeddedSubscription:
     def __init__(self, rt: "EmbeddedRuntime", topic: str, msg_type: str,
-                 callback: Callable[[Any], None], qos: QoS) -> None:
+                 callback: Callable[..., None], qos: QoS, with_info: bool = False) -> None:
         self.topic = topic
+        self.with_info = with_info
         self.msg_type = interfaces.full_type_name(msg_type)
         self.callback = callback
         self.qos = qos
@@ -114,6 +116,7 @@ class EmbeddedSubscription:
 
     def _on_sample(self, sample: Any) -> None:
         # runs on a zenoh thread: validate + decode here, run the callback on the executor
+        received_s = time.time()
         key = str(sample.key_expr)
         try:
             _, _, dds_type, type_hash = zs.parse_topic_key(key)
@@ -131,15 +134,26 @@ class EmbeddedSubscription:
         except interfaces.DecodeError as exc:
             self._rt.reject(f"malformed: {exc} on {self.topic}")
             return
-        self.pending.append(msg)
+        source_s, sequence = 0.0, 0
+        attachment = sample.attachment
+        if attachment is not None:
+            try:
+                sequence, stamp_ns, _ = zs.parse_attachment(attachment.to_bytes())
+                source_s = stamp_ns * 1e-9
+            except ValueError:
+                pass  # foreign publishers may attach nothing useful; the message still counts
+        self.pending.append((msg, MessageInfo(received_s, source_s, sequence)))
         self._rt.post(self._deliver)
 
     def _deliver(self) -> None:
         try:
-            msg = self.pending.popleft()
+            msg, info = self.pending.popleft()
         except IndexError:  # best-effort queue overflowed and dropped the oldest
             return
-        self.callback(msg)
+        if self.with_info:
+            self.callback(msg, info)
+        else:
+            self.callback(msg)
 
 
 class EmbeddedTimer:
@@ -202,9 +216,9 @@ class EmbeddedRuntime:
     def create_publisher(self, topic: str, msg_type: str, qos: QoS = QoS.RELIABLE) -> EmbeddedPublisher:
         return EmbeddedPublisher(self, self.resolve(topic), msg_type, qos)
 
-    def create_subscription(self, topic: str, msg_type: str, callback: Callable[[Any], None],
-                            qos: QoS = QoS.RELIABLE) -> EmbeddedSubscription:
-        sub = EmbeddedSubscription(self, self.resolve(topic), msg_type, callback, qos)
+    def create_subscription(self, topic: str, msg_type: str, callback: Callable[..., None],
+                            qos: QoS = QoS.RELIABLE, *, with_info: bool = False) -> EmbeddedSubscription:
+        sub = EmbeddedSubscription(self, self.resolve(topic), msg_type, callback, qos, with_info)
         self._keepalive.append(sub)
         return sub
 

@@ -1,0 +1,119 @@
+"""scheduler node: live telemetry -> versioned LoadAssignment (KAITIAN-style, but continuous).
+
+All the decisions are the pure policy in :mod:`kaitian_ros.core.policy`; this node only feeds
+it telemetry and heartbeats, calls ``decide`` on a timer, publishes the result on the latched
+``/kaitian/assignment`` topic and reports on ``/diagnostics``. Every policy parameter is live
+(``kaitian param set /scheduler min_gain 0.1`` or ``ros2 param set``) and validated by the
+policy's own config checks, so a refused value comes back with the policy's reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kaitian_ros.core import policy as pol
+from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.runtime import interfaces, run_node
+from kaitian_ros.runtime.api import ParameterDescriptor as P
+from kaitian_ros.runtime.api import ParameterType as T
+from kaitian_ros.runtime.api import QoS, Runtime, SetParametersResult
+from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher, Level
+
+_TYPES = {"string": T.STRING, "double": T.DOUBLE, "integer": T.INTEGER, "bool": T.BOOL,
+          "double_array": T.DOUBLE_ARRAY}
+POLICY_PARAMETERS = tuple(
+    P(d.name, _TYPES[d.type], list(d.default) if d.type == "double_array" else d.default, d.description,
+      d.min, d.max, choices=d.choices)
+    for d in pol.PARAMETERS)
+NODE_PARAMETERS = (
+    P("compute_nodes", T.STRING_ARRAY, ["compute_0", "compute_1"], "compute node ids in row order",
+      read_only=True),
+    P("decide_period_s", T.DOUBLE, 0.1, "how often the policy is asked for a decision", 0.01, 60.0),
+    P("lead_requests", T.INTEGER, 2, "an assignment takes effect this many requests after the newest seen",
+      0, 1000),
+)
+
+
+class Scheduler:
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.params = rt.declare_parameters(NODE_PARAMETERS + POLICY_PARAMETERS)
+        self.config = pol.config_from_params({d.name: self.params[d.name] for d in pol.PARAMETERS})
+        self.state = pol.initial_state(self.config, tuple(self.params["compute_nodes"]))
+        self.newest_request = 0
+        self.published = 0
+        self.last: pol.Assignment | None = None
+        self.pub = rt.create_publisher(ic.ASSIGNMENT_TOPIC, "LoadAssignment", QoS.LATCHED)
+        self.diagnostics = DiagnosticsPublisher(rt, hardware_id="cpu")
+        rt.create_subscription(ic.TELEMETRY_TOPIC, "NodeTelemetry", self._on_telemetry)
+        rt.add_on_set_parameters_callback(self._on_set)
+        self.timer = rt.create_timer(self.params["decide_period_s"], self._decide)
+        rt.create_timer(1.0, self._report)
+        rt.logger.info(f"policy {self.config.policy} over {self.params['compute_nodes']}")
+
+    def _on_set(self, changes: dict[str, Any]) -> SetParametersResult:
+        policy_changes = {k: v for k, v in changes.items() if k in {d.name for d in pol.PARAMETERS}}
+        try:
+            config = pol.config_from_params(policy_changes, base=self.config) if policy_changes else self.config
+        except ValueError as exc:
+            return SetParametersResult(False, str(exc))
+        self.config = config
+        self.params = self.params | changes
+        if "decide_period_s" in changes:
+            self.timer.cancel()
+            self.timer = self.rt.create_timer(changes["decide_period_s"], self._decide)
+        return SetParametersResult(True)
+
+    def _on_telemetry(self, msg: Any) -> None:
+        if msg.node_id not in self.params["compute_nodes"]:
+            return
+        now = self.rt.now()
+        if msg.request_id == 0:
+            self.state = pol.heartbeat(self.state, msg.node_id, now, self.config)
+            return
+        self.newest_request = max(self.newest_request, int(msg.request_id))
+        sample = pol.TelemetrySample(
+            node_id=msg.node_id, request_id=int(msg.request_id), rows=int(msg.rows), work=float(msg.work),
+            compute_ms=float(msg.compute_ms), transfer_ms=float(msg.transfer_ms), wait_ms=float(msg.wait_ms),
+            bytes_in=int(msg.bytes_in), bytes_out=int(msg.bytes_out), stamp_s=now)
+        self.state = pol.observe(self.state, sample, self.config)
+
+    def _decide(self) -> None:
+        self.state, assignment = pol.decide(self.state, self.rt.now(), self.newest_request, self.config,
+                                            self.params["lead_requests"])
+        if assignment is None:
+            return
+        self.last = assignment
+        self.published += 1
+        self.pub.publish(interfaces.make(
+            "LoadAssignment", version=assignment.version, effective_from_request=assignment.effective_from_request,
+            node_ids=list(assignment.node_ids), shares=np.asarray(assignment.shares, np.float64),
+            policy=assignment.policy, reason=assignment.reason,
+            predicted_makespan_ms=assignment.predicted_makespan_ms))
+        self.rt.logger.info(f"assignment v{assignment.version} from request {assignment.effective_from_request}: "
+                            f"{assignment.reason}")
+
+    def _report(self) -> None:
+        values: dict[str, Any] = {"policy": self.config.policy, "published": self.published,
+                                  "newest_request": self.newest_request}
+        for node_id, est in self.state.estimates.items():
+            values[f"{node_id}.speed_flops_per_ms"] = f"{est.speed:.3g}"
+            values[f"{node_id}.link_bytes_per_ms"] = f"{est.link_rate:.3g}"
+            values[f"{node_id}.samples"] = est.samples
+            values[f"{node_id}.alive"] = node_id in self.state.members and node_id not in self.state.dead
+        if self.last is not None:
+            values |= {f"share.{n}": f"{s:.3f}" for n, s in zip(self.last.node_ids, self.last.shares)}
+            text, level = f"v{self.last.version}: {self.last.reason}", Level.OK
+        else:
+            text, level = "waiting for telemetry", Level.WARN
+        self.diagnostics.publish(level, text, values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_node(Scheduler, "scheduler", argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,311 @@
+"""Helpers for the inference integration tests: a launched graph without image_source, the
+test acting as the camera, and the single-device reference result for a frame.
+
+The graph is started with :class:`kaitian_ros.launcher.Launcher` on a router bound to a free
+port. The launcher is never asked to ``wait()``, so a compute node killed by a test does not
+stop the graph (the launcher only treats a death as fatal while supervising); ``close()``
+stops whatever is still running.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import yaml
+
+from helpers import Collector, free_port, wait_until
+from kaitian_ros.core.tensors import image_to_array, preprocess, relative_error
+from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.runtime import interfaces
+from kaitian_ros.runtime.api import QoS
+
+CAMERA_TOPIC = "/camera/image_raw"
+TOLERANCE = 1e-4  # max abs error relative to the reference's max magnitude (DESIGN.md §4)
+STARTUP_S = 45.0  # liveness deadline for a graph to come up on 2 busy cores (not a perf check)
+
+
+class LineSink:
+    """A thread-safe text sink for the launcher's prefixed output lines."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self._lock = threading.Lock()
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self._partial += text
+            *done, self._partial = self._partial.split("\n")
+            self.lines.extend(done)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def text(self) -> str:
+        with self._lock:
+            return "\n".join(self.lines + ([self._partial] if self._partial else []))
+
+
+def scenario_dict(*, model: str, height: int, width: int, channels: int = 3, num_classes: int = 10,
+                  slowdowns: Sequence[float], shares: Sequence[float], slab_rows: int = 4,
+                  coordinator: dict[str, Any] | None = None,
+                  compute: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A hetero_inference-like graph (coordinator + compute_i), no image_source, no scheduler."""
+    model_params = {"model": model, "input_height": height, "input_width": width,
+                    "input_channels": channels, "num_classes": num_classes, "seed": 0, "weights": "",
+                    "slab_rows": slab_rows}
+    names = [f"compute_{i}" for i in range(len(slowdowns))]
+    graph: dict[str, Any] = {"coordinator": {"ros__parameters": {
+        "executable": "coordinator", "input_topic": CAMERA_TOPIC, "compute_nodes": names,
+        "static_shares": [float(s) for s in shares], "use_scheduler": False, "max_in_flight": 4,
+        "request_timeout_s": 30.0, "dead_after_s": 1.5, **model_params, **(coordinator or {})}}}
+    for name, slowdown in zip(names, slowdowns):
+        graph[name] = {"ros__parameters": {
+            "executable": "compute", "device": "cpu", "threads": 1,
+            "emulated_slowdown": float(slowdown), **model_params, **(compute or {})}}
+    return graph
+
+
+def synthetic_image(index: int, height: int, width: int, channels: int = 3) -> np.ndarray:
+    """Distinct, deterministic uint8 content per index (a seeded pattern plus noise)."""
+    rng = np.random.default_rng(1000 + index)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    base = 127.5 * (1 + np.sin(x / width * 6.28 * (1 + index % 3) + index) *
+                    np.cos(y / height * 6.28 * (1 + index % 2) - index))
+    img = base[:, :, None] + rng.normal(0, 25, (height, width, channels))
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def image_msg(pixels: np.ndarray, index: int, encoding: str = "rgb8") -> Any:
+    """sensor_msgs/Image of ``pixels`` with a stamp and frame_id unique to ``index``."""
+    height, width, channels = pixels.shape
+    stamp = interfaces.msg_class("Time")(sec=1_000 + index, nanosec=index * 1000 + 7)
+    return interfaces.make("Image", header=interfaces.header(f"frame{index}", stamp), height=height,
+                           width=width, encoding=encoding, is_bigendian=0, step=width * channels,
+                           data=np.ascontiguousarray(pixels).reshape(-1))
+
+
+def stamp_key(stamp: Any) -> tuple[int, int]:
+    return int(stamp.sec), int(stamp.nanosec)
+
+
+class Camera:
+    """The test's own node (``test_camera``): an EmbeddedRuntime spinning on a thread."""
+
+    def __init__(self, endpoint: str) -> None:
+        from kaitian_ros.runtime.embedded import EmbeddedRuntime
+        from kaitian_ros.runtime.node_args import NodeArgs
+
+        self.rt = EmbeddedRuntime(NodeArgs("test_camera"), router=endpoint)
+        self.thread = threading.Thread(target=self.rt.spin, daemon=True)
+        self.thread.start()
+
+    def collect(self, topic: str, msg_type: str, qos: QoS = QoS.RELIABLE) -> Collector:
+        sink = Collector()
+        self.rt.create_subscription(topic, msg_type, sink, qos)
+        return sink
+
+    def close(self) -> None:
+        self.rt.shutdown()
+        self.thread.join(timeout=5.0)
+        self.rt.close()
+
+
+class InferenceGraph:
+    """coordinator + compute nodes as real processes, plus an in-process camera/probe node."""
+
+    def __init__(self, tmp_path: Path, **scenario: Any) -> None:
+        from kaitian_ros.launcher import Launcher
+        from kaitian_ros.scenario import load_scenario
+
+        self.config = scenario_dict(**scenario)
+        self.compute_names = [n for n in self.config if n.startswith("compute_")]
+        params = self.config["coordinator"]["ros__parameters"]
+        self.spec = ic.ModelSpec.from_params(params)
+        path = Path(tmp_path) / "inference_test.yaml"
+        path.write_text(yaml.safe_dump(self.config, sort_keys=False))
+        self.scenario = load_scenario(str(path))
+        self.out = LineSink()
+        self.probe: Camera | None = None
+        self.launcher = None
+        for _ in range(5):  # a free port can be taken between bind(0) and listen: retry
+            self.endpoint = f"tcp/127.0.0.1:{free_port()}"
+            launcher = Launcher(self.scenario, self.endpoint, out=self.out)
+            try:
+                launcher.start()
+            except RuntimeError:
+                launcher.stop()
+                continue
+            self.launcher = launcher
+            break
+        if self.launcher is None:
+            raise RuntimeError("could not host a router on a free port")
+        try:
+            self.probe = Camera(self.endpoint)
+            self.fused = self.probe.collect(ic.FUSED_TOPIC, "FusedOutput")
+            self.plans = self.probe.collect(ic.PLAN_TOPIC, "LoadAssignment", QoS.LATCHED)
+            self.telemetry = self.probe.collect(ic.TELEMETRY_TOPIC, "NodeTelemetry")
+            self.diagnostics = self.probe.collect("/diagnostics", "DiagnosticArray")
+            self.camera = self.probe.rt.create_publisher(CAMERA_TOPIC, "Image", QoS.BEST_EFFORT)
+            self._graph = None
+        except BaseException:
+            self.close()
+            raise
+
+    # --- lifecycle ------------------------------------------------------------------------
+    def pid(self, name: str) -> int:
+        for child in self.launcher.children:
+            if child.spec.name == name:
+                return child.process.pid
+        raise KeyError(name)
+
+    def pid_from_output(self, name: str) -> int:
+        match = re.search(rf"started {re.escape(name)} \(compute\) pid (\d+)", self.out.text())
+        assert match, f"no 'started {name}' line in the launcher output:\n{self.out.text()}"
+        return int(match.group(1))
+
+    def dead_children(self) -> list[str]:
+        return [c.spec.name for c in self.launcher.children if c.process.poll() is not None]
+
+    def wait_ready(self, nodes: Sequence[str] | None = None, timeout_s: float = STARTUP_S) -> Any:
+        """Until the coordinator's latest plan names ``nodes`` (default: every compute node)."""
+        want = tuple(nodes if nodes is not None else self.compute_names)
+
+        def ready() -> Any:
+            dead = self.dead_children()
+            assert not dead, f"node(s) {dead} exited during startup:\n{self.out.text()}"
+            plan = self.latest_plan()
+            heartbeats = {t.node_id for t in self.telemetry.snapshot()}
+            if plan is not None and tuple(plan.node_ids) == want and set(want) <= heartbeats:
+                return plan
+            return None
+
+        try:
+            return wait_until(ready, f"a plan naming {list(want)}", timeout_s, interval_s=0.1)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n--- launcher output ---\n{self.out.text()}") from None
+
+    def latest_plan(self) -> Any:
+        plans = self.plans.snapshot()
+        return max(plans, key=lambda p: p.version) if plans else None
+
+    def close(self) -> None:
+        if self.probe is not None:
+            self.probe.close()
+            self.probe = None
+        if self.launcher is not None:
+            self.launcher.stop()
+
+    def __enter__(self) -> "InferenceGraph":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # --- frames ---------------------------------------------------------------------------
+    def frames(self, count: int, first: int = 0) -> list[tuple[np.ndarray, Any]]:
+        c, h, w = self.spec.input_shape
+        # the camera sends a different size than the model input: the coordinator resizes
+        out = []
+        for i in range(first, first + count):
+            pixels = synthetic_image(i, h + 8, w + 16, 3)
+            out.append((pixels, image_msg(pixels, i)))
+        return out
+
+    def publish(self, msg: Any) -> None:
+        self.camera.publish(msg)
+
+    def stream(self, frames: Sequence[tuple[np.ndarray, Any]], window: int = 2,
+               timeout_s: float = 60.0, on_sent: Any = None) -> dict[tuple[int, int], Any]:
+        """Publish frames keeping at most ``window`` unanswered (so the coordinator never drops
+        one as busy); return FusedOutput by image stamp once every frame has its answer."""
+        already = len(self.fused)
+        for i, (_, msg) in enumerate(frames):
+            wait_until(lambda: len(self.fused) - already >= i + 1 - window,
+                       f"answers to {i + 1 - window} frame(s)", timeout_s, interval_s=0.01)
+            self.publish(msg)
+            if on_sent is not None:
+                on_sent(i)
+        wanted = {stamp_key(m.header.stamp) for _, m in frames}
+        wait_until(lambda: wanted <= {stamp_key(f.header.stamp) for f in self.fused.snapshot()[already:]},
+                   f"a FusedOutput for each of {len(frames)} frames", timeout_s, interval_s=0.02)
+        by_stamp: dict[tuple[int, int], Any] = {}
+        for f in self.fused.snapshot()[already:]:
+            key = stamp_key(f.header.stamp)
+            assert key not in by_stamp, f"two FusedOutputs for frame stamp {key}"
+            by_stamp[key] = f
+        return by_stamp
+
+    # --- the single-device reference ------------------------------------------------------
+    @property
+    def graph(self) -> Any:
+        if self._graph is None:
+            self._graph = ic.build_graph(self.spec)
+        return self._graph
+
+    def reference(self, pixels: np.ndarray, encoding: str = "rgb8") -> torch.Tensor:
+        """The head output of the whole model on one device, on the coordinator's preprocessing."""
+        c, h, w = self.spec.input_shape
+        height, width, channels = pixels.shape
+        arr = image_to_array(np.ascontiguousarray(pixels).reshape(-1), height, width, encoding,
+                             width * channels)
+        x = preprocess(arr, h, w, c, normalise=True)
+        with torch.no_grad():
+            return self.graph.run_head(self.graph.run_trunk(x))
+
+    def check_outputs(self, frames: Sequence[tuple[np.ndarray, Any]],
+                      by_stamp: dict[tuple[int, int], Any]) -> list[Any]:
+        """Every frame's FusedOutput is complete and equals the reference; request ids unique."""
+        outputs = []
+        for pixels, msg in frames:
+            fused = by_stamp[stamp_key(msg.header.stamp)]
+            assert fused.complete, f"frame {msg.header.frame_id}: incomplete ({fused.status})"
+            assert fused.status == "ok", fused.status
+            assert fused.header.frame_id == msg.header.frame_id
+            result = interfaces.tensor_from_fields(fused).float()
+            ref = self.reference(pixels)
+            assert tuple(result.shape) == tuple(ref.shape), (tuple(result.shape), tuple(ref.shape))
+            err = relative_error(result, ref)
+            assert err <= TOLERANCE, f"frame {msg.header.frame_id}: relative error {err:.2e} > {TOLERANCE}"
+            assert sum(int(r) for r in fused.node_rows) == self.graph.trunk_output_shape[1]
+            outputs.append(fused)
+        ids = [int(f.request_id) for f in outputs]
+        assert len(set(ids)) == len(ids), f"request ids not unique: {ids}"
+        return outputs
+
+    # --- node state ---------------------------------------------------------------------------
+    def diagnostics_of(self, node: str) -> list[dict[str, str]]:
+        """Key/value dicts of every /diagnostics status published by ``node``, oldest first."""
+        out = []
+        for array in self.diagnostics.snapshot():
+            for status in array.status:
+                if status.name == f"kaitian: {node}":
+                    out.append({kv.key: kv.value for kv in status.values})
+        return out
+
+    def heartbeats_of(self, node: str) -> list[Any]:
+        return [t for t in self.telemetry.snapshot() if t.node_id == node]
+
+
+def raw_put(endpoint: str, topic: str, msg_type: str, payload: bytes) -> None:
+    """Publish raw bytes on a topic's rmw_zenoh key from a plain zenoh session."""
+    from kaitian_ros.runtime import zenoh_session as zs
+
+    session = zs.open_session("peer", connect=endpoint)
+    try:
+        time.sleep(0.3)  # let the router learn the subscriber interest of this new session
+        session.put(zs.topic_key(zs.domain_id(), topic, msg_type), payload)
+        time.sleep(0.2)
+    finally:
+        session.close()
+
+
+__all__ = ["Collector", "InferenceGraph", "TOLERANCE", "image_msg", "raw_put", "scenario_dict",
+           "stamp_key", "synthetic_image", "wait_until"]

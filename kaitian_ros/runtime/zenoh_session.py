@@ -42,7 +42,10 @@ def open_session(mode: str = "peer", *, connect: str | None = None, listen: str 
         config.insert_json5("listen/endpoints", json.dumps([listen or router_endpoint()]))
     else:
         config.insert_json5("connect/endpoints", json.dumps([connect or router_endpoint()]))
-        config.insert_json5("listen/endpoints", json.dumps([listen or "tcp/127.0.0.1:0"]))
+        # KAITIAN_LISTEN: this peer's own endpoint, e.g. its address inside a network namespace
+        # (bench link emulation); peers connect to each other there directly
+        config.insert_json5("listen/endpoints", json.dumps([listen or os.environ.get("KAITIAN_LISTEN")
+                                                            or "tcp/127.0.0.1:0"]))
         # fail fast when no router is running instead of waiting forever
         config.insert_json5("connect/timeout_ms", "5000")
         config.insert_json5("connect/exit_on_failure", "true")

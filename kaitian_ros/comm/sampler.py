@@ -8,8 +8,16 @@ sample is used exactly once per epoch whatever the shares are, and the union of 
 slices of a step is the same batch a single process would train on.
 
 Shares come from measured speed: every ``rebalance_every`` steps the ranks all-gather
-their EWMA of compute seconds per sample and each computes the same new shares from the
-same gathered vector with the pure :func:`shares_from_times` -- no coordinator.
+their step-time model and each computes the same new shares from the same gathered
+vector with a pure function -- no coordinator. The model of rank r is
+``t_r(b) = c_r * (b + beta_r)``: a per-sample cost ``c_r`` (EWMA, follows drift) and a
+fixed per-step cost expressed in samples, ``beta_r = a_r / c_r`` (least squares of
+``t = a + c b`` over recent steps of different batch sizes, exponentially forgotten).
+Writing the fixed cost in samples makes it invariant when a device becomes uniformly
+slower (all of ``a`` and ``c`` scale), so drift only moves the fast EWMA. Shares then
+equalise the finish times including the fixed cost (:func:`shares_from_model`); with
+``beta = 0`` (no batch-size spread measured yet, or ``model="proportional"``) they are
+proportional to speed (:func:`shares_from_times`), as in KAITIAN.
 
 Policies: ``equal`` (plain DDP split, never rebalanced), ``profile_once`` (rebalanced once
 after the first ``rebalance_every`` steps, then frozen, like KAITIAN's profiling run) and
@@ -25,6 +33,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 POLICIES = ("adaptive", "equal", "profile_once")
+MODELS = ("affine", "proportional")  # step time a + c b, or c b
 
 
 def shares_from_times(seconds_per_sample: Sequence[float]) -> tuple[float, ...]:
@@ -43,6 +52,43 @@ def shares_from_times(seconds_per_sample: Sequence[float]) -> tuple[float, ...]:
     speed[ok] = 1.0 / t[ok]
     speed[~ok] = speed[ok].mean()
     s = speed / speed.sum()
+    return tuple(float(x) for x in s)
+
+
+def shares_from_model(per_sample_s: Sequence[float], fixed_samples: Sequence[float],
+                      global_batch: int) -> tuple[float, ...]:
+    """Shares that make every rank finish a step of ``global_batch`` at the same time.
+
+    Rank r takes ``c_r * (b_r + beta_r)`` seconds for ``b_r`` samples. Equal finish time T
+    with ``sum b_r = B`` gives ``b_r = T / c_r - beta_r`` and ``T = (B + sum beta) /
+    sum(1 / c)``. A rank whose fixed cost alone exceeds T (``b_r < 0``) is left out
+    (share 0: it would only delay everyone) and T is recomputed for the others. Ranks
+    without a measurement get the mean speed and mean fixed cost of the measured ones.
+    """
+    c = np.asarray(per_sample_s, dtype=np.float64)
+    beta = np.asarray(fixed_samples, dtype=np.float64)
+    if c.size == 0 or c.size != beta.size:
+        raise ValueError("need one per-sample time and one fixed cost per rank")
+    if global_batch <= 0:
+        raise ValueError("global_batch must be positive")
+    ok = np.isfinite(c) & (c > 0)
+    if not ok.any():
+        return tuple([1.0 / c.size] * c.size)
+    speed = np.zeros_like(c)
+    speed[ok] = 1.0 / c[ok]
+    speed[~ok] = speed[ok].mean()
+    beta = np.where(np.isfinite(beta) & (beta > 0), beta, 0.0)
+    beta[~ok] = beta[ok].mean()
+    active = np.ones(c.size, dtype=bool)
+    while True:
+        t = (global_batch + beta[active].sum()) / speed[active].sum()
+        b = np.where(active, t * speed - beta, 0.0)
+        neg = active & (b < 0)
+        if not neg.any():
+            break
+        active &= ~neg  # at least the fastest-finishing rank always stays
+    s = np.clip(b, 0.0, None)
+    s = s / s.sum()
     return tuple(float(x) for x in s)
 
 
@@ -96,8 +142,9 @@ class AdaptiveBatchSampler:
     """Per-rank sampler; all ranks construct it with the same arguments except ``rank``.
 
     Drive it as: ``for sl in sampler.epoch(e): ...train...; sampler.record(compute_s,
-    sl.local_batch)`` (optional: skip warm-up steps) ``; sampler.maybe_rebalance(gather)`` where ``gather(x)`` all-gathers one
-    float from every rank (rank order). Shares may change between steps of an epoch; the
+    sl.local_batch, sl.global_batch)`` (optional: skip warm-up steps) ``;
+    sampler.maybe_rebalance(gather)`` where ``gather(x)`` all-gathers this rank's
+    ``(c, beta)`` estimate from every rank (rank order). Shares may change between steps of an epoch; the
     iterator reads them lazily, and coverage stays exact because the permutation and the
     global batch boundaries do not depend on shares.
     """
@@ -105,7 +152,8 @@ class AdaptiveBatchSampler:
     def __init__(self, num_samples: int, global_batch: int, rank: int, world_size: int,
                  *, seed: int = 0, policy: str = "adaptive", rebalance_every: int = 10,
                  ewma_alpha: float = 0.5, drop_last: bool = False,
-                 initial_shares: Sequence[float] | None = None) -> None:
+                 initial_shares: Sequence[float] | None = None,
+                 model: str = "affine", fit_forget: float = 0.9) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if not 0 <= rank < world_size:
@@ -114,6 +162,11 @@ class AdaptiveBatchSampler:
             raise ValueError("num_samples, global_batch, rebalance_every must be positive")
         if not 0 < ewma_alpha <= 1:
             raise ValueError("ewma_alpha must be in (0, 1]")
+        if model not in MODELS:
+            raise ValueError(f"model must be one of {MODELS}, got {model!r}")
+        if not 0 < fit_forget <= 1:
+            raise ValueError("fit_forget must be in (0, 1]")
+        self.model, self.fit_forget = model, fit_forget
         self.num_samples, self.global_batch = num_samples, global_batch
         self.rank, self.world_size = rank, world_size
         self.seed, self.policy = seed, policy
@@ -127,7 +180,9 @@ class AdaptiveBatchSampler:
         self.step = 0  # global steps taken (advanced by the iterator)
         self.rebalances = 0
         self._since_rebalance = 0
-        self._ewma: float = math.nan  # compute seconds per sample on this rank
+        self._ewma: float = math.nan  # c: compute seconds per sample (beyond the fixed cost)
+        self._beta: float = 0.0  # fixed per-step cost in samples (a / c)
+        self._fit = np.zeros(5)  # forgotten sums: w, w b, w t, w b^2, w b t
 
     # -- iteration -----------------------------------------------------------------
     def steps_per_epoch(self) -> int:
@@ -153,21 +208,51 @@ class AdaptiveBatchSampler:
                global_batch: int | None = None) -> None:
         """Feed this rank's compute time of one step (without time blocked in comm).
 
-        Steps of a short global batch (end of epoch) are ignored when ``global_batch`` is
-        given: with a per-step fixed cost their per-sample time is biased against slow
-        devices, and the shares are for full batches anyway.
+        Every non-empty step feeds the fixed-cost fit (short end-of-epoch batches help:
+        they spread the batch sizes). Steps of a short global batch do not feed the
+        per-sample EWMA when ``global_batch`` is given: the shares are for full batches.
         """
+        if local_batch <= 0 or not compute_seconds > 0:
+            return  # no information about speed from an empty slice
+        b, t = float(local_batch), float(compute_seconds)
+        if self.model == "affine":
+            self._fit *= self.fit_forget
+            self._fit += (1.0, b, t, b * b, b * t)
+            self._beta = self._fixed_samples()
         if global_batch is not None and global_batch < self.global_batch:
             return
-        if local_batch <= 0 or compute_seconds <= 0:
-            return  # no information about speed from an empty slice
-        x = compute_seconds / local_batch
+        x = t / (b + self._beta)
         a = self.ewma_alpha
         self._ewma = x if math.isnan(self._ewma) else a * x + (1 - a) * self._ewma
 
+    def _fixed_samples(self) -> float:
+        """beta = a / c from the forgotten least-squares fit of t = a + c b (0 if unknown)."""
+        w, sb, st, sbb, sbt = self._fit
+        if w <= 0:
+            return 0.0
+        mb, mt = sb / w, st / w
+        var = sbb / w - mb * mb
+        if var <= (0.05 * mb) ** 2:  # batch sizes hardly differ: a and c not separable
+            return self._beta
+        c = (sbt / w - mb * mt) / var
+        if c <= 0:
+            return self._beta
+        beta = (mt - c * mb) / c
+        return float(min(max(beta, 0.0), self.global_batch))
+
+    @property
+    def fixed_samples(self) -> float:
+        """This rank's fixed per-step cost in samples (``a / c``; 0 until measurable)."""
+        return self._beta
+
     @property
     def seconds_per_sample(self) -> float:
+        """Per-sample cost ``c`` (seconds; nan before the first measurement)."""
         return self._ewma
+
+    def estimate(self) -> tuple[float, float]:
+        """What a rebalance all-gathers from this rank: (c, beta)."""
+        return (self._ewma, self._beta if self.model == "affine" else 0.0)
 
     def due(self) -> bool:
         """Whether this step is a rebalancing point (same answer on every rank)."""
@@ -175,21 +260,33 @@ class AdaptiveBatchSampler:
             return False
         return not (self.policy == "profile_once" and self.rebalances >= 1)
 
-    def maybe_rebalance(self, gather: Callable[[float], Sequence[float]]) -> bool:
-        """Count the step; collective when due: all ranks must call it after every step."""
+    def maybe_rebalance(self, gather: Callable[[tuple[float, float]], Sequence]) -> bool:
+        """Count the step; collective when due: all ranks must call it after every step.
+
+        ``gather(estimate)`` all-gathers this rank's ``(c, beta)`` in rank order; an entry
+        may also be a bare float (seconds per sample, no fixed cost).
+        """
         self._since_rebalance += 1
         if not self.due():
             return False
-        times = list(gather(self._ewma))
-        if len(times) != self.world_size:
-            raise RuntimeError(f"gather returned {len(times)} values for {self.world_size} ranks")
+        got = list(gather(self.estimate()))
+        if len(got) != self.world_size:
+            raise RuntimeError(f"gather returned {len(got)} values for {self.world_size} ranks")
+        times, betas = [], []
+        for g in got:
+            if isinstance(g, (tuple, list, np.ndarray)):
+                times.append(float(g[0]))
+                betas.append(float(g[1]) if len(g) > 1 else 0.0)
+            else:
+                times.append(float(g))
+                betas.append(0.0)
         measured = [math.isfinite(t) and t > 0 for t in times]
         # Same gathered vector on every rank -> same decision everywhere. Without data
         # (warm-up, only short batches so far) keep the shares and don't spend the one
         # profile of profile_once on nothing.
         if not all(measured) if self.policy == "profile_once" else not any(measured):
             return False
-        self.shares = shares_from_times(times)
+        self.shares = shares_from_model(times, betas, self.global_batch)
         self.rebalances += 1
         self._since_rebalance = 0
         return True
@@ -197,14 +294,18 @@ class AdaptiveBatchSampler:
     def reset_measurements(self) -> None:
         """Forget the speed estimate (e.g. after the device changed speed on purpose)."""
         self._ewma = math.nan
+        self._beta = 0.0
+        self._fit = np.zeros(5)
 
     def state_dict(self) -> dict:
         return {"shares": list(self.shares), "step": self.step, "rebalances": self.rebalances,
-                "ewma": self._ewma}
+                "ewma": self._ewma, "beta": self._beta, "fit": self._fit.tolist()}
 
     def load_state_dict(self, state: dict) -> None:
         self.shares = tuple(float(x) for x in state["shares"])
         self.step = int(state["step"])
         self.rebalances = int(state["rebalances"])
         self._ewma = float(state.get("ewma", math.nan))
+        self._beta = float(state.get("beta", 0.0))
+        self._fit = np.asarray(state.get("fit", [0.0] * 5), dtype=np.float64)
         self._since_rebalance = 0

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kaitian_ros.comm.groups import CommGroups, build_groups, parse_device
 from kaitian_ros.comm.hooks import HOOKS, HookState
-from kaitian_ros.comm.sampler import POLICIES, AdaptiveBatchSampler
+from kaitian_ros.comm.sampler import MODELS, POLICIES, AdaptiveBatchSampler
 
 CHECKPOINT_NAME = "checkpoint.pt"
 WARMUP_STEPS = 2  # steps per run not used as speed measurements
@@ -57,6 +57,7 @@ class TrainingConfig:
     policy: str = "adaptive"
     rebalance_every: int = 5
     ewma_alpha: float = 0.5
+    share_model: str = "affine"  # step time a + c b per rank ("proportional": c b)
     hook: str = "hierarchical"
     devices: tuple[str, ...] = ("cpu",)
     emulated_slowdown: tuple[float, ...] = (1.0,)
@@ -69,6 +70,9 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.share_model not in MODELS:
+            raise ValueError(f"share_model must be one of {', '.join(MODELS)}, "
+                             f"got {self.share_model!r}")
         if self.hook not in HOOKS:
             raise ValueError(f"hook must be one of {', '.join(HOOKS)}, got {self.hook!r}")
         if self.global_batch <= 0 or self.epochs <= 0 or self.rebalance_every <= 0:
@@ -298,11 +302,13 @@ class RankTrainer:
             return self._slowdown
 
     # -- helpers -----------------------------------------------------------------------
-    def _gather_float(self, x: float) -> list[float]:
-        t = torch.tensor([x], dtype=torch.float64)
-        out = [torch.zeros(1, dtype=torch.float64) for _ in range(self.world_size)]
+    def _gather(self, x: float | Sequence[float]) -> list[Any]:
+        """All-gather a float or a fixed-length float vector from every rank (rank order)."""
+        scalar = isinstance(x, (int, float))
+        t = torch.tensor([x] if scalar else list(x), dtype=torch.float64)
+        out = [torch.zeros_like(t) for _ in range(self.world_size)]
         dist.all_gather(out, t, group=self.groups.world if self.groups else None)
-        return [float(o.item()) for o in out]
+        return [float(o.item()) if scalar else tuple(o.tolist()) for o in out]
 
     def _checkpoint_path(self) -> Path | None:
         d = self.config.checkpoint_dir
@@ -355,7 +361,7 @@ class RankTrainer:
         sampler = AdaptiveBatchSampler(_size(data.train), cfg.global_batch, self.rank,
                                        self.world_size, seed=cfg.seed, policy=cfg.policy,
                                        rebalance_every=cfg.rebalance_every,
-                                       ewma_alpha=cfg.ewma_alpha)
+                                       ewma_alpha=cfg.ewma_alpha, model=cfg.share_model)
         start_epoch, accs = 0, []
         if cfg.resume:
             ck = self._load()
@@ -405,7 +411,7 @@ class RankTrainer:
                 # would count a fast rank's wait for a slow one as its compute.
                 if steps >= WARMUP_STEPS:
                     sampler.record(compute, sl.local_batch, sl.global_batch)
-                sampler.maybe_rebalance(self._gather_float)  # collective when due
+                sampler.maybe_rebalance(self._gather)  # collective when due
                 train_s += wall
                 comm_s += comm
                 samples += sl.global_batch

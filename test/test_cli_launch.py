@@ -1,0 +1,261 @@
+"""`kaitian launch` and the introspection/parameter CLI against real launched graphs.
+
+Every graph gets its own router port (bound to port 0 first), so parallel runs never cross-talk.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import textwrap
+
+import pytest
+import yaml
+
+from helpers import (  # noqa: F401  (router is a fixture)
+    Probe,
+    Proc,
+    child_env,
+    free_port,
+    pid_running,
+    pids_with_env,
+    router,
+    run_cli,
+    wait_until,
+)
+from kaitian_ros.runtime.api import QoS
+
+STARTED = r"\[launch\] started (\S+) \((\S+)\) pid (\d+)"
+
+
+def start_launch(scenario: str, *overrides: str) -> tuple[Proc, str]:
+    endpoint = f"tcp/127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-u", "-m", "kaitian_ros.cli", "--router", endpoint, "launch", scenario,
+           "--no-view", *overrides]
+    return Proc(cmd, child_env(endpoint)), endpoint
+
+
+def started_pids(launch: Proc, count: int) -> dict[str, int]:
+    return {m.group(1): int(m.group(3)) for m in launch.wait_for(STARTED, count=count)}
+
+
+def assert_nothing_left(launch: Proc, endpoint: str, pids: dict[str, int]) -> None:
+    for name, pid in pids.items():
+        assert not pid_running(pid), f"node {name} (pid {pid}) survived the launcher"
+    # any process (node, grandchild, the launcher itself) started for this graph carries its router
+    leftovers = pids_with_env("KAITIAN_ROUTER", endpoint)
+    assert leftovers == [], f"processes left behind: {leftovers}\n{launch.output()}"
+
+
+@pytest.fixture(scope="module")
+def camera_demo():
+    launch, endpoint = start_launch("camera_demo")
+    try:
+        pids = started_pids(launch, 2)
+        launch.wait_for(r"\[monitor\] .*/camera/image_raw: .*frames")  # images are flowing
+        probe = Probe(endpoint, "cli_test_probe")
+        yield launch, endpoint, pids, probe
+        probe.close()
+    finally:
+        launch.stop()
+        launch.wait()
+
+
+# --- introspection ------------------------------------------------------------------------------
+
+def test_node_list(camera_demo):
+    _, endpoint, _, _ = camera_demo
+    result = run_cli("node", "list", router=endpoint)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["/cli_test_probe", "/image_source", "/monitor"]
+
+
+def test_topic_list_with_types(camera_demo):
+    _, endpoint, _, _ = camera_demo
+    result = run_cli("topic", "list", "-t", router=endpoint)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "/camera/image_raw [sensor_msgs/msg/Image]" in lines
+    assert "/diagnostics [diagnostic_msgs/msg/DiagnosticArray]" in lines
+
+
+def test_topic_echo_once(camera_demo):
+    _, endpoint, _, _ = camera_demo
+    result = run_cli("topic", "echo", "/camera/image_raw", "--once", "--timeout", "15", router=endpoint)
+    assert result.returncode == 0, result.stderr
+    docs = result.stdout.split("\n---")
+    assert len(docs) == 2 and docs[1].strip() == "", "--once prints exactly one message"
+    msg = yaml.safe_load(docs[0])
+    assert (msg["width"], msg["height"], msg["encoding"], msg["step"]) == (224, 224, "rgb8", 672)
+    assert msg["header"]["frame_id"] == "camera"
+    assert msg["data"] == "<array type: uint8, length: 150528>"
+
+
+def test_topic_hz_with_timeout(camera_demo):
+    _, endpoint, _, _ = camera_demo
+    result = run_cli("topic", "hz", "/camera/image_raw", "--timeout", "2.0", router=endpoint)
+    assert result.returncode == 0, result.stderr
+    rates = [float(line.split(":")[1]) for line in result.stdout.splitlines() if line.startswith("average rate:")]
+    assert rates and all(r > 0 for r in rates), result.stdout
+
+
+def test_param_list_get(camera_demo):
+    _, endpoint, _, _ = camera_demo
+    listed = run_cli("param", "list", "image_source", router=endpoint)
+    assert listed.returncode == 0, listed.stderr
+    names = [line.strip() for line in listed.stdout.splitlines()[1:]]
+    assert {"rate_hz", "width", "height", "source", "topic", "frame_id"} <= set(names)
+    got = run_cli("param", "get", "/image_source", "rate_hz", router=endpoint)
+    assert got.stdout.strip() == "Double value is: 10.0"
+
+
+# --- parameters on a running node ---------------------------------------------------------------
+
+def _images(probe: Probe):
+    return probe.collect("/camera/image_raw", "Image", QoS.BEST_EFFORT)
+
+
+REFUSALS = [
+    ("rate_hz", "5000.0", r"out of range \[0.1, 1000.0\]"),
+    ("width", "4", "out of range"),
+    ("topic", "/elsewhere", "read-only"),
+    ("no_such_param", "1", "not declared"),
+    ("rate_hz", "fast", "expects double"),
+]
+
+
+def test_param_set_refused_with_reason_and_node_keeps_running(camera_demo):
+    launch, endpoint, pids, probe = camera_demo
+    for name, value, reason in REFUSALS:
+        result = run_cli("param", "set", "image_source", name, value, router=endpoint)
+        assert result.returncode != 0, (name, value)
+        assert result.stdout == ""
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("Setting parameter failed: "), result.stderr
+        assert re.search(reason, lines[0]), lines[0]
+    # nothing changed, and the node is still up and publishing
+    dumped = yaml.safe_load(run_cli("param", "dump", "image_source", router=endpoint).stdout)
+    values = dumped["/image_source"]["ros__parameters"]
+    assert (values["rate_hz"], values["width"], values["topic"]) == (10.0, 224, "/camera/image_raw")
+    assert "no_such_param" not in values
+    images = _images(probe)
+    wait_until(lambda: len(images) >= 2, "images after the refused sets")
+    assert all(m.width == 224 for m in images.snapshot())
+    assert pid_running(pids["image_source"]) and launch.alive()
+
+
+def test_param_set_in_range_takes_effect(camera_demo):
+    """Runs last among the camera_demo tests: it leaves the camera at 32 px wide."""
+    launch, endpoint, _, probe = camera_demo
+    images = _images(probe)
+    for name, value in (("width", "32"), ("frame_id", "relabelled"), ("rate_hz", "20.0")):
+        result = run_cli("param", "set", "image_source", name, value, router=endpoint)
+        assert (result.returncode, result.stdout.strip()) == (0, "Set parameter successful"), result.stderr
+    # the node publishes what the new values say
+    wait_until(lambda: any(m.width == 32 and m.header.frame_id == "relabelled" and len(m.data) == 32 * 224 * 3
+                           for m in images.snapshot()), "a 32-pixel-wide 'relabelled' image")
+    dumped = yaml.safe_load(run_cli("param", "dump", "image_source", router=endpoint).stdout)
+    values = dumped["/image_source"]["ros__parameters"]
+    assert (values["rate_hz"], values["width"], values["frame_id"]) == (20.0, 32, "relabelled")
+    assert launch.alive()
+
+
+# --- launcher lifecycle -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_launch_interrupted_leaves_no_process(sig):
+    launch, endpoint = start_launch("camera_demo")
+    try:
+        pids = started_pids(launch, 2)
+        assert set(pids) == {"image_source", "monitor"}
+        launch.wait_for(r"\[monitor\] .*frames")
+        assert all(pid_running(p) for p in pids.values())
+        launch.p.send_signal(sig)
+        code = launch.wait()
+    finally:
+        launch.stop()
+    assert code == 0, launch.output()
+    assert f"{sig.name} received" in launch.output()
+    assert_nothing_left(launch, endpoint, pids)
+
+
+def test_node_killed_while_running_makes_launch_fail_naming_it():
+    launch, endpoint = start_launch("camera_demo")
+    try:
+        pids = started_pids(launch, 2)
+        launch.wait_for(r"\[monitor\] .*frames")
+
+        os.kill(pids["image_source"], signal.SIGKILL)  # a real crash: no cleanup, no exit code of its own
+        code = launch.wait()
+    finally:
+        launch.stop()
+    assert code != 0
+    assert "node 'image_source' died unexpectedly (exit code -9)" in launch.output()
+    assert_nothing_left(launch, endpoint, pids)
+
+
+@pytest.mark.parametrize("bad", [
+    {"source": "/nonexistent/clip.mp4"},  # the node's constructor raises: cannot open its source
+    {"rate_hz": 5000.0},                  # invalid initial parameter value: refused at declare time
+], ids=["bogus_source", "out_of_range_parameter"])
+def test_node_that_crashes_at_start_makes_launch_exit_nonzero_naming_it(tmp_path, bad):
+    scenario = tmp_path / "broken.yaml"
+    scenario.write_text(textwrap.dedent("""\
+        watcher:
+          ros__parameters:
+            executable: monitor
+            input_topic: /camera/image_raw
+        broken_camera:
+          ros__parameters:
+            executable: image_source
+        """))
+    data = yaml.safe_load(scenario.read_text())
+    data["broken_camera"]["ros__parameters"].update(bad)
+    scenario.write_text(yaml.safe_dump(data))
+    launch, endpoint = start_launch(str(scenario))
+    try:
+        pids = started_pids(launch, 2)
+        code = launch.wait()
+    finally:
+        launch.stop()
+    assert code != 0
+    out = launch.output()
+    assert "node 'broken_camera' died unexpectedly" in out, out
+    assert "[broken_camera]" in out and "refusing to start" in out, out
+    assert "node 'watcher' died" not in out
+    assert_nothing_left(launch, endpoint, pids)
+
+
+# --- user errors: one line on stderr, non-zero, no traceback --------------------------------------
+
+def _one_line_error(result) -> str:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_unknown_subcommand():
+    assert "invalid choice: 'frobnicate'" in _one_line_error(run_cli("frobnicate"))
+
+
+def test_bad_scenario_name():
+    line = _one_line_error(run_cli("launch", "no_such_scenario"))
+    assert "unknown scenario 'no_such_scenario'" in line and "camera_demo" in line
+
+
+def test_bad_launch_argument():
+    assert "no_such_parameter" in _one_line_error(run_cli("launch", "camera_demo", "no_such_parameter:=1"))
+
+
+def test_param_get_on_missing_node(router):
+    line = _one_line_error(run_cli("param", "get", "/ghost", "rate_hz", router=router.endpoint))
+    assert "node '/ghost' not found" in line
+
+
+def test_topic_echo_unknown_topic(router):
+    assert "topic '/nowhere' not found" in _one_line_error(
+        run_cli("topic", "echo", "/nowhere", "--once", router=router.endpoint))

@@ -1,0 +1,191 @@
+"""The embedded (Zenoh) runtime between real processes: QoS, latched topics, malformed input."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from helpers import Probe, raw_session, router, spawn_helper, spawn_node, wait_until  # noqa: F401
+from kaitian_ros.runtime import interfaces
+from kaitian_ros.runtime import zenoh_session as zs
+from kaitian_ros.runtime.api import QoS
+
+
+@pytest.fixture
+def probe(router):
+    p = Probe(router.endpoint)
+    yield p
+    p.close()
+
+
+def test_latched_topic_reaches_a_subscriber_started_later(router):
+    publisher = spawn_helper("latched_pub", "/kaitian/state", "first", "second", router=router.endpoint)
+    late = None
+    try:
+        assert publisher.ready()["published"] == ["first", "second"]
+        # the publisher has published and is idle; only now does the subscriber process start
+        late = spawn_helper("sub_print", "/kaitian/state", "latched", "1", router=router.endpoint)
+        late.wait_for(r'^\{"data"')
+        assert late.wait() == 0
+        got = [json.loads(m.string)["data"] for m in late.find(r'^\{"data"')]
+        assert got == ["second"], "a late joiner gets the last sample only"
+        assert publisher.alive()
+    finally:
+        if late is not None:
+            late.stop()
+        publisher.stop()
+
+
+def test_volatile_topic_does_not_replay_to_late_subscribers(router, probe):
+    """The counterpart: a RELIABLE (volatile) topic has no cache, so nothing old is replayed."""
+    pub = probe.rt.create_publisher("/kaitian/volatile", "String", QoS.RELIABLE)
+    pub.publish(interfaces.make("String", data="old"))
+    late = spawn_helper("sub_print", "/kaitian/volatile", "reliable", "1", router=router.endpoint)
+    try:
+        late.ready()
+        counter = {"n": 0}
+
+        def delivered() -> bool:
+            counter["n"] += 1
+            pub.publish(interfaces.make("String", data=f"new {counter['n']}"))
+            return bool(late.find(r'^\{"data"'))
+
+        wait_until(delivered, "a live message on the volatile topic", interval_s=0.1)
+        first = json.loads(late.find(r'^\{"data"')[0].string)["data"]
+        assert first.startswith("new"), f"volatile topic replayed {first!r}"
+    finally:
+        late.stop()
+
+
+def test_reliable_and_best_effort_both_deliver(router, probe):
+    reliable = probe.collect("/qos/reliable", "String", QoS.RELIABLE)
+    best_effort = probe.collect("/qos/best_effort", "String", QoS.BEST_EFFORT)
+    publisher = spawn_helper("qos_pub", router=router.endpoint)
+    try:
+        publisher.ready()
+        wait_until(lambda: len(reliable) >= 5 and len(best_effort) >= 5, "5 messages on each QoS")
+        assert all(m.data.startswith("reliable ") for m in reliable.snapshot())
+        assert all(m.data.startswith("best_effort ") for m in best_effort.snapshot())
+        numbers = [int(m.data.split()[1]) for m in reliable.snapshot()]
+        assert numbers == sorted(numbers), "reliable delivery keeps publication order"
+        assert probe.rt.rejected.total == 0
+    finally:
+        publisher.stop()
+
+
+def test_qos_maps_to_congestion_control(router, probe):
+    assert probe.rt.create_publisher("/q/r", "String", QoS.RELIABLE)._pub.congestion_control == \
+        zs.CongestionControl.BLOCK
+    assert probe.rt.create_publisher("/q/b", "String", QoS.BEST_EFFORT)._pub.congestion_control == \
+        zs.CongestionControl.DROP
+
+
+# --- malformed input --------------------------------------------------------------------------
+
+def _diagnostics(probe: Probe):
+    return probe.collect("/diagnostics", "DiagnosticArray", QoS.RELIABLE)
+
+
+def _latest_values(diags, node: str) -> dict[str, str] | None:
+    for array in reversed(diags.snapshot()):
+        for status in array.status:
+            if status.name.endswith(node):
+                return {kv.key: kv.value for kv in status.values}
+    return None
+
+
+def _image_cdr(index: int) -> bytes:
+    data = np.full(8 * 8 * 3, index % 256, np.uint8)
+    msg = interfaces.make("Image", header=interfaces.header("cam"), height=8, width=8, encoding="rgb8",
+                          step=24, data=data)
+    return bytes(interfaces.encode(msg, "Image"))
+
+
+def test_malformed_payloads_are_dropped_counted_by_reason_and_node_keeps_running(router, probe):
+    """Random bytes, truncated CDR, wrong type hash, wrong type name -> dropped, counted; valid ones flow."""
+    diags = _diagnostics(probe)
+    monitor = spawn_node("monitor", "watch", router.endpoint, "report_period_s:=0.2")
+    session = raw_session(router.endpoint)
+    try:
+        image_key = zs.topic_key(0, "/camera/image_raw", "Image")
+        good = session.declare_publisher(image_key)
+        index = {"n": 0}
+
+        def frames_at_least(n: int):
+            def check():
+                values = _latest_values(diags, "watch")
+                if values is None or int(values["frames"]) < n:
+                    index["n"] += 1
+                    good.put(_image_cdr(index["n"]))
+                    return None
+                return values
+            return check
+
+        wait_until(frames_at_least(1), "the monitor to receive a first valid image", interval_s=0.1)
+
+        rng = random.Random(1234)
+        valid = _image_cdr(7)
+        wrong_hash = image_key.rsplit("/", 1)[0] + "/RIHS01_" + "0" * 64
+        string_cdr = bytes(interfaces.encode(interfaces.make("String", data="not an image"), "String"))
+        wrong_type = zs.topic_key(0, "/camera/image_raw", "String")
+        cases = [
+            ("malformed", image_key, bytes(rng.getrandbits(8) for _ in range(300))),
+            ("malformed", image_key, b"\x00\x01\x00\x00" + bytes(rng.getrandbits(8) for _ in range(300))),
+            ("malformed", image_key, valid[:len(valid) // 2]),
+            ("malformed", image_key, valid[:-1]),
+            ("type hash mismatch", wrong_hash, valid),
+            ("wrong type", wrong_type, string_cdr),
+        ]
+        expected: dict[str, int] = {}
+        for reason, key, payload in cases:
+            session.put(key, payload)
+            expected[reason] = expected.get(reason, 0) + 1
+
+            def counted(reason=reason, n=expected[reason]):
+                values = _latest_values(diags, "watch") or {}
+                return int(values.get(f"rejected.{reason}", 0)) >= n and values
+
+            values = wait_until(counted, f"the monitor to count {reason!r} #{expected[reason]}")
+            assert values["last_reject_reason"].startswith(reason), values["last_reject_reason"]
+            assert monitor.alive()
+
+        values = _latest_values(diags, "watch")
+        assert {r: int(values[f"rejected.{r}"]) for r in expected} == expected
+        assert int(values["rejected"]) == sum(expected.values())
+        # the node still delivers the next valid message
+        frames_before = int(values["frames"])
+        values = wait_until(frames_at_least(frames_before + 1), "a valid image after the malformed ones",
+                            interval_s=0.1)
+        assert values["width"] == "8" and values["encoding"] == "rgb8"
+        assert int(values["rejected"]) == sum(expected.values()), "valid images were counted as rejected"
+        assert monitor.alive()
+    finally:
+        session.close()
+        monitor.stop()
+    assert "Traceback" not in monitor.output()
+
+
+def test_in_process_subscription_rejects_with_reasons(router, probe):
+    """Same checks on a runtime we can inspect directly: rt.rejected holds counts and the last reason."""
+    got = probe.collect("/in/chatter", "String", QoS.RELIABLE)
+    session = raw_session(router.endpoint)
+    try:
+        key = zs.topic_key(0, "/in/chatter", "String")
+        good = bytes(interfaces.encode(interfaces.make("String", data="ok"), "String"))
+        wait_until(lambda: len(got) or session.put(key, good), "a first valid String", interval_s=0.1)
+        n_valid = len(got)
+        session.put(key, b"\x07garbage")
+        session.put(key, good[:6])
+        session.put(key.rsplit("/", 1)[0] + "/RIHS01_" + "1" * 64, good)
+        session.put(zs.topic_key(0, "/in/chatter", "Image"), _image_cdr(1))
+        wait_until(lambda: probe.rt.rejected.total >= 4, "four rejections")
+        assert probe.rt.rejected.counts == {"malformed": 2, "type hash mismatch": 1, "wrong type": 1}
+        assert "sensor_msgs::msg::dds_::Image_" in probe.rt.rejected.last_reason
+        session.put(key, good)
+        wait_until(lambda: len(got) > n_valid, "the next valid String")
+        assert all(m.data == "ok" for m in got.snapshot())
+    finally:
+        session.close()

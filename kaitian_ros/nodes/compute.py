@@ -214,7 +214,9 @@ class ComputeNode:
         self.telemetry.publish(self._telemetry_msg(
             request_id=state.request_id, plan_version=state.plan_version, rows=rows,
             work=float(stats["flops_planned"]), compute_ms=state.compute_s * 1e3,
-            transfer_ms=max(0.0, (state.last_input_s - state.first_sent_s) * 1e3),
+            # spread of this node's input arrivals: the link's share of the request's latency
+            # (a burst on loopback arrives at once; through a rate-limited link it is spread out)
+            transfer_ms=max(0.0, (state.last_input_s - state.first_input_s) * 1e3),
             wait_ms=max(0.0, wall_ms - state.compute_s * 1e3), bytes_in=state.bytes_in,
             bytes_out=state.bytes_out, first_input_s=state.first_input_s, last_input_s=state.last_input_s,
             first_output_s=state.first_output_s, last_output_s=state.last_output_s))

@@ -77,7 +77,9 @@ class Scheduler:
         sample = pol.TelemetrySample(
             node_id=msg.node_id, request_id=int(msg.request_id), rows=int(msg.rows), work=float(msg.work),
             compute_ms=float(msg.compute_ms), transfer_ms=float(msg.transfer_ms), wait_ms=float(msg.wait_ms),
-            bytes_in=int(msg.bytes_in), bytes_out=int(msg.bytes_out), stamp_s=now)
+            # transfer_ms is the spread of the node's incoming rows, so pair it with the bytes that
+            # came in; outgoing halo/output bytes overlap with compute and would inflate the link term
+            bytes_in=int(msg.bytes_in), bytes_out=0, stamp_s=now)
         self.state = pol.observe(self.state, sample, self.config)
 
     def _decide(self) -> None:

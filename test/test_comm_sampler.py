@@ -183,3 +183,23 @@ def test_sampler_learns_fixed_cost_and_balances_finish_times() -> None:
     assert t[1] > 1.01 * t[0]
     ss, t = _simulate("adaptive", "proportional", 30)
     assert t[0] == pytest.approx(t[1], rel=1e-2)
+
+
+def test_fixed_cost_fit_ignores_noise_it_cannot_resolve() -> None:
+    """Timing noise far above the batch-size effect leaves beta alone (no wild shares)."""
+    import random
+
+    rng = random.Random(0)
+    s = AdaptiveBatchSampler(1000, 256, 0, 2)
+    for k in range(200):
+        b = 120 + (k % 3)  # almost no spread
+        s.record(1e-3 * b * (1 + rng.uniform(-0.5, 0.5)), b, 256)
+    assert s.fixed_samples == 0.0
+    for k in range(200):
+        b = rng.choice([60, 128, 200])
+        s.record((3e-3 + 1e-4 * b) * (1 + rng.uniform(-0.9, 0.9)), b, 256)
+    assert 0.0 <= s.fixed_samples <= 128
+    state = s.state_dict()
+    t = AdaptiveBatchSampler(1000, 256, 0, 2)
+    t.load_state_dict(state)
+    assert t.fixed_samples == s.fixed_samples and t.estimate() == s.estimate()

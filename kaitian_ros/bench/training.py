@@ -2,9 +2,11 @@
 
 In one run, on digits with ``digits_cnn`` (CPU, gloo, ranks forked on this host):
 
-* solo runs: each emulated device speed alone on the whole global batch -> its throughput
-  (the "ideal" of a policy is the sum of its devices' solo throughputs) and, for speed 1
-  trained for the full schedule, the single-device accuracy;
+* solo runs: each emulated device speed alone on the whole global batch, one thread, the
+  same process setup -> its throughput. They are measured again right before every
+  multi-rank run (the box is shared and its load drifts), and a run's "ideal" is the sum
+  of its devices' solo throughputs from those measurements; speed 1 trained for the full
+  schedule gives the single-device accuracy;
 * 2 ranks at emulated speeds 1 : 0.33 with policies equal / profile_once / adaptive;
 * control 1 : 1 (equal, adaptive);
 * drift: 1 : 1 and rank 1 slows 2x halfway through (profile_once, adaptive).
@@ -15,12 +17,20 @@ overhead = per step the smallest blocked-in-communication time over the ranks (t
 rank to arrive waits for nobody, so its blocked time is the transfer itself), summed,
 over the training wall time. The first two steps of every run (lazy initialisation, DDP's
 bucket rebuild) are left out of all rates.
+
+Accuracy check (``accuracy_check`` in the JSON): single-process runs that differ from the
+single device only in how each global batch's gradient is summed (split into weighted
+slices at fixed shares) give the float32 noise floor of the final accuracy; a replay of
+the adaptive run's exact per-step split in one process must reproduce the distributed
+run's parameters (bitwise for 2 ranks: a + b is commutative) -- if it does, any accuracy
+difference to the single device is summation-order noise, not a weighting bug.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -52,9 +62,13 @@ def _rank_fn(rank: int, world: int, cfg: Any, drift: tuple[int, int, float] | No
 
     box["t"] = RankTrainer(cfg, on_step=on_step)
     res = box["t"].run()
+    import torch
+
+    params = torch.cat([p.detach().flatten() for p in box["t"].model.parameters()])
     return {"acc": res.test_accuracy, "shares": list(res.final_shares),
-            "steps": [(h.step, h.global_batch, h.local_batch, h.step_ms, h.comm_ms, h.slowdown)
-                      for h in res.history]}
+            "params": params.numpy().copy(),
+            "steps": [(h.step, h.global_batch, h.local_batch, h.step_ms, h.comm_ms, h.slowdown,
+                       h.compute_ms) for h in res.history]}
 
 
 def _run(spec: RunSpec, base: Any) -> dict:
@@ -68,6 +82,8 @@ def _run(spec: RunSpec, base: Any) -> dict:
     n = len(outs[0]["steps"])
     per_step_wall = [max(o["steps"][i][3] for o in outs) for i in range(n)]
     per_step_comm = [min(o["steps"][i][4] for o in outs) for i in range(n)]
+    # time the early rank(s) sit blocked waiting for the last one (load imbalance)
+    per_step_wait = [max(o["steps"][i][4] for o in outs) - per_step_comm[i] for i in range(n)]
     gb = [s[1] for s in outs[0]["steps"]]
     # leave out the warm-up steps everywhere; ranks' step boundaries are offset, so the
     # training time is the largest per-rank sum of step times (not a sum of per-step maxima)
@@ -76,10 +92,12 @@ def _run(spec: RunSpec, base: Any) -> dict:
     samples = sum(gb[w:])
     return {"outs": outs, "samples_per_s": samples / wall_s if wall_s else 0.0,
             "comm_overhead_pct": 100 * sum(per_step_comm[w:]) / 1e3 / wall_s if wall_s else 0.0,
+            "imbalance_pct": 100 * sum(per_step_wait[w:]) / 1e3 / wall_s if wall_s else 0.0,
             "final_accuracy": outs[0]["acc"], "final_shares": outs[0]["shares"],
             "throughput": [g / (w / 1e3) for g, w in zip(gb, per_step_wall)],
             "slowdown_per_step": [[o["steps"][i][5] for o in outs] for i in range(len(gb))],
-            "global_batches": gb}
+            "global_batches": gb,
+            "counts": [tuple(o["steps"][i][2] for o in outs) for i in range(n)]}
 
 
 def _ideal(slowdowns_per_step: Sequence[Sequence[float]], global_batches: Sequence[int],
@@ -113,7 +131,100 @@ def _plot(runs: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
+_DATA: dict[str, Any] = {}
+
+
+def split_train(cfg: Any, *, shares: Sequence[float] | None = None,
+                counts_per_step: Sequence[Sequence[int]] | None = None) -> tuple[float, Any]:
+    """One process, same global batches as ``cfg``'s run, gradient summed over weighted slices.
+
+    Each global batch is cut into contiguous slices (``split_counts`` of ``shares``, or the
+    recorded ``counts_per_step`` of a distributed run); each slice's mean-loss gradient is
+    scaled by ``b_i / B`` exactly as the DDP hook does and the scaled gradients are added
+    in rank order. ``shares=None`` and no counts: the plain single-device step. Returns
+    (test accuracy, flat parameters).
+    """
+    import torch
+    from torch import nn
+
+    from kaitian_ros.comm.sampler import AdaptiveBatchSampler, split_counts
+    from kaitian_ros.comm.trainer import _batch, _build_model, _size, evaluate, load_data
+
+    torch.set_num_threads(1)  # as every rank: kernels (and their summation order) match
+    torch.manual_seed(cfg.seed)
+    data = _DATA.get(cfg.dataset) or _DATA.setdefault(cfg.dataset,
+                                                      load_data(cfg.dataset, cfg.num_classes))
+    model = _build_model(cfg, data).train()
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    sampler = AdaptiveBatchSampler(_size(data.train), cfg.global_batch, 0, 1, seed=cfg.seed,
+                                   policy="equal")
+    params = list(model.parameters())
+    step = 0
+    for epoch in range(cfg.epochs):
+        for sl in sampler.epoch(epoch):
+            if cfg.max_steps is not None and step >= cfg.max_steps:
+                break
+            idx = list(sl.indices)
+            big = sl.global_batch
+            if counts_per_step is not None:
+                counts = tuple(counts_per_step[step])
+            elif shares is not None:
+                counts = split_counts(big, shares)
+            else:
+                counts = (big,)
+            if sum(counts) != big:
+                raise ValueError(f"step {step}: counts {counts} do not sum to {big}")
+            total: list[Any] = [None] * len(params)
+            off = 0
+            for b in counts:
+                part = idx[off:off + b]
+                off += b
+                opt.zero_grad(set_to_none=False)
+                x, y = _batch(data.train, part)
+                if b:
+                    loss = nn.functional.cross_entropy(model(x), y, reduction="sum") / b
+                    loss.backward()
+                for i, p in enumerate(params):
+                    g = p.grad.mul(b / big) if len(counts) > 1 else p.grad.clone()
+                    total[i] = g if total[i] is None else total[i] + g
+            for p, g in zip(params, total):
+                p.grad.copy_(g)
+            opt.step()
+            step += 1
+    flat = torch.cat([p.detach().flatten() for p in params])
+    return evaluate(model, data.test, torch.device("cpu")), flat.numpy().copy()
+
+
+def accuracy_check(base: Any, distributed: dict, single_acc: float) -> dict:
+    """Noise floor of the final accuracy under re-summation, and a replay of a real run."""
+    import numpy as np
+
+    variants = {"unsplit": None, "0.5/0.5": (0.5, 0.5), "0.75/0.25": (0.75, 0.25),
+                "0.82/0.18": (0.82, 0.18), "0.25/0.75": (0.25, 0.75),
+                "0.5/0.3/0.2": (0.5, 0.3, 0.2)}
+    accs = {}
+    for name, sh in variants.items():
+        accs[name] = split_train(base, shares=sh)[0]
+    counts = distributed["counts"]
+    replay_acc, replay_params = split_train(base, counts_per_step=counts)
+    dist_params = distributed["outs"][0]["params"]
+    diff = float(np.max(np.abs(replay_params - dist_params)))
+    vals = list(accs.values())
+    return {
+        "single_process_accuracy_by_split": accs,
+        "noise_floor_pp": 100 * (max(vals) - min(vals)),
+        "replayed_run": distributed["name"],
+        "replay_accuracy": replay_acc,
+        "distributed_accuracy": distributed["final_accuracy"],
+        "replay_max_abs_param_diff": diff,
+        "distributed_minus_single_pp": 100 * (distributed["final_accuracy"] - single_acc),
+        "one_test_sample_pp": 100 / 450,
+    }
+
+
 def run_bench(quick: bool) -> tuple[dict, dict[str, dict]]:
+    import statistics
+
     import torch
 
     from kaitian_ros.comm.trainer import TrainingConfig
@@ -124,11 +235,9 @@ def run_bench(quick: bool) -> tuple[dict, dict[str, dict]]:
                           epochs=epochs, lr=0.1, momentum=0.9, seed=0, rebalance_every=3,
                           ewma_alpha=0.5, evaluate_every_epoch=False, timeout_s=60)
     steps_total = epochs * 3  # 1347 training samples / 512 -> 3 steps per epoch
-    solo_steps = 10 if quick else 20
+    solo_steps = 10 if quick else 16
+    single = RunSpec("solo speed 1 (single device)", (1.0,), "equal", solo=True)
     specs = [
-        RunSpec("solo speed 1 (single device)", (1.0,), "equal", solo=True),
-        RunSpec("solo speed 0.33", (3.0,), "equal", solo=True, max_steps=solo_steps),
-        RunSpec("solo speed 0.5", (2.0,), "equal", solo=True, max_steps=solo_steps),
         RunSpec("equal", (1.0, 3.0), "equal"),
         RunSpec("profile_once", (1.0, 3.0), "profile_once"),
         RunSpec("adaptive", (1.0, 3.0), "adaptive"),
@@ -139,54 +248,86 @@ def run_bench(quick: bool) -> tuple[dict, dict[str, dict]]:
         RunSpec("adaptive+drift", (1.0, 1.0), "adaptive", drift=(1, steps_total // 2, 2.0)),
     ]
     runs: dict[str, dict] = {}
-    solo_rate: dict[float, float] = {}
+    solo_log: dict[float, list[float]] = {}
+
+    def measure_solo(slowdown: float) -> float:
+        r = _run(RunSpec(f"solo {slowdown}", (slowdown,), "equal", solo=True,
+                         max_steps=solo_steps), base)
+        solo_log.setdefault(slowdown, []).append(r["samples_per_s"])
+        return r["samples_per_s"]
+
+    t0 = time.perf_counter()
+    r = _run(single, base)
+    r["seconds"], r["spec"] = time.perf_counter() - t0, single
+    runs[single.name] = r
+    solo_log.setdefault(1.0, []).append(r["samples_per_s"])
     for spec in specs:
+        # solo rates of this run's device speeds, measured right before it
+        needed = sorted(set(spec.slowdowns) | ({spec.drift[2]} if spec.drift else set()))
+        solo_now = {s: measure_solo(s) for s in needed}
         t0 = time.perf_counter()
         r = _run(spec, base)
-        r["seconds"] = time.perf_counter() - t0
-        r["spec"] = spec
+        r["seconds"], r["spec"], r["solo"] = time.perf_counter() - t0, spec, solo_now
+        r["name"] = spec.name
         runs[spec.name] = r
-        if spec.solo:
-            solo_rate[spec.slowdowns[0]] = r["samples_per_s"]
+    single_acc = runs[single.name]["final_accuracy"]
     result: dict[str, Any] = {
         "policies": {},
-        "single_device_accuracy": runs["solo speed 1 (single device)"]["final_accuracy"],
+        "single_device_accuracy": single_acc,
         "emulated_speeds": True,
         "setup": {"model": base.model, "dataset": base.dataset, "global_batch": base.global_batch,
                   "epochs": epochs, "lr": base.lr, "rebalance_every": base.rebalance_every,
-                  "quick": quick, "solo_samples_per_s": {str(1 / k)[:4]: v
-                                                         for k, v in solo_rate.items()}},
+                  "share_model": base.share_model, "threads_per_rank": 1, "quick": quick,
+                  "cpus": os.cpu_count(),
+                  "solo_samples_per_s_median": {f"{1 / k:.2g}": statistics.median(v)
+                                                for k, v in sorted(solo_log.items())},
+                  "solo_samples_per_s_all": {f"{1 / k:.2g}": v
+                                             for k, v in sorted(solo_log.items())}},
     }
     for name, r in runs.items():
         spec: RunSpec = r["spec"]
         if spec.solo:
             continue
-        ideal = _ideal(r["slowdown_per_step"], r["global_batches"], solo_rate)
+        ideal = _ideal(r["slowdown_per_step"], r["global_batches"], r["solo"])
         speeds = ":".join(f"{1 / s:.2g}" for s in spec.slowdowns)
         result["policies"][name] = {
             "samples_per_s": r["samples_per_s"], "ideal_samples_per_s": ideal,
             "efficiency": r["samples_per_s"] / ideal if ideal else 0.0,
             "comm_overhead_pct": r["comm_overhead_pct"], "final_accuracy": r["final_accuracy"],
+            "accuracy_minus_single_pp": 100 * (r["final_accuracy"] - single_acc),
             "policy": spec.policy, "emulated_speeds": speeds,
             "drift": (f"rank {spec.drift[0]} slows to speed {1 / spec.drift[2]:.2g} at step "
                       f"{spec.drift[1]}" if spec.drift else None),
             "final_shares": r["final_shares"], "steps": len(r["throughput"]),
+            "imbalance_pct": r["imbalance_pct"],
         }
+    result["accuracy_check"] = accuracy_check(base, runs["adaptive"], single_acc)
     return result, runs
 
 
 def _table(result: dict) -> str:
     rows = [f"{'run':22s} {'speeds (EMULATED)':>17s} {'samples/s':>10s} {'ideal':>8s} "
-            f"{'eff':>6s} {'comm %':>7s} {'acc':>7s}  shares"]
+            f"{'eff':>6s} {'comm %':>7s} {'wait %':>7s} {'acc':>7s}  shares"]
     for name, p in result["policies"].items():
         rows.append(f"{name:22s} {p['emulated_speeds']:>17s} {p['samples_per_s']:10.0f} "
                     f"{p['ideal_samples_per_s']:8.0f} {p['efficiency']:6.3f} "
-                    f"{p['comm_overhead_pct']:7.2f} {p['final_accuracy']:7.4f}  "
+                    f"{p['comm_overhead_pct']:7.2f} {p['imbalance_pct']:7.2f} "
+                    f"{p['final_accuracy']:7.4f}  "
                     f"{[round(s, 3) for s in p['final_shares']]}"
                     + (f"  ({p['drift']})" if p["drift"] else ""))
     rows.append(f"single-device accuracy: {result['single_device_accuracy']:.4f}; solo "
-                f"samples/s by speed: "
-                + ", ".join(f"{k}: {v:.0f}" for k, v in result["setup"]["solo_samples_per_s"].items()))
+                f"samples/s by speed (median): "
+                + ", ".join(f"{k}: {v:.0f}" for k, v in
+                            result["setup"]["solo_samples_per_s_median"].items()))
+    a = result.get("accuracy_check")
+    if a:
+        rows.append("accuracy check: single process, gradient summed over slices: "
+                    + ", ".join(f"{k} {v:.4f}" for k, v in
+                                a["single_process_accuracy_by_split"].items())
+                    + f" -> noise floor {a['noise_floor_pp']:.2f} pp; replay of "
+                    f"'{a['replayed_run']}' split in one process: accuracy "
+                    f"{a['replay_accuracy']:.4f} vs distributed {a['distributed_accuracy']:.4f}, "
+                    f"max |param diff| {a['replay_max_abs_param_diff']:.2e}")
     return "\n".join(rows)
 
 

@@ -182,7 +182,9 @@ class AdaptiveBatchSampler:
         self._since_rebalance = 0
         self._ewma: float = math.nan  # c: compute seconds per sample (beyond the fixed cost)
         self._beta: float = 0.0  # fixed per-step cost in samples (a / c)
-        self._fit = np.zeros(5)  # forgotten sums: w, w b, w t, w b^2, w b t
+        # forgotten sums: w, w b, w t, w b^2, w b t, w t^2, w^2 (for the effective count)
+        self._fit = np.zeros(7)
+        self._fit_updates = 0
 
     # -- iteration -----------------------------------------------------------------
     def steps_per_epoch(self) -> int:
@@ -216,9 +218,13 @@ class AdaptiveBatchSampler:
             return  # no information about speed from an empty slice
         b, t = float(local_batch), float(compute_seconds)
         if self.model == "affine":
-            self._fit *= self.fit_forget
-            self._fit += (1.0, b, t, b * b, b * t)
-            self._beta = self._fixed_samples()
+            self._fit[:6] *= self.fit_forget
+            self._fit[6] *= self.fit_forget ** 2
+            self._fit += (1.0, b, t, b * b, b * t, t * t, 1.0)
+            beta = self._fixed_samples()
+            if beta != self._beta:
+                self._beta = beta
+                self._fit_updates += 1
         if global_batch is not None and global_batch < self.global_batch:
             return
         x = t / (b + self._beta)
@@ -226,10 +232,15 @@ class AdaptiveBatchSampler:
         self._ewma = x if math.isnan(self._ewma) else a * x + (1 - a) * self._ewma
 
     def _fixed_samples(self) -> float:
-        """beta = a / c from the forgotten least-squares fit of t = a + c b (0 if unknown)."""
-        w, sb, st, sbb, sbt = self._fit
+        """beta = a / c from the forgotten least-squares fit of t = a + c b.
+
+        Kept unchanged while the fit cannot separate a from c: batch sizes hardly differ,
+        or the slope is uncertain (standard error > 20 % of it, e.g. timing noise on a
+        shared machine). New estimates are smoothed and capped at half a global batch.
+        """
+        w, sb, st, sbb, sbt, stt, w2 = self._fit
         if w <= 0:
-            return 0.0
+            return self._beta
         mb, mt = sb / w, st / w
         var = sbb / w - mb * mb
         if var <= (0.05 * mb) ** 2:  # batch sizes hardly differ: a and c not separable
@@ -237,8 +248,16 @@ class AdaptiveBatchSampler:
         c = (sbt / w - mb * mt) / var
         if c <= 0:
             return self._beta
-        beta = (mt - c * mb) / c
-        return float(min(max(beta, 0.0), self.global_batch))
+        a = mt - c * mb
+        n_eff = w * w / w2 if w2 > 0 else 0.0
+        if n_eff < 4:
+            return self._beta
+        resid = max(stt / w - mt * mt - c * c * var, 0.0)  # weighted residual variance
+        se_c = math.sqrt(resid / (var * max(n_eff - 2, 1.0)))
+        if se_c > 0.2 * c:
+            return self._beta
+        beta = min(max(a / c, 0.0), 0.5 * self.global_batch)
+        return beta if self._fit_updates == 0 else 0.5 * self._beta + 0.5 * beta
 
     @property
     def fixed_samples(self) -> float:
@@ -295,11 +314,13 @@ class AdaptiveBatchSampler:
         """Forget the speed estimate (e.g. after the device changed speed on purpose)."""
         self._ewma = math.nan
         self._beta = 0.0
-        self._fit = np.zeros(5)
+        self._fit = np.zeros(7)
+        self._fit_updates = 0
 
     def state_dict(self) -> dict:
         return {"shares": list(self.shares), "step": self.step, "rebalances": self.rebalances,
-                "ewma": self._ewma, "beta": self._beta, "fit": self._fit.tolist()}
+                "ewma": self._ewma, "beta": self._beta, "fit": self._fit.tolist(),
+                "fit_updates": self._fit_updates}
 
     def load_state_dict(self, state: dict) -> None:
         self.shares = tuple(float(x) for x in state["shares"])
@@ -307,5 +328,7 @@ class AdaptiveBatchSampler:
         self.rebalances = int(state["rebalances"])
         self._ewma = float(state.get("ewma", math.nan))
         self._beta = float(state.get("beta", 0.0))
-        self._fit = np.asarray(state.get("fit", [0.0] * 5), dtype=np.float64)
+        fit = np.asarray(state.get("fit", [0.0] * 7), dtype=np.float64)
+        self._fit = fit if fit.shape == (7,) else np.zeros(7)
+        self._fit_updates = int(state.get("fit_updates", 0))
         self._since_rebalance = 0

@@ -287,6 +287,7 @@ class RankTrainer:
         self._slowdown = config.slowdown_for(self.rank)
         self._lock = threading.Lock()
         self.groups: CommGroups | None = None
+        self.model: nn.Module | None = None  # the trained module, once run() built it
 
     # -- live tuning (thread-safe; read once per step) ----------------------------------
     def set_emulated_slowdown(self, factor: float) -> None:
@@ -342,6 +343,7 @@ class RankTrainer:
         data = self._data or load_data(cfg.dataset, cfg.num_classes)
         self.groups = build_groups(self.group_label, timeout_s=cfg.timeout_s)
         model = _build_model(cfg, data).to(self.device).train()
+        self.model = model
         # init_sync=False: every rank builds identical weights from the seed (and resume
         # broadcasts the checkpoint), so DDP's own broadcast -- which would need one
         # backend for all vendors' devices -- is unnecessary.

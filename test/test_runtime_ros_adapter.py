@@ -527,3 +527,29 @@ def test_module_imports_without_rclpy() -> None:
     code = "import sys, kaitian_ros.runtime.ros; print('rclpy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_spin_runs_until_shutdown_and_close_releases(fake_rclpy: FakeRclpy) -> None:
+    rt = make_runtime([])
+    calls: list[float] = []
+
+    def once(timeout_sec: float | None = None) -> None:
+        calls.append(timeout_sec)
+        if len(calls) == 3:
+            rt.shutdown()
+
+    rt.executor.spin_once = once
+    rt.spin()
+    assert len(calls) == 3 and not rt.ok()
+    rt.close()
+    rt.close()  # idempotent
+    assert fake_rclpy.nodes[0].destroyed and not fake_rclpy.initialized
+
+
+def test_successful_sets_are_logged_once(fake_rclpy: FakeRclpy) -> None:
+    rt = make_runtime([])
+    rt.declare_parameters(PARAMS)
+    assert rt.set_parameters({"emulated_slowdown": 2}).successful
+    assert rt.get_parameter("emulated_slowdown") == 2.0
+    logged = [m for level, m in fake_rclpy.nodes[0].logger.lines if level == "info"]
+    assert logged == ["parameter emulated_slowdown set to 2.0"]

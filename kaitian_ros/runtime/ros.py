@@ -329,9 +329,6 @@ class RosRuntime:
         if not result.successful:
             return result
         outcome = self.node.set_parameters_atomically([Parameter(n, value=v) for n, v in proposed.items()])
-        if outcome.successful:
-            for name, value in proposed.items():
-                self.logger.info(f"parameter {name} set to {value!r}")
         return SetParametersResult(bool(outcome.successful), str(outcome.reason or ""))
 
     def _on_set_parameters(self, parameters: list[Any]) -> Any:
@@ -352,6 +349,9 @@ class RosRuntime:
                     result = SetParametersResult(False, f"{type(exc).__name__}: {exc}")
                 if not result.successful:
                     break
+        if result.successful:  # logged for API and `ros2 param set` alike, as on the embedded runtime
+            for name, value in proposed.items():
+                self.logger.info(f"parameter {name} set to {value!r}")
         return RclResult(successful=bool(result.successful), reason=result.reason)
 
     # --- executor -----------------------------------------------------------------------
@@ -366,12 +366,14 @@ class RosRuntime:
         self.executor.spin_once(timeout_sec=timeout_s)
 
     def spin(self) -> None:
-        from rclpy.executors import ExternalShutdownException
+        from rclpy import executors
 
+        # the context shut down from outside (rclpy's own signal handling) ends spin quietly
+        external = getattr(executors, "ExternalShutdownException", KeyboardInterrupt)
         try:
             while self.ok():
                 self.executor.spin_once(timeout_sec=SPIN_PERIOD_S)
-        except (KeyboardInterrupt, ExternalShutdownException):
+        except (KeyboardInterrupt, external):
             pass
 
     def shutdown(self) -> None:

@@ -32,9 +32,38 @@ from kaitian_ros.runtime.api import (
 )
 from kaitian_ros.runtime.node_args import NodeArgs, resolve_topic
 
+DELIVER_BATCH = 64  # messages one executor task hands to a subscription before yielding
 BEST_EFFORT_DEPTH = 5  # qos_profile_sensor_data keeps the last 5
 PARAM_SET_TIMEOUT_S = 5.0
 _QOS_TOKEN = {QoS.RELIABLE: "1:2:1,10", QoS.BEST_EFFORT: "2:2:1,5", QoS.LATCHED: "1:1:1,1"}
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_allocator_tuned = False
+
+
+def tune_allocator() -> None:
+    """Keep multi-MiB message buffers in the heap instead of an mmap/munmap per message.
+
+    glibc serves allocations above its mmap threshold with a fresh mmap and returns them with
+    munmap, so every 4 MiB payload (serialize, zenoh's copy, to_bytes) costs page faults and
+    zeroing; measured in docs/transport.md (4 MiB TensorChunks ~0.5 -> ~1.2 GB/s between two
+    processes). ``KAITIAN_MALLOC_TUNE=0`` turns it off; explicit MALLOC_*_ variables win.
+    """
+    global _allocator_tuned
+    if _allocator_tuned or os.environ.get("KAITIAN_MALLOC_TUNE", "1") == "0" or not sys.platform.startswith("linux"):
+        return
+    _allocator_tuned = True
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+            libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024 * 1024)
+        if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+            libc.mallopt(_M_TRIM_THRESHOLD, 256 * 1024 * 1024)
+    except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to tune
+        pass
 
 
 def make_logger(name: str) -> logging.Logger:
@@ -105,6 +134,7 @@ class EmbeddedSubscription:
         self.expected_hash = interfaces.type_hash(msg_type)
         depth = BEST_EFFORT_DEPTH if qos is QoS.BEST_EFFORT else None
         self.pending: collections.deque = collections.deque(maxlen=depth)
+        self._scheduled = False
         self._sub = rt.session.declare_subscriber(zs.topic_key_any_type(rt.domain, topic), self._on_sample)
         self._token = rt.declare_endpoint_token("MS", topic, msg_type, qos)
         if qos is QoS.LATCHED:
@@ -143,17 +173,28 @@ class EmbeddedSubscription:
             except ValueError:
                 pass  # foreign publishers may attach nothing useful; the message still counts
         self.pending.append((msg, MessageInfo(received_s, source_s, sequence)))
-        self._rt.post(self._deliver)
+        if not self._scheduled:  # one executor task drains a burst: fewer queue hand-offs
+            self._scheduled = True
+            self._rt.post(self._deliver)
 
     def _deliver(self) -> None:
-        try:
-            msg, info = self.pending.popleft()
-        except IndexError:  # best-effort queue overflowed and dropped the oldest
-            return
-        if self.with_info:
-            self.callback(msg, info)
-        else:
-            self.callback(msg)
+        # clear the flag before draining: a sample appended after this line posts a new task
+        self._scheduled = False
+        for _ in range(DELIVER_BATCH):
+            try:
+                msg, info = self.pending.popleft()
+            except IndexError:  # drained (a best-effort queue may also have dropped the oldest)
+                return
+            try:
+                if self.with_info:
+                    self.callback(msg, info)
+                else:
+                    self.callback(msg)
+            except Exception:  # same policy as any callback: log, keep the node running
+                self._rt.logger.exception("callback raised")
+        if self.pending and not self._scheduled:  # let timers and other subscriptions run too
+            self._scheduled = True
+            self._rt.post(self._deliver)
 
 
 class EmbeddedTimer:
@@ -180,6 +221,7 @@ class EmbeddedRuntime:
         self.domain = zs.domain_id() if domain is None else domain
         self.logger = make_logger(self.node_name)
         self.rejected = RejectCounter()
+        tune_allocator()
         self._reject_lock = threading.Lock()
         self.session = zs.open_session("peer", connect=router or zs.router_endpoint())
         self.zid = str(self.session.zid())

@@ -1,0 +1,396 @@
+"""``kaitian bench transport``: TensorChunk throughput of the embedded runtime vs plain Zenoh.
+
+Two processes on loopback (a publisher and a subscriber, both peers of a router this command
+hosts on a free port). In the same run, between the same two processes, it measures
+
+- ``ours``: ``EmbeddedPublisher.publish(TensorChunk)`` (rosbags serialize + attachment + put) to an
+  ``EmbeddedSubscription`` (key/type checks + copy out of zenoh + decode + executor hand-off to the
+  node callback),
+- ``raw``: plain zenoh ``put`` of a prebuilt bytes object of the same payload size to a plain zenoh
+  subscriber that copies the payload out (``to_bytes()``), the least any Python receiver does,
+
+for 4 MiB chunks (GB/s) and 256-byte chunks (messages/s). Rates are taken at the subscriber
+(first to last arrival of a trial); the reported figure is the median over repeats.
+
+Usage: ``kaitian bench transport [--json PATH] [--quick] [--repeats N]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+BIG = 4 * 1024 * 1024
+SMALL = 256
+TARGET_RATIO = 0.75
+TARGET_MSGS = 50_000
+RAW_KEY = "bench/raw"
+OURS_TOPIC = "/bench/chunks"
+MODES = ("raw_4mib", "ours_4mib", "raw_256b", "ours_256b")
+
+
+def _size(mode: str) -> int:
+    return BIG if mode.endswith("4mib") else SMALL
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _commands() -> "queue.SimpleQueue[dict[str, Any]]":
+    """stdin lines (JSON commands from the orchestrator) on a queue."""
+    q: queue.SimpleQueue = queue.SimpleQueue()
+
+    def pump() -> None:
+        for line in sys.stdin:
+            if line.strip():
+                q.put(json.loads(line))
+        q.put({"cmd": "quit"})
+
+    threading.Thread(target=pump, daemon=True).start()
+    return q
+
+
+def _runtime(name: str) -> Any:
+    from kaitian_ros.runtime.embedded import EmbeddedRuntime
+    from kaitian_ros.runtime.node_args import NodeArgs
+
+    return EmbeddedRuntime(NodeArgs(name), domain=0)
+
+
+# --- subscriber process ------------------------------------------------------------------------
+
+class _Trials:
+    """Arrival counting per trial id; reports when a trial's expected count is reached."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.expect: dict[int, tuple[int, str]] = {}
+        self.state: dict[int, list[float]] = {}  # trial -> [count, first, last]
+        self.warm: set[str] = set()
+
+    def arrived(self, trial: int, mode: str) -> None:
+        now = time.perf_counter()
+        with self.lock:
+            if trial == 0:
+                if mode not in self.warm:
+                    self.warm.add(mode)
+                    _emit({"warm": mode})
+                return
+            st = self.state.setdefault(trial, [0, now, now])
+            st[0] += 1
+            st[2] = now
+            goal = self.expect.get(trial)
+            if goal is not None and st[0] == goal[0]:
+                n, size = goal[0], _size(goal[1])
+                elapsed = max(st[2] - st[1], 1e-9)
+                _emit({"trial": trial, "mode": goal[1], "n": n, "seconds": elapsed,
+                       "msgs_per_s": (n - 1) / elapsed, "gbytes_per_s": (n - 1) * size / elapsed / 1e9})
+
+
+def _role_sub() -> int:
+    from kaitian_ros.runtime.api import QoS
+
+    rt = _runtime("bench_sub")
+    trials = _Trials()
+
+    def on_raw(sample: Any) -> None:
+        data = sample.payload.to_bytes()
+        trials.arrived(int.from_bytes(data[:8], "little"), "raw_4mib" if len(data) == BIG else "raw_256b")
+
+    def on_ours(msg: Any) -> None:
+        trials.arrived(int(msg.request_id), "ours_4mib" if len(msg.data) == BIG else "ours_256b")
+
+    raw_sub = rt.session.declare_subscriber(RAW_KEY, on_raw)
+    rt.create_subscription(OURS_TOPIC, "TensorChunk", on_ours, QoS.RELIABLE)
+    commands = _commands()
+
+    def control() -> None:
+        while True:
+            cmd = commands.get()
+            if cmd["cmd"] == "expect":
+                with trials.lock:
+                    trials.expect[cmd["trial"]] = (cmd["n"], cmd["mode"])
+            elif cmd["cmd"] == "quit":
+                rt.shutdown()
+                return
+
+    threading.Thread(target=control, daemon=True).start()
+    _emit({"ready": "sub"})
+    rt.spin()
+    del raw_sub
+    rt.close()
+    return 0
+
+
+# --- publisher process -------------------------------------------------------------------------
+
+def _role_pub() -> int:
+    import numpy as np
+
+    from kaitian_ros.runtime import interfaces
+    from kaitian_ros.runtime import zenoh_session as zs
+    from kaitian_ros.runtime.api import QoS
+
+    rt = _runtime("bench_pub")
+    ours = rt.create_publisher(OURS_TOPIC, "TensorChunk", QoS.RELIABLE)
+    raw = rt.session.declare_publisher(RAW_KEY, congestion_control=zs.CongestionControl.BLOCK)
+    tensors = {size: np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8) for size in (BIG, SMALL)}
+
+    def chunk(trial: int, size: int) -> Any:
+        data = tensors[size]
+        return interfaces.make("TensorChunk", request_id=trial, plan_version=1, producer="bench_pub",
+                               consumer="bench_sub", role=0, total_rows=size, dtype_code=1, dtype_bits=8,
+                               shape=np.array([size], np.int64), data=data)
+
+    def raw_payload(trial: int, size: int) -> bytes:
+        return trial.to_bytes(8, "little") + tensors[size][8:].tobytes()
+
+    def send(mode: str, trial: int, n: int, stop: threading.Event | None = None) -> None:
+        size = _size(mode)
+        if mode.startswith("raw"):
+            payload = raw_payload(trial, size)
+            for _ in range(n):
+                if stop is not None and stop.is_set():
+                    return
+                raw.put(payload)
+                if stop is not None:
+                    time.sleep(0.02)
+        else:
+            msg = chunk(trial, size)
+            for _ in range(n):
+                if stop is not None and stop.is_set():
+                    return
+                ours.publish(msg)
+                if stop is not None:
+                    time.sleep(0.02)
+
+    commands = _commands()
+    _emit({"ready": "pub"})
+    while True:
+        cmd = commands.get()
+        if cmd["cmd"] == "warm":
+            stop = threading.Event()
+            warm = threading.Thread(target=send, args=(cmd["mode"], 0, 10_000, stop), daemon=True)
+            warm.start()
+            while True:
+                nxt = commands.get()
+                if nxt["cmd"] in ("stop", "quit"):
+                    break
+            stop.set()
+            warm.join()
+            _emit({"warmed": cmd["mode"]})
+            if nxt["cmd"] == "quit":
+                break
+        elif cmd["cmd"] == "run":
+            send(cmd["mode"], cmd["trial"], cmd["n"])
+            _emit({"sent": cmd["trial"]})
+        elif cmd["cmd"] == "quit":
+            break
+    rt.close()
+    return 0
+
+
+# --- orchestrator -------------------------------------------------------------------------------
+
+class _Child:
+    def __init__(self, role: str, env: dict[str, str]) -> None:
+        self.role = role
+        self.p = subprocess.Popen([sys.executable, "-u", "-m", "kaitian_ros.bench.transport", "--role", role],
+                                  env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.p.stdout is not None
+        for line in self.p.stdout:
+            line = line.strip()
+            if line.startswith("{"):
+                self.q.put(json.loads(line))
+        self.q.put({"eof": True})
+
+    def send(self, **cmd: Any) -> None:
+        assert self.p.stdin is not None
+        self.p.stdin.write(json.dumps(cmd) + "\n")
+        self.p.stdin.flush()
+
+    def expect(self, key: str, timeout_s: float = 120.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                msg = self.q.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"bench {self.role}: no '{key}' within {timeout_s:.0f} s") from None
+            if "eof" in msg:
+                raise RuntimeError(f"bench {self.role} process exited (code {self.p.wait()})")
+            if key in msg:
+                return msg
+
+    def close(self) -> None:
+        try:
+            self.send(cmd="quit")
+        except (BrokenPipeError, OSError):
+            pass
+        try:
+            self.p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(repeats: int, n_big: int, n_small: int, log: Any = print) -> dict[str, list[dict[str, Any]]]:
+    from kaitian_ros.runtime import zenoh_session as zs
+
+    endpoint = f"tcp/127.0.0.1:{_free_port()}"
+    router = zs.open_session("router", listen=endpoint)
+    env = dict(os.environ, KAITIAN_ROUTER=endpoint, KAITIAN_RUNTIME="embedded", ROS_DOMAIN_ID="0",
+               PYTHONUNBUFFERED="1")
+    sub = _Child("sub", env)
+    pub = _Child("pub", env)
+    results: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    try:
+        sub.expect("ready")
+        pub.expect("ready")
+        for mode in MODES:  # routes (and the peers' direct link) exist before anything is timed
+            pub.send(cmd="warm", mode=mode)
+            sub.expect("warm")
+            time.sleep(0.3)
+            pub.send(cmd="stop")
+            pub.expect("warmed")
+        trial = 0
+        for rep in range(repeats):
+            for mode in MODES:
+                trial += 1
+                n = n_big if mode.endswith("4mib") else n_small
+                sub.send(cmd="expect", trial=trial, n=n, mode=mode)
+                time.sleep(0.05)
+                pub.send(cmd="run", mode=mode, trial=trial, n=n)
+                result = sub.expect("gbytes_per_s")
+                pub.expect("sent")
+                results[mode].append(result)
+                log(f"  repeat {rep + 1}/{repeats} {mode:10s} {result['gbytes_per_s']:7.3f} GB/s "
+                    f"{result['msgs_per_s']:10.0f} msg/s")
+    finally:
+        pub.close()
+        sub.close()
+        router.close()
+    return results
+
+
+def summarise(results: dict[str, list[dict[str, Any]]], config: dict[str, Any]) -> dict[str, Any]:
+    med = {m: {"gbytes_per_s": statistics.median(r["gbytes_per_s"] for r in rs),
+               "msgs_per_s": statistics.median(r["msgs_per_s"] for r in rs)} for m, rs in results.items()}
+    ours_big = med["ours_4mib"]["gbytes_per_s"]
+    raw_big = med["raw_4mib"]["gbytes_per_s"]
+    out = {
+        "gbytes_per_s_4mib": ours_big,
+        "msgs_per_s_256b": med["ours_256b"]["msgs_per_s"],
+        "raw_zenoh_gbytes_per_s_4mib": raw_big,
+        "ratio_to_raw": ours_big / raw_big if raw_big > 0 else 0.0,
+        "raw_zenoh_msgs_per_s_256b": med["raw_256b"]["msgs_per_s"],
+        "ratio_to_raw_256b": (med["ours_256b"]["msgs_per_s"] / med["raw_256b"]["msgs_per_s"]
+                              if med["raw_256b"]["msgs_per_s"] > 0 else 0.0),
+        "targets": {"ratio_to_raw": TARGET_RATIO, "msgs_per_s_256b": TARGET_MSGS},
+        "medians": med,
+        "repeats": {m: [{k: r[k] for k in ("gbytes_per_s", "msgs_per_s", "n", "seconds")} for r in rs]
+                    for m, rs in results.items()},
+        "config": config,
+    }
+    out["meets_targets"] = {"ratio_to_raw": out["ratio_to_raw"] >= TARGET_RATIO,
+                            "msgs_per_s_256b": out["msgs_per_s_256b"] >= TARGET_MSGS}
+    return out
+
+
+def table(summary: dict[str, Any]) -> str:
+    med = summary["medians"]
+    lines = [f"{'path':22s} {'4 MiB GB/s':>11s} {'256 B msg/s':>12s}",
+             f"{'raw zenoh':22s} {med['raw_4mib']['gbytes_per_s']:11.3f} {med['raw_256b']['msgs_per_s']:12.0f}",
+             f"{'embedded runtime':22s} {med['ours_4mib']['gbytes_per_s']:11.3f} {med['ours_256b']['msgs_per_s']:12.0f}",
+             f"{'ours / raw':22s} {summary['ratio_to_raw']:11.2f} {summary['ratio_to_raw_256b']:12.2f}",
+             f"targets: ratio >= {TARGET_RATIO} ({'met' if summary['meets_targets']['ratio_to_raw'] else 'NOT met'}), "
+             f">= {TARGET_MSGS} msg/s at 256 B "
+             f"({'met' if summary['meets_targets']['msgs_per_s_256b'] else 'NOT met'})"]
+    return "\n".join(lines)
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    med, reps = summary["medians"], summary["repeats"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.8))
+    for ax, (raw, ours), key, unit, target in (
+            (a, ("raw_4mib", "ours_4mib"), "gbytes_per_s", "GB/s (4 MiB chunks)", None),
+            (b, ("raw_256b", "ours_256b"), "msgs_per_s", "messages/s (256 B chunks)", TARGET_MSGS)):
+        values = [med[raw][key], med[ours][key]]
+        ax.bar(["raw zenoh", "embedded runtime"], values, color=["#888888", "#2a7ab9"])
+        for x, mode in enumerate((raw, ours)):
+            ax.scatter([x] * len(reps[mode]), [r[key] for r in reps[mode]], color="k", s=10, zorder=3)
+        if target:
+            ax.axhline(target, color="r", ls="--", lw=1, label=f"target {target:,}")
+            ax.legend(loc="lower right")
+        else:
+            ax.axhline(TARGET_RATIO * values[0], color="r", ls="--", lw=1, label=f"{TARGET_RATIO} x raw")
+            ax.legend(loc="lower right")
+        ax.set_ylabel(unit)
+    a.set_title(f"4 MiB: ours/raw = {summary['ratio_to_raw']:.2f}")
+    b.set_title(f"256 B: {summary['msgs_per_s_256b']:,.0f} msg/s")
+    fig.suptitle("TensorChunk transport, two processes on loopback (median, dots = repeats)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kaitian bench transport", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", default="bench/results/transport.json", help="output JSON (PNG written next to it)")
+    parser.add_argument("--quick", action="store_true", help="fewer, shorter trials (smoke run)")
+    parser.add_argument("--repeats", type=int, help="repeats per path (default 5, --quick 2)")
+    parser.add_argument("--role", choices=["pub", "sub"], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.role == "sub":
+        return _role_sub()
+    if args.role == "pub":
+        return _role_pub()
+    repeats = args.repeats or (2 if args.quick else 5)
+    n_big, n_small = (60, 10_000) if args.quick else (250, 40_000)
+    config = {"repeats": repeats, "messages_4mib": n_big, "messages_256b": n_small, "quick": args.quick,
+              "cpus": os.cpu_count(), "python": sys.version.split()[0]}
+    print(f"kaitian bench transport: {repeats} repeats, {n_big} x 4 MiB and {n_small} x 256 B per trial")
+    try:
+        results = measure(repeats, n_big, n_small)
+    except RuntimeError as exc:
+        print(f"kaitian bench transport: {exc}", file=sys.stderr)
+        return 1
+    summary = summarise(results, config)
+    print(table(summary))
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    png = out.with_suffix(".png")
+    plot(summary, png)
+    print(f"wrote {out} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

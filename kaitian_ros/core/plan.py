@@ -36,6 +36,14 @@ class CostModel:
     exchange_ms: float = 1.0  # per cut: message latency + synchronisation with neighbours
     link_bytes_per_ms: float = 1.0e5  # 100 MB/s (~ gigabit link)
     bytes_per_element: int = 4  # float32
+    # Per-call costs the flop count misses (measured here, ResNet-18, one thread): every conv
+    # call reads its whole weight tensor, so a 1-2 row call of a layer4 conv (9.4 MB of weights)
+    # costs about as much as all 7 rows; and each call has a fixed Python/dispatch cost. Runs
+    # are about `run_rows` rows (the stripe executor's min_run_rows). These terms decide whether
+    # the low-resolution, weight-heavy tail is split at all (see `make_plan(solo_tail=...)`).
+    call_ms: float = 0.05
+    weight_bytes_per_ms: float = 4.0e6  # ~4 GB/s effective weight streaming
+    run_rows: int = 8
 
 
 @dataclass(frozen=True)
@@ -225,11 +233,18 @@ def make_plan(
     cost: CostModel = CostModel(),
     max_segments: int | None = None,
     cuts: Sequence[int] | None = None,
+    solo_tail: bool | None = None,
 ) -> Plan:
     """Plan for splitting `graph`'s trunk over `node_ids` by `shares` (>= 0, normalised).
 
     `cuts` (graph value indices from `graph.cut_values`) overrides the cost model's choice;
     `max_segments` bounds the number of segments it may choose.
+
+    `solo_tail`: the segments from some cut on may run whole on the node with the largest
+    share (a layer-wise split after the row stripes: late, low-resolution layers are
+    weight-bound, so splitting their few rows saves little compute and costs an exchange).
+    None (default): the cost model picks the cut, or none, when `cuts` is not given; True: it
+    may do so even with explicit `cuts`; False: never.
     """
     ids = tuple(str(n) for n in node_ids)
     if not ids:
@@ -251,12 +266,35 @@ def make_plan(
             raise ValueError(f"cuts {bad} are not cut points; valid: {graph.cut_values}")
         chosen = sorted(set(int(c) for c in cuts))
     bounds = [0, *chosen, graph.output_value]
+    allow_solo = (cuts is None) if solo_tail is None else bool(solo_tail)
+    if not allow_solo or sum(1 for s in norm if s > 0) < 2 or len(bounds) < 3:
+        segments = _build_segments(graph, ids, norm, bounds, len(bounds) - 1)
+        est = _estimate(graph, segments, norm, cost)
+    else:
+        # try "segments from t on run whole on the fastest node" for every t (t = #segments: no
+        # solo tail; the solo segments merge into one), keep the cheapest; ties -> no solo tail
+        best = None
+        for t in range(len(bounds) - 1, 0, -1):
+            bt = bounds[:t + 1] + ([graph.output_value] if t < len(bounds) - 1 else [])
+            segs = _build_segments(graph, ids, norm, bt, t)
+            e = _estimate(graph, segs, norm, cost)
+            if best is None or e < best[0] - 1e-9 * (1.0 + abs(e)):
+                best = (e, segs)
+        est, segments = best
+    return Plan(ids, norm, int(slab_rows), tuple(segments), graph.input_shape,
+                graph.trunk_output_shape, est)
 
+
+def _build_segments(graph: ModelGraph, ids: tuple[str, ...], norm: tuple[float, ...],
+                    bounds: list[int], solo_from: int) -> list[SegmentPlan]:
+    """Segments between `bounds`; from segment `solo_from` on all rows go to the fastest node."""
+    fastest = max(range(len(norm)), key=lambda i: (norm[i], -i))
+    solo = tuple(1.0 if i == fastest else 0.0 for i in range(len(norm)))
     segments: list[SegmentPlan] = []
     prev_out: tuple[Interval, ...] = ()
     for k in range(len(bounds) - 1):
         a, b = bounds[k], bounds[k + 1]
-        out_rows = split_rows(graph.value_shapes[b][1], norm)
+        out_rows = split_rows(graph.value_shapes[b][1], norm if k < solo_from else solo)
         in_rows, flops = [], []
         for st in out_rows:
             comp, need = graph.required_rows(a, b, st)
@@ -276,10 +314,32 @@ def make_plan(
                             halos.append(HaloTransfer(k, src, dst, lo, hi))
         segments.append(SegmentPlan(a, b, out_rows, tuple(in_rows), tuple(flops), tuple(halos)))
         prev_out = out_rows
+    return segments
 
-    est = _estimate(graph, segments, norm, cost)
-    return Plan(ids, norm, int(slab_rows), tuple(segments), graph.input_shape,
-                graph.trunk_output_shape, est)
+
+def _call_overhead(graph: ModelGraph, seg: SegmentPlan, i: int, cost: CostModel) -> float:
+    """Flop-equivalent of node i's per-call costs in `seg`: fixed cost per run plus the weight
+    bytes each run of a conv reads beyond what its flops already take."""
+    if cost.call_ms <= 0 and cost.weight_bytes_per_ms <= 0:
+        return 0.0
+    rows = seg.out_rows[i]
+    if rows[0] >= rows[1]:
+        return 0.0
+    comp, _ = graph.required_rows(seg.in_value, seg.out_value, rows)
+    extra_ms = 0.0
+    for v, r in comp.items():
+        n = _len(r)
+        if n <= 0:
+            continue
+        op = graph.ops[v - 1]
+        calls = -(-n // max(1, cost.run_rows))
+        ms = calls * cost.call_ms
+        if op.window is not None and cost.weight_bytes_per_ms > 0:
+            # conv weights ~ flops_per_row / (2 * W_out) elements (tiny for pools)
+            wbytes = op.flops_per_row / (2.0 * op.out_shape[2]) * cost.bytes_per_element
+            ms += max(0.0, calls * wbytes / cost.weight_bytes_per_ms - n * op.flops_per_row / cost.flops_per_ms)
+        extra_ms += ms
+    return extra_ms * cost.flops_per_ms
 
 
 def _estimate(graph: ModelGraph, segments: list[SegmentPlan], shares: tuple[float, ...],
@@ -287,8 +347,8 @@ def _estimate(graph: ModelGraph, segments: list[SegmentPlan], shares: tuple[floa
     n_active = sum(1 for s in shares if s > 0)
     total = 0.0
     for k, seg in enumerate(segments):
-        total += max((f / (cost.flops_per_ms * n_active * s) for f, s in zip(seg.flops, shares)
-                      if f > 0), default=0.0)
+        total += max(((f + _call_overhead(graph, seg, i, cost)) / (cost.flops_per_ms * n_active * s)
+                      for i, (f, s) in enumerate(zip(seg.flops, shares)) if f > 0), default=0.0)
         if k > 0 and seg.halos:
             c, _, w = graph.value_shapes[seg.in_value]
             per_dst: dict[str, int] = {}

@@ -37,10 +37,12 @@ import importlib
 import sys
 import threading
 import traceback
+import time
 from typing import Any, Callable, Sequence
 
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime.api import (
+    MessageInfo,
     ParameterDescriptor,
     ParametersCallback,
     ParameterType,
@@ -155,7 +157,8 @@ class RosSubscription:
     """rclpy raw subscription: CDR bytes -> interfaces.decode -> node callback; bad input counted."""
 
     def __init__(self, rt: "RosRuntime", topic: str, msg_type: str,
-                 callback: Callable[[Any], None], qos: QoS) -> None:
+                 callback: Callable[..., None], qos: QoS, with_info: bool = False) -> None:
+        self.with_info = with_info
         self.msg_type = interfaces.full_type_name(msg_type)
         self.callback = callback
         self.qos = qos
@@ -166,12 +169,17 @@ class RosSubscription:
         self.topic = getattr(self._sub, "topic_name", topic)
 
     def _on_raw(self, payload: bytes) -> None:
+        # rclpy hands raw messages to the executor thread: arrival is when we see it
+        received_s = time.time()
         try:
             msg = interfaces.decode(payload, self.msg_type)
         except interfaces.DecodeError as exc:
             self._rt.reject(f"malformed: {exc} on {self.topic}")
             return
-        self._rt.run_guarded(self.callback, msg)
+        if self.with_info:
+            self._rt.run_guarded(self.callback, msg, MessageInfo(received_s, 0.0, 0))
+        else:
+            self._rt.run_guarded(self.callback, msg)
 
 
 class RosTimer:
@@ -236,9 +244,9 @@ class RosRuntime:
     def create_publisher(self, topic: str, msg_type: str, qos: QoS = QoS.RELIABLE) -> RosPublisher:
         return RosPublisher(self, topic, msg_type, qos)
 
-    def create_subscription(self, topic: str, msg_type: str, callback: Callable[[Any], None],
-                            qos: QoS = QoS.RELIABLE) -> RosSubscription:
-        return RosSubscription(self, topic, msg_type, callback, qos)
+    def create_subscription(self, topic: str, msg_type: str, callback: Callable[..., None],
+                            qos: QoS = QoS.RELIABLE, *, with_info: bool = False) -> RosSubscription:
+        return RosSubscription(self, topic, msg_type, callback, qos, with_info)
 
     def create_timer(self, period_s: float, callback: Callable[[], None]) -> RosTimer:
         return RosTimer(self, period_s, callback)

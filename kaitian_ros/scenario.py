@@ -7,6 +7,7 @@ passed to them unchanged). Launch arguments ``name:=value`` override parameters:
 - ``param:=value`` sets ``param`` in every node that has it in the file,
 - ``node.param:=value`` sets it in one node,
 - ``compute_nodes:=N`` keeps/clones ``compute_*`` nodes to exactly N (clones copy the last one),
+- ``ranks:=N`` does the same for ``trainer_*`` nodes and renumbers ``rank``/``world_size``,
 - ``slowdowns:=[1.0,2.0,...]`` sets ``emulated_slowdown`` of the compute nodes in order.
 """
 
@@ -119,7 +120,13 @@ def apply_overrides(nodes: list[NodeSpec], overrides: Sequence[tuple[str, Any]])
     nodes = [NodeSpec(n.name, n.executable, copy.deepcopy(n.parameters)) for n in nodes]
     for key, value in overrides:
         if key == "compute_nodes":
-            nodes = _resize_compute(nodes, value)
+            nodes = _resize(nodes, "compute", "compute_nodes", value)
+        elif key == "ranks":
+            nodes = _resize(nodes, "trainer", "ranks", value)
+            trainers = [n for n in nodes if n.executable == "trainer"]
+            for rank, spec in enumerate(trainers):
+                spec.parameters["rank"] = rank
+                spec.parameters["world_size"] = len(trainers)
         elif key == "slowdowns":
             computes = [n for n in nodes if n.executable == "compute"]
             if not isinstance(value, list) or len(value) != len(computes):
@@ -140,18 +147,19 @@ def apply_overrides(nodes: list[NodeSpec], overrides: Sequence[tuple[str, Any]])
     return nodes
 
 
-def _resize_compute(nodes: list[NodeSpec], count: Any) -> list[NodeSpec]:
+def _resize(nodes: list[NodeSpec], executable: str, argument: str, count: Any) -> list[NodeSpec]:
+    """Keep the first ``count`` nodes of one executable, cloning the last as ``<executable>_<i>``."""
     if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= 64:
-        raise ScenarioError(f"compute_nodes:= must be an integer in [1, 64], got {count!r}")
-    computes = [n for n in nodes if n.executable == "compute"]
-    if not computes:
-        raise ScenarioError("compute_nodes:= given but the scenario has no compute node")
-    others = [n for n in nodes if n.executable != "compute"]
-    template = computes[-1]
-    resized = computes[:count]
+        raise ScenarioError(f"{argument}:= must be an integer in [1, 64], got {count!r}")
+    group = [n for n in nodes if n.executable == executable]
+    if not group:
+        raise ScenarioError(f"{argument}:= given but the scenario has no {executable} node")
+    others = [n for n in nodes if n.executable != executable]
+    template = group[-1]
+    resized = group[:count]
     for index in range(len(resized), count):
-        resized.append(NodeSpec(f"compute_{index}", "compute", copy.deepcopy(template.parameters)))
-    first = nodes.index(computes[0])
+        resized.append(NodeSpec(f"{executable}_{index}", executable, copy.deepcopy(template.parameters)))
+    first = nodes.index(group[0])
     before = [n for n in others if nodes.index(n) < first]
     after = [n for n in others if nodes.index(n) > first]
     return before + resized + after

@@ -96,6 +96,23 @@ def stamp_key(stamp: Any) -> tuple[int, int]:
     return int(stamp.sec), int(stamp.nanosec)
 
 
+class TimedCollector(Collector):
+    """A Collector that also keeps each message's arrival time (time.monotonic())."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrived: list[float] = []
+
+    def __call__(self, item: Any) -> None:
+        with self.lock:
+            self.items.append(item)
+            self.arrived.append(time.monotonic())
+
+    def timed(self) -> list[tuple[float, Any]]:
+        with self.lock:
+            return list(zip(self.arrived, self.items))
+
+
 class Camera:
     """The test's own node (``test_camera``): an EmbeddedRuntime spinning on a thread."""
 
@@ -107,8 +124,8 @@ class Camera:
         self.thread = threading.Thread(target=self.rt.spin, daemon=True)
         self.thread.start()
 
-    def collect(self, topic: str, msg_type: str, qos: QoS = QoS.RELIABLE) -> Collector:
-        sink = Collector()
+    def collect(self, topic: str, msg_type: str, qos: QoS = QoS.RELIABLE) -> TimedCollector:
+        sink = TimedCollector()
         self.rt.create_subscription(topic, msg_type, sink, qos)
         return sink
 

@@ -1,0 +1,191 @@
+"""Faults on the inference graph: malformed chunks and images are dropped and counted with a
+reason while the nodes keep serving; a compute process killed mid-run loses no frame.
+
+Real processes on the embedded runtime, a router on a free port per graph. The kill test
+starts the graph with the launcher but never lets it supervise (``wait``), so the launcher
+does not stop the graph when the killed node disappears.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from inference_helpers import InferenceGraph, image_msg, synthetic_image, wait_until
+from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.runtime import interfaces
+from kaitian_ros.runtime import zenoh_session as zs
+from kaitian_ros.runtime.api import QoS
+
+
+@pytest.fixture(scope="module")
+def graph(tmp_path_factory):
+    """digits_cnn on 3x32x32 over two compute nodes: cheap, one segment, 4-row slabs."""
+    g = InferenceGraph(tmp_path_factory.mktemp("faults"), model="digits_cnn", height=32, width=32,
+                       slowdowns=[1.0, 1.5], shares=[1.0, 1.0], slab_rows=4,
+                       compute={"pending_timeout_s": 1.0})
+    try:
+        g.wait_ready()
+        frames = g.frames(2)
+        g.check_outputs(frames, g.stream(frames))
+        yield g
+    finally:
+        g.close()
+
+
+def latest_values(g: InferenceGraph, node: str) -> dict[str, str]:
+    diags = g.diagnostics_of(node)
+    return diags[-1] if diags else {}
+
+
+def wait_values(g: InferenceGraph, node: str, predicate, what: str) -> dict[str, str]:
+    def check():
+        values = latest_values(g, node)
+        return values if values and predicate(values) else None
+
+    try:
+        return wait_until(check, f"{node} /diagnostics showing {what}", timeout_s=20.0, interval_s=0.05)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last values: {latest_values(g, node)}") from None
+
+
+def test_malformed_chunks_are_dropped_counted_and_the_node_keeps_serving(graph):
+    g = graph
+    node = "compute_0"
+    before = int(latest_values(g, node).get("rejected", "0"))
+    assert before == 0, latest_values(g, node)
+    pv = g.latest_plan()
+    plan = ic.plan_for(g.graph, tuple(pv.node_ids), tuple(pv.shares), 4)
+    lo, hi = plan.input_rows_for(node)
+    c, height, width = g.spec.input_shape
+    assert hi < height, "compute_0 must not read the whole image for the out-of-range case"
+    pub = g.probe.rt.create_publisher(ic.chunk_topic(node), "TensorChunk", QoS.RELIABLE)
+    key = zs.topic_key(zs.domain_id(), ic.chunk_topic(node), "TensorChunk")
+    rows = torch.randn(1, c, 4, width)
+
+    def chunk(**over):
+        fields = dict(request_id=10_000, plan_version=pv.version, producer=ic.COORDINATOR, consumer=node,
+                      segment=0, role=ic.ROLE_INPUT, row_offset=lo, total_rows=height, rows=rows)
+        fields.update(over)
+        return ic.chunk_message(**fields)
+
+    good = interfaces.encode(chunk(), "TensorChunk").tobytes()
+    time.sleep(0.3)  # let the new publisher's route to compute_0 settle
+    rng = np.random.default_rng(7)
+    injected = {
+        "malformed": 2, "misaddressed": 1, "bad role": 1, "stale plan": 1, "bad chunk": 4,
+        "unknown plan": 1,
+    }
+    # random bytes, and a valid chunk cut in half: undecodable CDR
+    g.probe.rt.session.put(key, rng.integers(0, 256, 300, dtype=np.uint8).tobytes())
+    g.probe.rt.session.put(key, good[: len(good) // 2])
+    pub.publish(chunk(consumer="compute_1"))                      # misaddressed
+    pub.publish(chunk(role=ic.ROLE_OUTPUT))                       # a compute node takes no OUTPUT
+    pub.publish(chunk(plan_version=0))                            # older than any plan it holds
+    pub.publish(chunk(rows=torch.randn(1, c, 4)))                 # 3-D: not (N,C,rows,W)
+    pub.publish(chunk(rows=torch.randn(1, c, 4, width + 3)))      # wrong width
+    wrong_len = chunk()
+    wrong_len.data = wrong_len.data[:-4].copy()                   # shape says more bytes than sent
+    pub.publish(wrong_len)
+    pub.publish(chunk(row_offset=height - 4))                     # rows compute_1 owns, not compute_0
+    pub.publish(chunk(plan_version=pv.version + 1000))            # never announced
+    total = sum(injected.values())
+
+    values = wait_values(g, node, lambda v: int(v["rejected"]) >= total, f"{total} rejected")
+    counts = {k[len("rejected."):]: int(v) for k, v in values.items() if k.startswith("rejected.")}
+    assert counts == injected, values
+    assert int(values["rejected"]) == total
+    # the unknown plan is the last one counted: after pending_timeout_s without that plan
+    assert values["last_reject_reason"].startswith("unknown plan: v"), values
+    assert f"v{pv.version + 1000}" in values["last_reject_reason"]
+    beat = wait_until(lambda: [t for t in g.heartbeats_of(node) if t.rejected_count >= total],
+                      "a heartbeat with the new rejected_count")[-1]
+    assert beat.rejected_count == total and beat.last_reject_reason == values["last_reject_reason"]
+
+    # still serving: next frames complete and exact, nothing else dropped on the coordinator
+    frames = g.frames(3, first=100)
+    g.check_outputs(frames, g.stream(frames))
+    assert not g.dead_children()
+    assert int(latest_values(g, node)["rejected"]) == total
+
+
+def test_malformed_images_are_counted_and_the_coordinator_keeps_running(graph):
+    g = graph
+    node = "coordinator"
+    base = int(wait_values(g, node, lambda v: True, "anything")["rejected"])
+    h, w = 40, 48
+    pixels = synthetic_image(500, h, w)
+    bad_encoding = image_msg(pixels, 500, encoding="yuv422")
+    too_short = image_msg(pixels, 501)
+    too_short.data = too_short.data[: w * 3 * (h - 1)].copy()       # one row missing
+    bad_step = image_msg(pixels, 502)
+    bad_step.step = w                                               # step < width * 3
+    key = zs.topic_key(zs.domain_id(), "/camera/image_raw", "Image")
+    cases = [
+        (lambda: g.publish(bad_encoding), "bad image: unsupported encoding 'yuv422'"),
+        (lambda: g.publish(too_short), "bad image: image data"),
+        (lambda: g.publish(bad_step), "bad image: image data"),
+        (lambda: g.probe.rt.session.put(key, b"\x00\x01\x00\x00garbage"), "malformed"),
+    ]
+    for i, (send, reason) in enumerate(cases, start=1):
+        send()
+        values = wait_values(g, node, lambda v, i=i: int(v["rejected"]) >= base + i, f"{base + i} rejected")
+        assert int(values["rejected"]) == base + i, values
+        assert values["last_reject_reason"].startswith(reason), (reason, values)
+    fused_before = len(g.fused)
+    frames = g.frames(3, first=200)
+    g.check_outputs(frames, g.stream(frames))
+    assert len(g.fused) == fused_before + 3, "a malformed image produced a FusedOutput"
+    assert not g.dead_children()
+
+
+def test_compute_process_killed_mid_run_loses_no_frame(tmp_path):
+    """kill -9 one of three compute nodes while frames flow (input paced so requests are in
+    flight): every request still yields exactly one complete, exact FusedOutput, re-dispatched
+    to the survivors; the coordinator's plan drops the dead node soon after dead_after_s."""
+    dead_after_s = 1.5
+    with InferenceGraph(tmp_path, model="digits_cnn", height=64, width=64, slowdowns=[1.0, 2.0, 1.0],
+                        shares=[1.0, 1.0, 1.0], slab_rows=4,
+                        coordinator={"input_pacing_ms": 10.0, "dead_after_s": dead_after_s,
+                                     "max_in_flight": 4}) as g:
+        ready = g.wait_ready()
+        victim = "compute_1"
+        pid = g.pid_from_output(victim)
+        assert pid == g.pid(victim)
+        killed = {}
+
+        def kill_mid_run(i: int) -> None:
+            if i == 5:  # frames 0-2 answered (window 3), 3-5 in flight
+                os.kill(pid, signal.SIGKILL)
+                killed["t"] = time.monotonic()
+
+        frames = g.frames(12)
+        by_stamp = g.stream(frames, window=3, on_sent=kill_mid_run)
+        assert g.dead_children() == [victim]
+        outputs = g.check_outputs(frames, by_stamp)
+        ids = sorted(int(f.request_id) for f in outputs)
+        assert ids == list(range(1, len(frames) + 1)), f"requests lost or duplicated: {ids}"
+        assert len(g.fused) == len(frames), "exactly one FusedOutput per request"
+        # the plan without the dead node: when did it arrive (latched topic, collected as it came)
+        plans = g.plans.timed()
+        survivors = [p for _, p in plans if p.version > ready.version]
+        assert survivors, [list(p.node_ids) for _, p in plans]
+        dropped_after = next(t for t, p in plans if p is survivors[0]) - killed["t"]
+        assert dropped_after <= dead_after_s + 1.0, f"plan dropped {victim} {dropped_after:.2f} s after the kill"
+        assert list(survivors[0].node_ids) == ["compute_0", "compute_2"]
+        assert f"{victim} lost" in survivors[0].reason
+        assert len(survivors) == 1, [(p.version, p.reason) for p in survivors]
+        # frames answered before the kill ran on all three; the rest on the survivors only
+        before = [f for f in outputs if f.plan_version == ready.version]
+        after = [f for f in outputs if f.plan_version == survivors[0].version]
+        assert len(before) + len(after) == len(outputs)
+        assert len(before) >= 3 and all(len(f.node_ids) == 3 for f in before)
+        assert len(after) >= 6 and all(list(f.node_ids) == ["compute_0", "compute_2"] for f in after)
+        coord = wait_values(g, "coordinator", lambda v: "redispatched" in v, "a re-dispatch count")
+        assert int(coord["redispatched"]) >= 1, coord
+        assert "timeouts" not in coord, coord

@@ -78,7 +78,7 @@ def test_malformed_chunks_are_dropped_counted_and_the_node_keeps_serving(graph):
     time.sleep(0.3)  # let the new publisher's route to compute_0 settle
     rng = np.random.default_rng(7)
     injected = {
-        "malformed": 2, "misaddressed": 1, "bad role": 1, "stale plan": 1, "bad chunk": 4,
+        "malformed": 2, "misaddressed": 1, "bad role": 1, "stale plan": 1, "bad chunk": 5,
         "unknown plan": 1,
     }
     # random bytes, and a valid chunk cut in half: undecodable CDR
@@ -93,6 +93,8 @@ def test_malformed_chunks_are_dropped_counted_and_the_node_keeps_serving(graph):
     wrong_len.data = wrong_len.data[:-4].copy()                   # shape says more bytes than sent
     pub.publish(wrong_len)
     pub.publish(chunk(row_offset=height - 4))                     # rows compute_1 owns, not compute_0
+    # every input row compute_0 needs, but float16: the stripe would run (and fail) on it at once
+    pub.publish(chunk(rows=torch.randn(1, c, hi - lo, width).half()))
     pub.publish(chunk(plan_version=pv.version + 1000))            # never announced
     total = sum(injected.values())
 
@@ -107,7 +109,9 @@ def test_malformed_chunks_are_dropped_counted_and_the_node_keeps_serving(graph):
                       "a heartbeat with the new rejected_count")[-1]
     assert beat.rejected_count == total and beat.last_reject_reason == values["last_reject_reason"]
 
-    # still serving: next frames complete and exact, nothing else dropped on the coordinator
+    assert not [line for line in g.out.text().splitlines()
+                if line.startswith(f"[{node}]") and ("Traceback" in line or "callback raised" in line)]
+    # still serving: next frames complete and exact
     frames = g.frames(3, first=100)
     g.check_outputs(frames, g.stream(frames))
     assert not g.dead_children()

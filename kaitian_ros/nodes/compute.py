@@ -159,6 +159,9 @@ class ComputeNode:
             state = None  # re-dispatched under a newer plan: start over
         try:
             rows = ic.chunk_rows(msg)
+            if rows.dtype != torch.float32:  # the model computes in float32: another dtype would
+                # fail inside the convolutions (uncounted RuntimeError), so refuse it here
+                raise ValueError(f"chunk dtype {rows.dtype}, the model computes in float32")
             if state is None:
                 state = RequestState(int(msg.request_id), version,
                                      StripeRunner(self.graph, plan, self.node_id,

@@ -177,11 +177,15 @@ class Graph:
         from kaitian_ros.launcher import _die_with_parent
         from kaitian_ros.runtime import zenoh_session as zs
 
+        if self.links is not None:
+            os.environ["KAITIAN_SHM"] = "0"  # this process's sessions too (router, driver)
         self.router = zs.open_session("router", listen=self.router_ep)
         pf = self.params_file()
         base = dict(os.environ, KAITIAN_ROUTER=self.router_ep, KAITIAN_RUNTIME="embedded",
                     PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         base.pop("KAITIAN_LISTEN", None)
+        if self.links is not None:  # zenoh's shared-memory transport would bypass the links
+            base["KAITIAN_SHM"] = "0"
         jobs: list[tuple[str, list[str], dict[str, str]]] = []
         root_env = dict(base)
         if self.links is not None:
@@ -500,10 +504,13 @@ def run(args: argparse.Namespace, say: Any) -> dict:
                 gp.check_alive()
 
         # 1. each device's trunk alone, whole trunk in one call (speeds for the bound and shares)
-        solo: dict[int, Series] = {}
-        for i, w in enumerate(gp.workers):
-            s = solo[i] = Series(f"solo_{w}", {"device": i, "slowdown": args.slowdowns[i]})
-            measure(s, lambda im, w=w: driver.layerwise_frame(im, [(w, 0, out_value)]), args.solo_frames)
+        solo = {i: Series(f"solo_{w}", {"device": i, "slowdown": args.slowdowns[i]})
+                for i, w in enumerate(gp.workers)}
+        for k in range(args.solo_frames + 1):  # devices alternate: load bursts hit all alike
+            for i, w in enumerate(gp.workers):
+                r = driver.layerwise_frame(frames[k % len(frames)], [(w, 0, out_value)])
+                if k:  # first one is a warm-up
+                    solo[i].add(r)
         # best of the samples: the least disturbed by other work on these shared cores
         trunk_ms = [min(solo[i].compute[gp.workers[i]]) for i in range(n)]
         speeds = [1.0 / t for t in trunk_ms]

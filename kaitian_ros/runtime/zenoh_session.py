@@ -49,6 +49,10 @@ def open_session(mode: str = "peer", *, connect: str | None = None, listen: str 
         # fail fast when no router is running instead of waiting forever
         config.insert_json5("connect/timeout_ms", "5000")
         config.insert_json5("connect/exit_on_failure", "true")
+    # KAITIAN_SHM=0: no shared-memory transport. Zenoh otherwise moves messages > 3 KB between
+    # processes of one host through /dev/shm, bypassing the network - and any emulated link.
+    if os.environ.get("KAITIAN_SHM", "1") == "0":
+        config.insert_json5("transport/shared_memory/enabled", "false")
     # large tensor chunks: bigger batches; never drop reliable data locally
     config.insert_json5("transport/link/tx/batch_size", "65535")
     return zenoh.open(config)

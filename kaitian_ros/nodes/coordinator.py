@@ -163,23 +163,42 @@ class Coordinator:
             return
         total = sum(shares)
         shares = tuple(s / total for s in shares)
+        try:
+            shares, plan = self._plan_with_rows(nodes, shares)
+        except ValueError as exc:
+            self.rt.logger.error(f"cannot plan {nodes} {shares}: {exc}")
+            return
         latest = self.pending or self.current
         if latest is not None and latest.node_ids == nodes and all(
                 math.isclose(a, b, abs_tol=1e-9) for a, b in zip(latest.shares, shares)):
             return
-        latest = self.pending or self.current
         version = (latest.version + 1) if latest else 1
         pv = ic.PlanVersion(version, max(self.next_request, effective), nodes, shares, policy, reason)
-        try:
-            self.plans[version] = ic.plan_for(self.graph, nodes, shares, self.params["slab_rows"])
-        except ValueError as exc:
-            self.rt.logger.error(f"cannot plan {nodes} {shares}: {exc}")
-            return
+        self.plans[version] = plan
         if effective > self.next_request:
             # the scheduler asked for a switch at a later request: hold it until then
             self.pending = pv
             return
         self._activate(pv)
+
+    def _plan_with_rows(self, nodes: tuple[str, ...], shares: tuple[float, ...]) -> tuple[tuple[float, ...], Plan]:
+        """The plan for ``shares``, where every node with a positive share owns rows.
+
+        Rows are whole, so a share below the row granularity (a newcomer's probe share, a very
+        slow node) can round to nothing: that node would get no work, send no telemetry, and the
+        scheduler would never see it warm up or speed up again. Such a share is doubled (then
+        all renormalised) until the node owns at least one row; the plan message carries the
+        shares actually executed."""
+        slab = self.params["slab_rows"]
+        plan = ic.plan_for(self.graph, nodes, shares, slab)
+        for _ in range(10):
+            starved = [i for i, n in enumerate(nodes) if shares[i] > 0 and n not in plan.active_nodes()]
+            if not starved:
+                break
+            raised = [s * 2 if i in starved else s for i, s in enumerate(shares)]
+            shares = tuple(s / sum(raised) for s in raised)
+            plan = ic.plan_for(self.graph, nodes, shares, slab)
+        return shares, plan
 
     def _activate(self, pv: ic.PlanVersion) -> None:
         version = pv.version

@@ -1,0 +1,633 @@
+"""``kaitian bench adaptivity``: how fast each share policy follows a changing device, in one run
+per policy.
+
+Real processes of the product on one host (a Zenoh router in this process, ``coordinator``,
+``scheduler`` and three ``compute`` nodes started by the embedded launcher); the bench driver
+is the camera: it publishes frames as a steady closed-loop stream (the next frame as soon as
+fewer than ``window`` are unanswered) and records every ``FusedOutput``. Device speeds are
+EMULATED (``emulated_slowdown``: a node sleeps (s-1)x each real compute). The timeline, the
+same for every policy:
+
+* ``R1``  ``compute_1`` slows 3x (``emulated_slowdown`` set live, as ``kaitian param set`` does),
+* ``R2``  it recovers (back to its start slowdown),
+* ``R3``  ``compute_2`` is killed (SIGKILL): the coordinator drops it after ``dead_after_s``.
+
+Phases are bounded by the first request that actually ran under the change (telemetry of that
+node reports the new slowdown; for the kill, the first request dispatched after it). Metrics are
+defined in ``docs/benchmarks-adaptivity.md``.
+
+:class:`AdaptivityGraph` is the harness (also used by ``test/test_scheduler_e2e.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+DEFAULT_JSON = Path("bench/results/adaptivity.json")
+CAMERA_TOPIC = "/camera/image_raw"
+POLICIES = ("adaptive", "static", "profile_once")
+RECONVERGE_FACTOR = 1.10
+ROLLING = 3  # requests in the rolling median that decides "reconverged"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Sink:
+    """Thread-safe text sink for the launcher's prefixed node output (kept for diagnostics)."""
+
+    def __init__(self, echo: bool = False) -> None:
+        self.lines: list[str] = []
+        self.echo = echo
+        self._lock = threading.Lock()
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self._partial += text
+            *done, self._partial = self._partial.split("\n")
+            self.lines.extend(done)
+            if self.echo:
+                for line in done:
+                    print(line, file=sys.stderr, flush=True)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def text(self, last: int | None = None) -> str:
+        with self._lock:
+            lines = self.lines if last is None else self.lines[-last:]
+            return "\n".join(lines)
+
+
+class _Log:
+    """(monotonic time, message) pairs in arrival order."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[float, Any]] = []
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+
+    def __call__(self, msg: Any) -> None:
+        with self.changed:
+            self.items.append((time.monotonic(), msg))
+            self.changed.notify_all()
+
+    def snapshot(self) -> list[tuple[float, Any]]:
+        with self.lock:
+            return list(self.items)
+
+    def __len__(self) -> int:
+        with self.lock:
+            return len(self.items)
+
+
+def scenario_config(*, model: str = "resnet18", height: int = 128, width: int = 128,
+                    num_classes: int = 10, slowdowns: Sequence[float] = (1.0, 1.0, 1.0),
+                    policy: str = "adaptive", static_shares: Sequence[float] | None = None,
+                    slab_rows: int = 8, dead_after_s: float = 1.0, max_in_flight: int = 2,
+                    scheduler: dict[str, Any] | None = None,
+                    coordinator: dict[str, Any] | None = None) -> dict[str, Any]:
+    """hetero_inference without image_source (the driver is the camera), in parameter-file form."""
+    model_params = {"model": model, "input_height": height, "input_width": width, "input_channels": 3,
+                    "num_classes": num_classes, "seed": 0, "weights": "", "slab_rows": slab_rows}
+    names = [f"compute_{i}" for i in range(len(slowdowns))]
+    shares = [float(s) for s in (static_shares or [1.0] * len(names))]
+    cfg: dict[str, Any] = {
+        "coordinator": {"ros__parameters": {
+            "executable": "coordinator", "input_topic": CAMERA_TOPIC, "compute_nodes": names,
+            "static_shares": shares, "use_scheduler": True, "max_in_flight": max_in_flight,
+            "request_timeout_s": 30.0, "dead_after_s": dead_after_s, **model_params, **(coordinator or {})}},
+        "scheduler": {"ros__parameters": {
+            "executable": "scheduler", "compute_nodes": names, "policy": policy, "static_shares": shares,
+            "ewma_alpha": 0.3, "min_gain": 0.1, "min_interval_s": 0.5, "dead_after_s": dead_after_s,
+            "warmup_requests": 3, "decide_period_s": 0.1, "lead_requests": 2, **(scheduler or {})}},
+    }
+    for name, slowdown in zip(names, slowdowns):
+        cfg[name] = {"ros__parameters": {"executable": "compute", "device": "cpu", "threads": 1,
+                                         "emulated_slowdown": float(slowdown), **model_params}}
+    return cfg
+
+
+class AdaptivityGraph:
+    """coordinator + scheduler + compute nodes as real processes, the driver in this process."""
+
+    def __init__(self, config: dict[str, Any], *, echo: bool = False) -> None:
+        from kaitian_ros.launcher import Launcher
+        from kaitian_ros.nodes import inference_common as ic
+        from kaitian_ros.runtime.api import QoS
+        from kaitian_ros.runtime.embedded import EmbeddedRuntime
+        from kaitian_ros.runtime.node_args import NodeArgs
+        from kaitian_ros.scenario import load_scenario
+
+        self.config = config
+        self.compute_names = [n for n in config if n.startswith("compute_")]
+        p = config["coordinator"]["ros__parameters"]
+        self.input_shape = (p["input_channels"], p["input_height"], p["input_width"])
+        self._tmp = tempfile.TemporaryDirectory(prefix="kaitian_adaptivity_")
+        path = Path(self._tmp.name) / "adaptivity.yaml"
+        import yaml
+
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        self.scenario = load_scenario(str(path))
+        self.out = _Sink(echo)
+        self.launcher: Any = None
+        self.rt: Any = None
+        self.extra: list[subprocess.Popen] = []
+        for _ in range(5):  # the free port may be taken between bind(0) and listen: retry
+            self.endpoint = f"tcp/127.0.0.1:{free_port()}"
+            launcher = Launcher(self.scenario, self.endpoint, out=self.out)
+            try:
+                launcher.start()
+            except RuntimeError:
+                launcher.stop()
+                continue
+            self.launcher = launcher
+            break
+        if self.launcher is None:
+            raise RuntimeError("could not host a router on a free port")
+        try:
+            self.rt = EmbeddedRuntime(NodeArgs("adaptivity_driver"), router=self.endpoint)
+            self.fused, self.plans, self.assignments, self.telemetry = _Log(), _Log(), _Log(), _Log()
+            self.rt.create_subscription(ic.FUSED_TOPIC, "FusedOutput", self.fused)
+            self.rt.create_subscription(ic.PLAN_TOPIC, "LoadAssignment", self.plans, QoS.LATCHED)
+            self.rt.create_subscription(ic.ASSIGNMENT_TOPIC, "LoadAssignment", self.assignments, QoS.LATCHED)
+            self.rt.create_subscription(ic.TELEMETRY_TOPIC, "NodeTelemetry", self.telemetry)
+            self.camera = self.rt.create_publisher(CAMERA_TOPIC, "Image", QoS.BEST_EFFORT)
+            self._spin = threading.Thread(target=self.rt.spin, daemon=True)
+            self._spin.start()
+        except BaseException:
+            self.close()
+            raise
+        self.sent: dict[tuple[int, int], float] = {}  # image stamp -> publish time (monotonic)
+        self._frame_index = 0
+        self._lock = threading.Lock()
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def pid(self, name: str) -> int:
+        for child in reversed(self.launcher.children):
+            if child.spec.name == name:
+                return child.process.pid
+        raise KeyError(name)
+
+    def dead_children(self) -> list[str]:
+        names = {c.spec.name: c.process.poll() for c in self.launcher.children}  # latest per name
+        return [n for n, code in names.items() if code is not None]
+
+    def kill(self, name: str) -> float:
+        """SIGKILL a node's process (no goodbye); returns the monotonic time of the kill."""
+        pid = self.pid(name)
+        os.kill(pid, signal.SIGKILL)
+        t = time.monotonic()
+        for child in self.launcher.children:
+            if child.process.pid == pid:
+                child.process.wait(timeout=10)
+        return t
+
+    def restart(self, name: str) -> int:
+        """Start a node again with the scenario's parameters (as the launcher did); returns its pid."""
+        from kaitian_ros.launcher import Child, _die_with_parent, node_command
+
+        spec = self.scenario.node(name)
+        env = dict(os.environ, KAITIAN_ROUTER=self.endpoint, KAITIAN_RUNTIME="embedded", PYTHONUNBUFFERED="1")
+        process = subprocess.Popen(node_command(spec, self.launcher.params_file), env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   preexec_fn=_die_with_parent, text=True, bufsize=1)
+        reader = threading.Thread(target=self.launcher._pump, args=(name, process), daemon=True)
+        reader.start()
+        self.launcher.children.append(Child(spec, process, reader))  # stop() ends it with the rest
+        self.launcher.say(f"[adaptivity] restarted {name} pid {process.pid}")
+        return process.pid
+
+    def set_param(self, node: str, name: str, value: Any) -> None:
+        from kaitian_ros.runtime.graph_client import GraphClient
+
+        with GraphClient(self.endpoint) as client:
+            ok, reason = client.set_parameters(node, {name: value})
+        if not ok:
+            raise RuntimeError(f"param set {node} {name}={value} refused: {reason}")
+
+    def close(self) -> None:
+        if self.rt is not None:
+            self.rt.shutdown()
+            self._spin.join(timeout=5.0) if hasattr(self, "_spin") else None
+            self.rt.close()
+            self.rt = None
+        if self.launcher is not None:
+            self.launcher.stop()
+            self.launcher = None
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "AdaptivityGraph":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # --- observation ---------------------------------------------------------------------
+    def latest_plan(self) -> Any:
+        plans = [m for _, m in self.plans.snapshot()]
+        return max(plans, key=lambda m: m.version) if plans else None
+
+    def plan_table(self) -> dict[int, Any]:
+        return {int(m.version): m for _, m in self.plans.snapshot()}
+
+    def latest_assignment(self) -> Any:
+        msgs = [m for _, m in self.assignments.snapshot()]
+        return max(msgs, key=lambda m: m.version) if msgs else None
+
+    def wait_ready(self, timeout_s: float = 60.0, nodes: Sequence[str] | None = None) -> Any:
+        """Until every compute node has sent a heartbeat, the coordinator has a plan and the
+        scheduler's latest proposal names every node. (The coordinator adopts a proposal only at
+        its ``effective_from_request``, so before the first frame its plan may still lack nodes
+        that joined late.)"""
+        want = tuple(nodes if nodes is not None else self.compute_names)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            dead = self.dead_children()
+            if dead:
+                raise RuntimeError(f"node(s) {dead} exited during startup:\n{self.out.text(60)}")
+            plan, proposal = self.latest_plan(), self.latest_assignment()
+            beats = {m.node_id for _, m in self.telemetry.snapshot()}
+            if plan is not None and proposal is not None and tuple(proposal.node_ids) == want \
+                    and set(want) <= beats:
+                return proposal
+            time.sleep(0.1)
+        raise RuntimeError(f"no proposal naming {list(want)} within {timeout_s:.0f} s:\n{self.out.text(60)}")
+
+    # --- driving -------------------------------------------------------------------------
+    def _frame(self) -> Any:
+        from kaitian_ros.runtime import interfaces
+
+        i = self._frame_index
+        self._frame_index += 1
+        c, h, w = self.input_shape
+        rng = np.random.default_rng(i)
+        pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        stamp = interfaces.msg_class("Time")(sec=1_000 + i, nanosec=7)
+        return interfaces.make("Image", header=interfaces.header(f"frame{i}", stamp), height=h, width=w,
+                               encoding="rgb8", is_bigendian=0, step=w * 3, data=pixels.reshape(-1))
+
+    def answered(self) -> int:
+        return len(self.fused)
+
+    def drive(self, answers: int | None = None, *, until: Callable[[], bool] | None = None, window: int = 1,
+              period_s: float = 0.0, timeout_s: float = 120.0,
+              events: Sequence[tuple[int, Callable[[], None]]] = (), resend_after_s: float = 10.0) -> None:
+        """Publish frames until ``answers`` more FusedOutputs arrived (or ``until()`` is true): one
+        every ``period_s`` at most, never more than ``window`` unanswered (so the coordinator never
+        drops one as busy). ``events`` (k, fn): run fn on a thread once k answers have arrived
+        (counted from now).
+
+        A frame lost before the coordinator (best-effort camera topic) gets no request id, so it
+        cannot cause a missing id; after ``resend_after_s`` without its answer it stops counting."""
+        start = self.answered()
+        pending = sorted(events, key=lambda e: e[0])
+        threads: list[threading.Thread] = []
+        deadline = time.monotonic() + timeout_s
+        outstanding: dict[tuple[int, int], float] = {}
+        answered_stamps: set[tuple[int, int]] = set()
+        seen = 0
+        last_send = 0.0
+        while True:
+            now = time.monotonic()
+            snap = self.fused.snapshot()
+            for _, f in snap[seen:]:
+                answered_stamps.add((int(f.header.stamp.sec), int(f.header.stamp.nanosec)))
+            seen = len(snap)
+            done = len(snap) - start
+            while pending and pending[0][0] <= done:
+                _, fn = pending.pop(0)
+                t = threading.Thread(target=fn, daemon=True)
+                t.start()
+                threads.append(t)
+            if (answers is not None and done >= answers) or (until is not None and until()):
+                break
+            if now > deadline:
+                raise TimeoutError(f"{done} answers ({answers} wanted) after {timeout_s:.0f} s:\n{self.out.text(40)}")
+            for key in [k for k, t in outstanding.items() if k in answered_stamps or now - t > resend_after_s]:
+                del outstanding[key]
+            if len(outstanding) < window and now - last_send >= period_s:
+                msg = self._frame()
+                key = (int(msg.header.stamp.sec), int(msg.header.stamp.nanosec))
+                self.camera.publish(msg)
+                last_send = now
+                outstanding[key] = now
+                self.sent[key] = now
+                continue
+            with self.fused.changed:
+                self.fused.changed.wait(timeout=0.005)
+        for t in threads:
+            t.join(timeout=30.0)
+
+    # --- results -------------------------------------------------------------------------
+    def records(self) -> list[dict[str, Any]]:
+        """One dict per FusedOutput (arrival order): request id, plan version, latency, shares."""
+        plans = self.plan_table()
+        out = []
+        for t, f in self.fused.snapshot():
+            plan = plans.get(int(f.plan_version))
+            shares = dict(zip(plan.node_ids, (float(s) for s in plan.shares))) if plan is not None else {}
+            out.append({"request_id": int(f.request_id), "plan_version": int(f.plan_version),
+                        "complete": bool(f.complete), "status": f.status, "latency_ms": float(f.latency_ms),
+                        "node_ids": list(f.node_ids), "node_rows": [int(r) for r in f.node_rows],
+                        "shares": shares, "arrived_s": t,
+                        "sent_s": self.sent.get((int(f.header.stamp.sec), int(f.header.stamp.nanosec)))})
+        return out
+
+    def first_request_with_slowdown(self, node: str, slowdown: float, after_request: int = 0) -> int | None:
+        """The first request id that ``node`` served with ``emulated_slowdown == slowdown``."""
+        ids = [int(m.request_id) for _, m in self.telemetry.snapshot()
+               if m.node_id == node and int(m.request_id) > after_request
+               and abs(float(m.emulated_slowdown) - slowdown) < 1e-9]
+        return min(ids) if ids else None
+
+
+def check_requests(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Every request id from the first observed to the last has exactly one complete answer."""
+    ids = [r["request_id"] for r in records]
+    if not ids:
+        return {"first": None, "last": None, "missing": [], "duplicates": [], "incomplete": [], "lost": 0}
+    first, last = min(ids), max(ids)
+    counts: dict[int, int] = {}
+    for i in ids:
+        counts[i] = counts.get(i, 0) + 1
+    missing = [i for i in range(first, last + 1) if i not in counts]
+    duplicates = sorted(i for i, c in counts.items() if c > 1)
+    incomplete = sorted({r["request_id"] for r in records if not r["complete"]})
+    return {"first": first, "last": last, "missing": missing, "duplicates": duplicates,
+            "incomplete": incomplete, "lost": len(missing) + len(incomplete)}
+
+
+# =========================================================================== the benchmark
+@dataclass
+class Timeline:
+    phase: int   # answers per phase, counted from the phase's first request
+    warm: int    # answers before the start phase (adaptive/profile_once warm up here)
+    slow_node: str = "compute_1"
+    kill_node: str = "compute_2"
+    slow_factor: float = 3.0
+
+
+@dataclass
+class PolicyRun:
+    policy: str
+    records: list[dict[str, Any]]
+    boundaries: dict[str, int]  # phase name -> first request id of the phase
+    kill_detect_s: float | None
+    startup_s: float
+    lost: dict[str, Any]
+    log_tail: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+PHASES = ("start", "slowed", "recovered", "killed")
+
+
+def run_policy(policy: str, timeline: Timeline, *, model: str, size: int, slowdowns: Sequence[float],
+               dead_after_s: float, window: int, echo: bool = False) -> PolicyRun:
+    """One launch, one policy: warm-up + start phase, then slow / recover / kill, each phase
+    ``timeline.phase`` answers long counted from its first request (see :func:`boundary`)."""
+    static = [1.0 / s for s in slowdowns]  # static baseline: shares tuned to the START speeds
+    cfg = scenario_config(model=model, height=size, width=size, slowdowns=slowdowns, policy=policy,
+                          static_shares=static, dead_after_s=dead_after_s)
+    t0 = time.monotonic()
+    with AdaptivityGraph(cfg, echo=echo) as g:
+        g.wait_ready(timeout_s=120.0)
+        startup = time.monotonic() - t0
+        base = slowdowns[g.compute_names.index(timeline.slow_node)]
+        slowed = base * timeline.slow_factor
+        kill_at: list[float] = []
+        bounds: dict[str, int] = {}
+
+        def newest() -> int:
+            snap = g.fused.snapshot()
+            return max((int(m.request_id) for _, m in snap), default=0)
+
+        def after_kill() -> int | None:
+            # the first request answered after the kill: the one in flight at the kill belongs to it
+            ids = [int(m.request_id) for t, m in g.fused.snapshot() if kill_at and t >= kill_at[0]]
+            return min(ids) if ids else None
+
+        def phase(name: str, fire: Callable[[], None], first: Callable[[], int | None]) -> None:
+            def done() -> bool:
+                r = first()
+                if r is None:
+                    return False
+                bounds[name] = r
+                return newest() >= r + timeline.phase - 1
+            g.drive(until=done, window=window, timeout_s=300.0, events=[(0, fire)])
+
+        g.drive(timeline.warm + timeline.phase, window=window, timeout_s=300.0)
+        bounds["start"] = min(int(m.request_id) for _, m in g.fused.snapshot())
+        phase("slowed", lambda: g.set_param(f"/{timeline.slow_node}", "emulated_slowdown", slowed),
+              lambda: g.first_request_with_slowdown(timeline.slow_node, slowed))
+        phase("recovered", lambda: g.set_param(f"/{timeline.slow_node}", "emulated_slowdown", base),
+              lambda: g.first_request_with_slowdown(timeline.slow_node, base, after_request=bounds["slowed"]))
+        phase("killed", lambda: kill_at.append(g.kill(timeline.kill_node)), after_kill)
+        kill_detect = None
+        for t, m in g.plans.snapshot():
+            if t >= kill_at[0] and timeline.kill_node not in m.node_ids:
+                kill_detect = t - kill_at[0]
+                break
+        records = g.records()
+        return PolicyRun(policy, records, bounds, kill_detect, startup, check_requests(records), g.out.text(30))
+
+
+def phase_slices(run: PolicyRun) -> dict[str, list[float]]:
+    """Latencies (ms) of each phase's requests, in request-id order."""
+    by_id = {r["request_id"]: r for r in run.records if r["complete"]}
+    bounds = [run.boundaries[p] for p in PHASES] + [max(by_id) + 1]
+    out = {}
+    for k, p in enumerate(PHASES):
+        out[p] = [by_id[i]["latency_ms"] for i in range(bounds[k], bounds[k + 1]) if i in by_id]
+    return out
+
+
+def _rolling_median(xs: Sequence[float], w: int) -> list[float]:
+    return [statistics.median(xs[i:i + w]) for i in range(0, max(0, len(xs) - w + 1))]
+
+
+def steady_state(latencies: Sequence[float]) -> float | None:
+    """A phase's steady state: the median of its second half (at least ROLLING requests)."""
+    if len(latencies) < ROLLING:
+        return None
+    return statistics.median(latencies[len(latencies) // 2:])
+
+
+def requests_to_reconverge(latencies: Sequence[float], best: float) -> int | None:
+    """Requests from the phase's first until a rolling median of ROLLING requests is within
+    RECONVERGE_FACTOR x ``best`` (None: never within the phase)."""
+    for k, m in enumerate(_rolling_median(latencies, ROLLING)):
+        if m <= RECONVERGE_FACTOR * best:
+            return k
+    return None
+
+
+def summarise(runs: Sequence[PolicyRun]) -> dict[str, Any]:
+    slices = {r.policy: phase_slices(r) for r in runs}
+    best: dict[str, float | None] = {}
+    for p in PHASES:
+        states = [s for s in (steady_state(slices[r.policy][p]) for r in runs) if s is not None]
+        best[p] = min(states) if states else None
+    policies: dict[str, Any] = {}
+    for r in runs:
+        lat = [x["latency_ms"] for x in r.records if x["complete"]]
+        phases: dict[str, Any] = {}
+        worst = 0
+        never = False
+        for p in PHASES[1:]:  # the start phase has no event to reconverge from
+            xs = slices[r.policy][p]
+            k = requests_to_reconverge(xs, best[p]) if best[p] is not None else None
+            if k is None:
+                never = True
+                k_count = len(xs)  # censored: the whole phase
+            else:
+                k_count = k
+            worst = max(worst, k_count)
+            phases[p] = {"first_request": r.boundaries[p], "requests": len(xs),
+                         "requests_to_reconverge": k_count, "reconverged": k is not None,
+                         "steady_ms": _round(steady_state(xs)), "best_steady_ms": _round(best[p]),
+                         "p50_ms": _round(statistics.median(xs) if xs else None)}
+        shares_end = {}
+        for x in r.records:
+            shares_end = x["shares"] or shares_end
+        policies[r.policy] = {
+            "requests_to_reconverge": worst, "reconverged_every_phase": not never,
+            "lost_requests": r.lost["lost"], "missing_ids": r.lost["missing"], "incomplete_ids": r.lost["incomplete"],
+            "duplicate_ids": r.lost["duplicates"], "requests": len(r.records),
+            "p50_ms": _round(float(np.percentile(lat, 50)) if lat else None),
+            "p95_ms": _round(float(np.percentile(lat, 95)) if lat else None),
+            "kill_detected_after_s": _round(r.kill_detect_s, 3), "startup_s": _round(r.startup_s, 1),
+            "phases": phases}
+    return {"policies": policies}
+
+
+def _round(x: float | None, nd: int = 1) -> float | None:
+    return None if x is None else round(float(x), nd)
+
+
+def plot(runs: Sequence[PolicyRun], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 3.2 * len(runs)), squeeze=False, sharex=False)
+    colours = {}
+    for ax, run in zip(axes[:, 0], runs):
+        recs = sorted((r for r in run.records), key=lambda r: r["request_id"])
+        ids = [r["request_id"] for r in recs]
+        ax.plot(ids, [r["latency_ms"] for r in recs], "k.-", lw=0.8, ms=3, label="latency (ms)")
+        ax.set_ylabel("latency (ms)")
+        ax.set_title(f"{run.policy}", loc="left", fontsize=10)
+        for name, colour in (("slowed", "tab:red"), ("recovered", "tab:green"), ("killed", "tab:purple")):
+            ax.axvline(run.boundaries[name], color=colour, ls="--", lw=1, label=name)
+        ax2 = ax.twinx()
+        nodes = sorted({n for r in recs for n in r["shares"]})
+        bottom = np.zeros(len(recs))
+        for n in nodes:
+            vals = np.array([r["shares"].get(n, 0.0) for r in recs])
+            colour = colours.setdefault(n, f"C{len(colours)}")
+            ax2.fill_between(ids, bottom, bottom + vals, step="mid", alpha=0.18, color=colour, label=f"share {n}")
+            bottom = bottom + vals
+        ax2.set_ylim(0, 1)
+        ax2.set_ylabel("shares (stacked)")
+        h1, l1 = ax.get_legend_handles_labels()
+        h2, l2 = ax2.get_legend_handles_labels()
+        ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left", ncol=4)
+    axes[-1, 0].set_xlabel("request id")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_table(summary: dict[str, Any], speeds: str) -> None:
+    print(f"\nadaptivity ({speeds}; EMULATED speeds)")
+    print(f"{'policy':<13}{'reconverge':>11}{'lost':>6}{'p50 ms':>9}{'p95 ms':>9}   per phase (slowed/recovered/killed)")
+    for name, m in summary["policies"].items():
+        per = " / ".join(f"{ph['requests_to_reconverge']}{'' if ph['reconverged'] else '(never)'}"
+                         for ph in m["phases"].values())
+        print(f"{name:<13}{m['requests_to_reconverge']:>11}{m['lost_requests']:>6}{m['p50_ms']:>9}{m['p95_ms']:>9}   {per}")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="kaitian bench adaptivity")
+    p.add_argument("--json", default=str(DEFAULT_JSON), help=f"result JSON (default {DEFAULT_JSON}; PNG next to it)")
+    p.add_argument("--quick", action="store_true", help="short phases (about 2 min on 2 busy cores)")
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(POLICIES))
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--size", type=int, default=128, help="input height = width")
+    p.add_argument("--slowdowns", default="1.0,1.0,1.0", help="start emulated slowdown of compute_0..2")
+    p.add_argument("--phase", type=int, help="requests per phase (default 30, quick 14)")
+    p.add_argument("--window", type=int, default=1, help="frames unanswered at once (1 = one request at a time)")
+    p.add_argument("--dead-after", type=float, default=1.0, help="dead_after_s of coordinator and scheduler")
+    p.add_argument("--echo", action="store_true", help="print the nodes' output")
+    args = p.parse_args(argv)
+    policies = [x for x in args.policies.split(",") if x]
+    bad = [x for x in policies if x not in POLICIES]
+    if bad:
+        p.error(f"unknown policies {bad}; choose from {POLICIES}")
+    slowdowns = [float(x) for x in args.slowdowns.split(",")]
+    if len(slowdowns) != 3:
+        p.error("--slowdowns needs 3 values (compute_0, compute_1 slows, compute_2 is killed)")
+    n = args.phase or (14 if args.quick else 30)
+    warm = 8 if args.quick else 12  # adaptive needs warm-up samples before the start phase is steady
+    timeline = Timeline(phase=n, warm=warm)
+    json_path = Path(args.json)
+    png_path = json_path.with_suffix(".png")
+    speeds = (f"compute_0..2 slowdown {'/'.join(f'{s:g}' for s in slowdowns)}; after {warm}+{n} answers "
+              f"compute_1 x3, {n} later back, {n} later compute_2 SIGKILL, {n} more")
+    print(f"kaitian bench adaptivity: {args.model} {args.size}x{args.size}, {speeds}; EMULATED speeds; "
+          f"window {args.window}, dead_after_s {args.dead_after}", flush=True)
+    runs = []
+    t_all = time.monotonic()
+    for policy in policies:
+        t = time.monotonic()
+        run = run_policy(policy, timeline, model=args.model, size=args.size, slowdowns=slowdowns,
+                         dead_after_s=args.dead_after, window=args.window, echo=args.echo)
+        runs.append(run)
+        print(f"  {policy}: {len(run.records)} answers in {time.monotonic() - t:.0f} s "
+              f"(startup {run.startup_s:.0f} s), phases from request {run.boundaries}, "
+              f"lost {run.lost['lost']}, kill detected after "
+              f"{run.kill_detect_s if run.kill_detect_s is None else round(run.kill_detect_s, 2)} s", flush=True)
+    summary = summarise(runs)
+    summary["setup"] = {"model": args.model, "input": [3, args.size, args.size], "compute_nodes": 3,
+                        "start_slowdowns": slowdowns, "emulated": True, "timeline": speeds,
+                        "answers_per_phase": n, "warmup_answers": warm, "window": args.window,
+                        "dead_after_s": args.dead_after, "reconverge_factor": RECONVERGE_FACTOR,
+                        "rolling_median": ROLLING, "quick": args.quick, "cpus": os.cpu_count(),
+                        "wall_s": round(time.monotonic() - t_all, 1)}
+    summary["timelines"] = {r.policy: [{k: x[k] for k in ("request_id", "plan_version", "complete", "latency_ms",
+                                                           "shares")} for x in r.records] for r in runs}
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(summary, indent=1))
+    plot(runs, png_path, f"kaitian bench adaptivity: {args.model} {args.size}x{args.size}; {speeds} (EMULATED)")
+    print_table(summary, speeds)
+    print(f"\nwrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

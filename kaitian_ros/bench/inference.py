@@ -724,6 +724,7 @@ def main(argv: list[str]) -> int:
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, on_term)
+    prev_int = signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started ignoring it
     try:
         res = run(args, say)
     except KeyboardInterrupt:
@@ -735,6 +736,7 @@ def main(argv: list[str]) -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, prev_int)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(res, indent=2) + "\n")
     png = args.json.with_suffix(".png")

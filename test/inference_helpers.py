@@ -292,10 +292,26 @@ class InferenceGraph:
             err = relative_error(result, ref)
             assert err <= TOLERANCE, f"frame {msg.header.frame_id}: relative error {err:.2e} > {TOLERANCE}"
             assert sum(int(r) for r in fused.node_rows) == self.graph.trunk_output_shape[1]
+            nodes, rows = self.expected_rows(fused.plan_version)
+            assert (list(fused.node_ids), [int(r) for r in fused.node_rows]) == (nodes, rows), \
+                f"frame {msg.header.frame_id}: per-node rows differ from plan v{fused.plan_version}"
             outputs.append(fused)
         ids = [int(f.request_id) for f in outputs]
         assert len(set(ids)) == len(ids), f"request ids not unique: {ids}"
         return outputs
+
+    def executed_plan(self, version: int) -> Any:
+        """The Plan of a version the coordinator announced on /kaitian/plan (rebuilt here)."""
+        pv = next((p for p in self.plans.snapshot() if int(p.version) == int(version)), None)
+        assert pv is not None, f"plan v{version} was never announced on {ic.PLAN_TOPIC}"
+        slab = self.config["coordinator"]["ros__parameters"]["slab_rows"]
+        return ic.plan_for(self.graph, tuple(pv.node_ids), tuple(float(s) for s in pv.shares), slab)
+
+    def expected_rows(self, version: int) -> tuple[list[str], list[int]]:
+        """(active nodes, trunk-output rows of each) under plan ``version``."""
+        plan = self.executed_plan(version)
+        nodes = list(plan.active_nodes())
+        return nodes, [b - a for a, b in (plan.output_rows_for(n) for n in nodes)]
 
     # --- node state ---------------------------------------------------------------------------
     def diagnostics_of(self, node: str) -> list[dict[str, str]]:

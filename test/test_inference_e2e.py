@@ -23,9 +23,8 @@ def test_two_compute_processes_match_single_device(tmp_path):
         outputs = g.check_outputs(frames, g.stream(frames))
         assert len(g.fused) == FRAMES, "exactly one FusedOutput per frame"
         assert {int(f.request_id) for f in outputs} == set(range(1, FRAMES + 1)), "no request lost"
-        for f in outputs:
-            assert list(f.node_ids) == ["compute_0", "compute_1"]
-            assert [int(r) for r in f.node_rows] == [1, 3]  # round(4 * 1/3) = 1 row, the rest
+        for f in outputs:  # (check_outputs compared node_ids/node_rows with the announced plan)
+            assert f.plan_version == plan.version
         assert not g.dead_children()
 
 
@@ -39,8 +38,7 @@ def test_three_compute_processes_match_single_device(tmp_path):
         outputs = g.check_outputs(frames, g.stream(frames))
         assert len(g.fused) == FRAMES
         for f in outputs:
-            assert list(f.node_ids) == ["compute_0", "compute_1", "compute_2"]
-            assert all(int(r) > 0 for r in f.node_rows)
+            assert f.plan_version == plan.version
         # every node reported telemetry for every request it served
         served = {(t.node_id, int(t.request_id)) for t in g.telemetry.snapshot() if t.request_id}
         for f in outputs:
@@ -74,18 +72,27 @@ def test_first_output_slab_leaves_before_last_input_slab_arrives(tmp_path):
 
 
 def test_node_whose_share_rounds_to_zero_rows(tmp_path):
-    """resnet18 at 64x64 has a 2-row trunk output: three equal shares give the middle node zero
-    rows (round(2/3) = round(4/3) = 1), so it drops out of the plan's active nodes; results stay
-    complete and exact, and the idle node is never sent work."""
+    """resnet18 at 64x64 has a 2-row trunk output: of three compute nodes at least one owns zero
+    trunk-output rows whatever the shares. Depending on the plan it is then either not active at
+    all (no rows in any segment: it gets no work) or only computes rows of an earlier segment
+    that its neighbours need (node_rows 0). Either way every result is complete and exact."""
     with InferenceGraph(tmp_path, model="resnet18", height=64, width=64, slowdowns=[1.0, 1.0, 2.0],
                         shares=[1.0, 1.0, 1.0], slab_rows=4) as g:
-        plan = g.wait_ready()
-        assert list(plan.node_ids) == ["compute_0", "compute_1", "compute_2"]
+        pv = g.wait_ready()
+        assert list(pv.node_ids) == ["compute_0", "compute_1", "compute_2"]
+        active, rows = g.expected_rows(pv.version)
+        zero = [n for n in pv.node_ids if n not in active or rows[active.index(n)] == 0]
+        assert zero, f"no zero-row node in plan v{pv.version}: {active} {rows}"
         frames = g.frames(4)
-        outputs = g.check_outputs(frames, g.stream(frames))
+        outputs = g.check_outputs(frames, g.stream(frames))  # node_rows as the plan says, 0s included
         for f in outputs:
-            assert list(f.node_ids) == ["compute_0", "compute_2"]
-            assert [int(r) for r in f.node_rows] == [1, 1]
-        assert not [t for t in g.heartbeats_of("compute_1") if t.request_id], "idle node got work"
+            assert f.plan_version == pv.version
+        for node in pv.node_ids:
+            served = [t for t in g.heartbeats_of(node) if t.request_id]
+            if node in active:
+                wait_until(lambda: len([t for t in g.heartbeats_of(node) if t.request_id]) >= len(frames),
+                           f"{node} telemetry for every request")
+            else:
+                assert not served, f"{node} has no rows in plan v{pv.version} but got work"
         assert {int(f.request_id) for f in outputs} == set(range(1, len(frames) + 1))
         assert not g.dead_children()

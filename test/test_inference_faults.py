@@ -28,7 +28,7 @@ def graph(tmp_path_factory):
     """digits_cnn on 3x32x32 over two compute nodes: cheap, one segment, 4-row slabs."""
     g = InferenceGraph(tmp_path_factory.mktemp("faults"), model="digits_cnn", height=32, width=32,
                        slowdowns=[1.0, 1.5], shares=[1.0, 1.0], slab_rows=4,
-                       compute={"pending_timeout_s": 1.0})
+                       compute={"pending_timeout_s": 1.0, "max_plans": 100})
     try:
         g.wait_ready()
         frames = g.frames(2)
@@ -193,3 +193,40 @@ def test_compute_process_killed_mid_run_loses_no_frame(tmp_path):
         coord = wait_values(g, "coordinator", lambda v: "redispatched" in v, "a re-dispatch count")
         assert int(coord["redispatched"]) >= 1, coord
         assert "timeouts" not in coord, coord
+
+
+def test_unknown_plan_chunk_times_out_while_other_plans_keep_arriving(graph):
+    """A chunk of a never-announced plan is held pending_timeout_s (1 s here) from its arrival,
+    then dropped and counted, even while other plan versions arrive meanwhile (each arrival
+    re-examines the held chunks; that must not restart their clock)."""
+    g = graph
+    node = "compute_0"
+    base = wait_values(g, node, lambda v: True, "anything")
+    unknown_before = int(base.get("rejected.unknown plan", "0"))
+    pv = g.latest_plan()
+    c, height, width = g.spec.input_shape
+    chunks = g.probe.rt.create_publisher(ic.chunk_topic(node), "TensorChunk", QoS.RELIABLE)
+    # the test stands in for a coordinator announcing new versions of the same plan, 0.3 s apart
+    plans = g.probe.rt.create_publisher(ic.PLAN_TOPIC, "LoadAssignment", QoS.LATCHED)
+    time.sleep(0.3)
+    bogus = pv.version + 5000
+    chunks.publish(ic.chunk_message(request_id=30_000, plan_version=bogus, producer=ic.COORDINATOR,
+                                    consumer=node, segment=0, role=ic.ROLE_INPUT, row_offset=0,
+                                    total_rows=height, rows=torch.randn(1, c, 4, width)))
+    version = pv.version
+    deadline = time.monotonic() + 12.0
+    counted = False
+    while time.monotonic() < deadline and not counted:
+        version += 1
+        plans.publish(ic.PlanVersion(version, 0, tuple(pv.node_ids), tuple(pv.shares), "static",
+                                     "test: re-announced").to_msg())
+        time.sleep(0.3)
+        values = latest_values(g, node)
+        counted = int(values.get("rejected.unknown plan", "0")) > unknown_before
+    values = latest_values(g, node)
+    assert counted, (f"chunk of unknown plan v{bogus} still held after 12 s while plans "
+                     f"v{pv.version + 1}..v{version} arrived: {values}")
+    assert values["last_reject_reason"] == f"unknown plan: v{bogus} never announced", values
+    # the node still serves the coordinator's (real) plan
+    frames = g.frames(2, first=300)
+    g.check_outputs(frames, g.stream(frames))

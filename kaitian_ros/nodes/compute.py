@@ -146,7 +146,9 @@ class ComputeNode:
             if version < self.retired_below or (self.plans and version < next(iter(self.plans))):
                 self.rt.rejected.count(f"stale plan: v{version} retired")
             else:
-                self.pending.append((now, msg, info))  # plan message still on its way
+                # plan message still on its way; held from its first arrival (re-examined on
+                # every new plan, which must not restart its pending_timeout_s clock)
+                self.pending.append((arrived, msg, info))
             return
         if self.node_id not in plan.active_nodes():
             self.rt.rejected.count(f"not in plan: v{version} has no rows for {self.node_id}")

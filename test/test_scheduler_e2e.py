@@ -103,9 +103,12 @@ def test_killed_node_leaves_the_plan_and_a_restarted_node_rejoins(tmp_path):
     -> no request id missing or incomplete, compute_2 out of the executed plan within
     dead_after_s + one decide period (+ SLACK_S on this machine); restart it -> it is planned
     again, serves rows, and after its warm-up gets a full (non-probe) share."""
-    dead_after_s = 1.0
+    dead_after_s = 1.2  # the coordinator's
+    # The scheduler notices first, so its proposal without compute_2 is still waiting for its
+    # effective_from_request (no new request can start: both in flight wait on the dead node)
+    # when the coordinator notices: it must switch at once and re-dispatch, not wait for it.
     cfg = scenario_config(**MODEL, slowdowns=[1.0, 1.0, 1.0], policy="adaptive", dead_after_s=dead_after_s,
-                          scheduler={"probe_share": 0.05})
+                          scheduler={"probe_share": 0.05, "dead_after_s": 0.6})
     decide_period_s = cfg["scheduler"]["ros__parameters"]["decide_period_s"]
     t0 = time.monotonic()
     with AdaptivityGraph(cfg) as g:

@@ -671,7 +671,16 @@ def decide(state: PolicyState, now_s: float, newest_request_id: int, config: Pol
 
 def _load_reason(state: PolicyState, cur: Assignment, node_ids: Sequence[str],
                  shares: Sequence[float]) -> str:
-    """Name the node whose estimate moved most since the last publish (speed or link)."""
+    """Name the node whose estimate moved most since the last publish (speed or link).
+
+    A link change is named only where the link term binds (B/link > W/speed, now or at the
+    last publish): a non-binding link estimate can swing widely without moving any share."""
+    w, b = _totals(state, node_ids)
+
+    def link_binds(e: NodeEstimate) -> bool:
+        return (w > 0 and b > 0 and e.speed > 0 and math.isfinite(e.link_rate)
+                and b / e.link_rate > w / e.speed)
+
     best: tuple[float, int, str] | None = None
     for i, n in enumerate(node_ids):
         now = state.estimates[n]
@@ -681,7 +690,7 @@ def _load_reason(state: PolicyState, cur: Assignment, node_ids: Sequence[str],
         rs = now.speed / then.speed
         rl = (now.link_rate / then.link_rate
               if math.isfinite(now.link_rate) and math.isfinite(then.link_rate) else 1.0)
-        if abs(math.log(rl)) > abs(math.log(rs)):
+        if (link_binds(now) or link_binds(then)) and abs(math.log(rl)) > abs(math.log(rs)):
             text = f"{n} link {'slower' if rl < 1 else 'faster'} ({rl:.2f}x)"
             mag = abs(math.log(rl))
         else:

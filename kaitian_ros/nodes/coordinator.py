@@ -13,6 +13,7 @@ requests to the survivors under a new version so no frame is lost.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import queue
 import threading
@@ -171,6 +172,12 @@ class Coordinator:
         latest = self.pending or self.current
         if latest is not None and latest.node_ids == nodes and all(
                 math.isclose(a, b, abs_tol=1e-9) for a, b in zip(latest.shares, shares)):
+            if latest is self.pending and self.current is not None and any(
+                    n not in self.alive for n in self.current.node_ids):
+                # the scheduler saw the loss first: its proposal without the lost node is still
+                # waiting for its effective_from_request, but the running plan sends rows to a
+                # dead node, so switch now (the caller then re-dispatches in-flight requests)
+                self._activate(dataclasses.replace(self.pending, effective_from_request=self.next_request))
             return
         version = (latest.version + 1) if latest else 1
         pv = ic.PlanVersion(version, max(self.next_request, effective), nodes, shares, policy, reason)

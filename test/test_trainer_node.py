@@ -136,3 +136,25 @@ def test_two_trainer_nodes_via_kaitian_launch(tmp_path: Path) -> None:
     with lock:
         final = [d for d in diags if d.message.startswith("finished")]
     assert final and all(d.level == 0 for d in final)
+
+
+def test_rank_from_parameters_or_torchrun_environment() -> None:
+    from kaitian_ros.nodes.trainer import PARAMETERS, rank_environment, training_config
+
+    params = {p.name: p.default for p in PARAMETERS}
+    env = {"RANK": "2", "WORLD_SIZE": "3", "MASTER_PORT": "29400", "MASTER_ADDR": "10.0.0.1",
+           "LOCAL_RANK": "0"}
+    assert rank_environment(params, env) == {"rank": 2, "world_size": 3, "local_rank": 0,
+                                             "master_addr": "10.0.0.1", "master_port": 29400}
+    # parameters win over the environment
+    mine = params | {"rank": 1, "world_size": 2, "master_port": 29501, "master_addr": "h"}
+    assert rank_environment(mine, env) == {"rank": 1, "world_size": 2, "local_rank": 0,
+                                           "master_addr": "h", "master_port": 29501}
+    with pytest.raises(ValueError, match="rank, world_size, master_port not set"):
+        rank_environment(params, {})
+    with pytest.raises(ValueError, match="outside world"):
+        rank_environment(params | {"rank": 3, "world_size": 3, "master_port": 1}, {})
+    cfg = training_config(params | {"device": "cpu:b", "emulated_slowdown": 2.5,
+                                    "policy": "profile_once", "max_steps": 0})
+    assert cfg.devices == ("cpu:b",) and cfg.slowdown_for(5) == 2.5
+    assert cfg.policy == "profile_once" and cfg.max_steps is None and cfg.checkpoint_dir is None

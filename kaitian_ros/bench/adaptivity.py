@@ -484,10 +484,21 @@ def requests_to_reconverge(latencies: Sequence[float], best: float) -> int | Non
 
 
 def summarise(runs: Sequence[PolicyRun]) -> dict[str, Any]:
+    """Metrics per policy (definitions: docs/benchmarks-adaptivity.md).
+
+    Each run's latencies are normalised by its own start-phase steady state (every policy starts
+    on the same devices with shares fitted to them), which cancels most of the background load
+    that differs between the runs on a shared machine. A phase's best steady state is the lowest
+    normalised steady state any policy reached in that phase."""
     slices = {r.policy: phase_slices(r) for r in runs}
+    norm: dict[str, float] = {}
+    for r in runs:
+        ref = steady_state(slices[r.policy]["start"])
+        norm[r.policy] = ref if ref else 1.0
+    rel = {r.policy: {p: [x / norm[r.policy] for x in xs] for p, xs in slices[r.policy].items()} for r in runs}
     best: dict[str, float | None] = {}
     for p in PHASES:
-        states = [s for s in (steady_state(slices[r.policy][p]) for r in runs) if s is not None]
+        states = [s for s in (steady_state(rel[r.policy][p]) for r in runs) if s is not None]
         best[p] = min(states) if states else None
     policies: dict[str, Any] = {}
     for r in runs:
@@ -496,7 +507,7 @@ def summarise(runs: Sequence[PolicyRun]) -> dict[str, Any]:
         worst = 0
         never = False
         for p in PHASES[1:]:  # the start phase has no event to reconverge from
-            xs = slices[r.policy][p]
+            xs = rel[r.policy][p]
             k = requests_to_reconverge(xs, best[p]) if best[p] is not None else None
             if k is None:
                 never = True
@@ -506,17 +517,16 @@ def summarise(runs: Sequence[PolicyRun]) -> dict[str, Any]:
             worst = max(worst, k_count)
             phases[p] = {"first_request": r.boundaries[p], "requests": len(xs),
                          "requests_to_reconverge": k_count, "reconverged": k is not None,
-                         "steady_ms": _round(steady_state(xs)), "best_steady_ms": _round(best[p]),
-                         "p50_ms": _round(statistics.median(xs) if xs else None)}
-        shares_end = {}
-        for x in r.records:
-            shares_end = x["shares"] or shares_end
+                         "steady_ms": _round(steady_state(slices[r.policy][p])),
+                         "steady_rel": _round(steady_state(xs), 3), "best_steady_rel": _round(best[p], 3),
+                         "p50_ms": _round(statistics.median(slices[r.policy][p]) if xs else None)}
         policies[r.policy] = {
             "requests_to_reconverge": worst, "reconverged_every_phase": not never,
             "lost_requests": r.lost["lost"], "missing_ids": r.lost["missing"], "incomplete_ids": r.lost["incomplete"],
             "duplicate_ids": r.lost["duplicates"], "requests": len(r.records),
             "p50_ms": _round(float(np.percentile(lat, 50)) if lat else None),
             "p95_ms": _round(float(np.percentile(lat, 95)) if lat else None),
+            "start_steady_ms": _round(norm[r.policy]),
             "kill_detected_after_s": _round(r.kill_detect_s, 3), "startup_s": _round(r.startup_s, 1),
             "phases": phases}
     return {"policies": policies}
@@ -537,8 +547,15 @@ def plot(runs: Sequence[PolicyRun], path: Path, title: str) -> None:
     for ax, run in zip(axes[:, 0], runs):
         recs = sorted((r for r in run.records), key=lambda r: r["request_id"])
         ids = [r["request_id"] for r in recs]
-        ax.plot(ids, [r["latency_ms"] for r in recs], "k.-", lw=0.8, ms=3, label="latency (ms)")
+        lat = [r["latency_ms"] for r in recs]
+        ax.plot(ids, lat, "k.-", lw=0.8, ms=3, label="latency (ms)")
         ax.set_ylabel("latency (ms)")
+        if lat:  # the request in flight at the kill waits dead_after_s: keep the rest readable
+            top = max(3.0 * statistics.median(lat), float(np.percentile(lat, 90)) * 1.5)
+            ax.set_ylim(0, top)
+            for i, x in zip(ids, lat):
+                if x > top:
+                    ax.annotate(f"{x:.0f} ms", (i, top), xytext=(3, -10), textcoords="offset points", fontsize=7)
         ax.set_title(f"{run.policy}", loc="left", fontsize=10)
         for name, colour in (("slowed", "tab:red"), ("recovered", "tab:green"), ("killed", "tab:purple")):
             ax.axvline(run.boundaries[name], color=colour, ls="--", lw=1, label=name)

@@ -640,7 +640,7 @@ def main(argv: list[str]) -> int:
                                                            "shares")} for x in r.records] for r in runs}
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(summary, indent=1))
-    plot(runs, png_path, f"kaitian bench adaptivity: {args.model} {args.size}x{args.size}; {speeds} (EMULATED)")
+    plot(runs, png_path, f"kaitian bench adaptivity: {args.model} {args.size}x{args.size} (EMULATED speeds)\n{speeds}")
     print_table(summary, speeds)
     print(f"\nwrote {json_path} and {png_path}")
     return 0

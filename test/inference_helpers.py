@@ -170,7 +170,10 @@ class InferenceGraph:
             self.plans = self.probe.collect(ic.PLAN_TOPIC, "LoadAssignment", QoS.LATCHED)
             self.telemetry = self.probe.collect(ic.TELEMETRY_TOPIC, "NodeTelemetry")
             self.diagnostics = self.probe.collect("/diagnostics", "DiagnosticArray")
-            self.camera = self.probe.rt.create_publisher(CAMERA_TOPIC, "Image", QoS.BEST_EFFORT)
+            # a RELIABLE camera (compatible with the coordinator's best-effort subscription, as
+            # in ROS 2): a best-effort publisher may drop a frame under load (zenoh congestion
+            # control DROP), and these tests count frames
+            self.camera = self.probe.rt.create_publisher(CAMERA_TOPIC, "Image", QoS.RELIABLE)
             self._graph = None
         except BaseException:
             self.close()
@@ -245,14 +248,23 @@ class InferenceGraph:
         one as busy); return FusedOutput by image stamp once every frame has its answer."""
         already = len(self.fused)
         for i, (_, msg) in enumerate(frames):
-            wait_until(lambda: len(self.fused) - already >= i + 1 - window,
-                       f"answers to {i + 1 - window} frame(s)", timeout_s, interval_s=0.01)
+            try:
+                wait_until(lambda: len(self.fused) - already >= i + 1 - window,
+                           f"answers to {i + 1 - window} frame(s)", timeout_s, interval_s=0.01)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\n--- launcher output ---\n{self.out.text()}") from None
             self.publish(msg)
             if on_sent is not None:
                 on_sent(i)
         wanted = {stamp_key(m.header.stamp) for _, m in frames}
-        wait_until(lambda: wanted <= {stamp_key(f.header.stamp) for f in self.fused.snapshot()[already:]},
-                   f"a FusedOutput for each of {len(frames)} frames", timeout_s, interval_s=0.02)
+        try:
+            wait_until(lambda: wanted <= {stamp_key(f.header.stamp) for f in self.fused.snapshot()[already:]},
+                       f"a FusedOutput for each of {len(frames)} frames", timeout_s, interval_s=0.02)
+        except AssertionError as exc:
+            got = [(int(f.request_id), f.header.frame_id, f.status) for f in self.fused.snapshot()[already:]]
+            coordinator = (self.diagnostics_of("coordinator") or [{}])[-1]
+            raise AssertionError(f"{exc}; got {got}; coordinator /diagnostics {coordinator}"
+                                 f"\n--- launcher output ---\n{self.out.text()}") from None
         by_stamp: dict[tuple[int, int], Any] = {}
         for f in self.fused.snapshot()[already:]:
             key = stamp_key(f.header.stamp)
@@ -327,18 +339,5 @@ class InferenceGraph:
         return [t for t in self.telemetry.snapshot() if t.node_id == node]
 
 
-def raw_put(endpoint: str, topic: str, msg_type: str, payload: bytes) -> None:
-    """Publish raw bytes on a topic's rmw_zenoh key from a plain zenoh session."""
-    from kaitian_ros.runtime import zenoh_session as zs
-
-    session = zs.open_session("peer", connect=endpoint)
-    try:
-        time.sleep(0.3)  # let the router learn the subscriber interest of this new session
-        session.put(zs.topic_key(zs.domain_id(), topic, msg_type), payload)
-        time.sleep(0.2)
-    finally:
-        session.close()
-
-
-__all__ = ["Collector", "InferenceGraph", "TOLERANCE", "image_msg", "raw_put", "scenario_dict",
+__all__ = ["Collector", "InferenceGraph", "TOLERANCE", "image_msg", "scenario_dict",
            "stamp_key", "synthetic_image", "wait_until"]

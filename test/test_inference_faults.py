@@ -82,8 +82,9 @@ def test_malformed_chunks_are_dropped_counted_and_the_node_keeps_serving(graph):
         "unknown plan": 1,
     }
     # random bytes, and a valid chunk cut in half: undecodable CDR
-    g.probe.rt.session.put(key, rng.integers(0, 256, 300, dtype=np.uint8).tobytes())
-    g.probe.rt.session.put(key, good[: len(good) // 2])
+    block = zs.CongestionControl.BLOCK
+    g.probe.rt.session.put(key, rng.integers(0, 256, 300, dtype=np.uint8).tobytes(), congestion_control=block)
+    g.probe.rt.session.put(key, good[: len(good) // 2], congestion_control=block)
     pub.publish(chunk(consumer="compute_1"))                      # misaddressed
     pub.publish(chunk(role=ic.ROLE_OUTPUT))                       # a compute node takes no OUTPUT
     pub.publish(chunk(plan_version=0))                            # older than any plan it holds
@@ -134,7 +135,8 @@ def test_malformed_images_are_counted_and_the_coordinator_keeps_running(graph):
         (lambda: g.publish(bad_encoding), "bad image: unsupported encoding 'yuv422'"),
         (lambda: g.publish(too_short), "bad image: image data"),
         (lambda: g.publish(bad_step), "bad image: image data"),
-        (lambda: g.probe.rt.session.put(key, b"\x00\x01\x00\x00garbage"), "malformed"),
+        (lambda: g.probe.rt.session.put(key, b"\x00\x01\x00\x00garbage",
+                                        congestion_control=zs.CongestionControl.BLOCK), "malformed"),
     ]
     for i, (send, reason) in enumerate(cases, start=1):
         send()

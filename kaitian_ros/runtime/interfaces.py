@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from kaitian_ros.runtime import fast_cdr
+
 PACKAGE = "kaitian_ros"
 OWN_TYPES = ("TensorChunk", "LoadAssignment", "NodeTelemetry", "FusedOutput", "TrainingTelemetry")
 
@@ -32,8 +34,9 @@ TYPE_ALIASES = {name: f"{PACKAGE}/msg/{name}" for name in OWN_TYPES} | {
 }
 
 
-class DecodeError(ValueError):
-    """A payload that is not a valid CDR message of the expected type."""
+# A payload that is not a valid CDR message of the expected type (a ValueError). Defined next
+# to the hand-written TensorChunk codec, which raises it too.
+DecodeError = fast_cdr.DecodeError
 
 
 def share_dirs() -> list[Path]:
@@ -94,9 +97,21 @@ def type_hash(name: str) -> str:
     return typestore().hash_rihs01(full_type_name(name))
 
 
-def encode(msg: Any, name: str) -> memoryview:
-    """CDR bytes (with the 4-byte encapsulation header) of ``msg``."""
-    return typestore().serialize_cdr(msg, full_type_name(name))
+_FAST_TYPE = f"{PACKAGE}/msg/TensorChunk"  # the hot type: hand-written codec, same bytes
+
+
+def encode(msg: Any, name: str) -> memoryview | bytearray:
+    """CDR bytes (with the 4-byte encapsulation header) of ``msg``.
+
+    TensorChunk goes through ``fast_cdr`` (byte-identical to rosbags, ~10x faster); anything it
+    does not handle, and every other type, through rosbags.
+    """
+    full = full_type_name(name)
+    if full == _FAST_TYPE:
+        out = fast_cdr.encode(msg)
+        if out is not None:
+            return out
+    return typestore().serialize_cdr(msg, full)
 
 
 def decode(payload: bytes | bytearray | memoryview, name: str) -> Any:
@@ -104,11 +119,18 @@ def decode(payload: bytes | bytearray | memoryview, name: str) -> Any:
 
     Raises DecodeError (never anything else) for malformed or truncated input.
     """
+    full = full_type_name(name)
+    if full == _FAST_TYPE and (type(payload) is bytes or type(payload) is bytearray
+                               or (type(payload) is memoryview and payload.format == "B"
+                                   and payload.ndim == 1 and payload.c_contiguous)):
+        msg = fast_cdr.decode(payload)  # raises DecodeError where rosbags would refuse
+        if msg is not None:
+            return msg
     try:
         buf = payload if isinstance(payload, memoryview) else memoryview(payload)
         if len(buf) < 4 or buf[0] != 0 or buf[1] not in (0, 1):
             raise DecodeError("not CDR: bad encapsulation header")
-        return typestore().deserialize_cdr(buf, full_type_name(name))
+        return typestore().deserialize_cdr(buf, full)
     except DecodeError:
         raise
     except Exception as exc:  # rosbags raises assorted errors on garbage: normalise them

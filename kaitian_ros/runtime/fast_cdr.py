@@ -41,7 +41,7 @@ _frombuffer = np.frombuffer
 
 # decode-side structs (absolute offsets into the payload, encapsulation header included)
 _U32 = struct.Struct("<I")
-_STAMP_FLEN = struct.Struct("<iiI")        # sec, nanosec, len(frame_id)
+_STAMP_FLEN = struct.Struct("<iII")        # sec, nanosec, len(frame_id)
 _REQ_PLAN_PLEN = struct.Struct("<QII")     # request_id, plan_version, len(producer)
 _SEG_ROLE = struct.Struct("<HB")
 _ROWS_FLAGS = struct.Struct("<III?BB")     # row_offset, total_rows, slab_index, last_slab, dtype_code, dtype_bits
@@ -77,7 +77,7 @@ def _layout(nf: int, np_: int, nc: int, ndim: int) -> tuple[struct.Struct, int]:
     """Struct writing the encapsulation header and every field before the data bytes."""
     fmt = ["<BBxx"]
     pos = 0  # relative to the end of the encapsulation header
-    fmt.append(f"iiI{nf + 1}s")                   # stamp, frame_id (NUL from 's' padding)
+    fmt.append(f"iII{nf + 1}s")                   # stamp, frame_id (NUL from 's' padding)
     pos += 12 + nf + 1
     pos = _pad(fmt, pos, 8)
     fmt.append(f"QII{np_ + 1}s")                  # request_id, plan_version, producer

@@ -74,7 +74,7 @@ def test_malformed_chunks_are_dropped_counted_and_the_node_keeps_serving(graph):
         fields.update(over)
         return ic.chunk_message(**fields)
 
-    good = interfaces.encode(chunk(), "TensorChunk").tobytes()
+    good = bytes(interfaces.encode(chunk(), "TensorChunk"))
     time.sleep(0.3)  # let the new publisher's route to compute_0 settle
     rng = np.random.default_rng(7)
     injected = {

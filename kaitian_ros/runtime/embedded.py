@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from kaitian_ros.runtime import interfaces
+from kaitian_ros.runtime import fast_cdr, interfaces
 from kaitian_ros.runtime import zenoh_session as zs
 from kaitian_ros.runtime.api import (
     MessageInfo,
@@ -104,6 +104,11 @@ class EmbeddedPublisher:
             # transient local: late joiners query the publisher-side cache
             self._queryable = rt.session.declare_queryable(self.key, self._serve_cache)
         self._token = rt.declare_endpoint_token("MP", topic, msg_type, qos)
+        self._attachment = zs.AttachmentWriter(self.gid)
+        # TensorChunk: encode into one reused buffer (put copies it); latched keeps its own copy
+        self._encoder = (fast_cdr.Encoder() if self.msg_type == fast_cdr.TYPE_NAME and qos is not QoS.LATCHED
+                         else None)
+        self._lock = threading.Lock()  # the reused buffers: publish may come from any thread
 
     def _serve_cache(self, query: Any) -> None:
         last = self._last
@@ -111,14 +116,20 @@ class EmbeddedPublisher:
             query.reply(self.key, last, attachment=zs.make_attachment(0, time.time_ns(), self.gid))
 
     def publish(self, msg: Any) -> None:
+        if self._encoder is not None:
+            with self._lock:
+                cdr = self._encoder.encode(msg)
+                if cdr is not None:  # put copies payload and attachment before returning
+                    self._pub.put(cdr, attachment=self._attachment(next(self._sequence), time.time_ns()))
+                    return
         self.publish_raw(interfaces.encode(msg, self.msg_type))
 
     def publish_raw(self, cdr: bytes | bytearray | memoryview) -> None:
         payload = zs.as_zenoh_payload(cdr)
         if self.qos is QoS.LATCHED:
             self._last = payload
-        attachment = zs.make_attachment(next(self._sequence), time.time_ns(), self.gid)
-        self._pub.put(payload, attachment=attachment)
+        with self._lock:
+            self._pub.put(payload, attachment=self._attachment(next(self._sequence), time.time_ns()))
 
 
 class EmbeddedSubscription:
@@ -135,6 +146,7 @@ class EmbeddedSubscription:
         depth = BEST_EFFORT_DEPTH if qos is QoS.BEST_EFFORT else None
         self.pending: collections.deque = collections.deque(maxlen=depth)
         self._scheduled = False
+        self._key_verdict: dict[str, str | None] = {}  # key -> None (accepted) or reject reason
         self._sub = rt.session.declare_subscriber(zs.topic_key_any_type(rt.domain, topic), self._on_sample)
         self._token = rt.declare_endpoint_token("MS", topic, msg_type, qos)
         if qos is QoS.LATCHED:
@@ -149,15 +161,13 @@ class EmbeddedSubscription:
         received_s = time.time()
         key = str(sample.key_expr)
         try:
-            _, _, dds_type, type_hash = zs.parse_topic_key(key)
-        except ValueError:
-            self._rt.reject(f"bad key: {key}")
-            return
-        if dds_type != self.expected_type:
-            self._rt.reject(f"wrong type: {dds_type} on {self.topic}, expected {self.expected_type}")
-            return
-        if type_hash != self.expected_hash:
-            self._rt.reject(f"type hash mismatch: {type_hash} on {self.topic}")
+            verdict = self._key_verdict[key]
+        except KeyError:  # first sample on this key: parse and check it once
+            verdict = self._check_key(key)
+            if len(self._key_verdict) < 1024:
+                self._key_verdict[key] = verdict
+        if verdict is not None:
+            self._rt.reject(verdict)
             return
         try:
             msg = interfaces.decode(sample.payload.to_bytes(), self.msg_type)
@@ -168,7 +178,7 @@ class EmbeddedSubscription:
         attachment = sample.attachment
         if attachment is not None:
             try:
-                sequence, stamp_ns, _ = zs.parse_attachment(attachment.to_bytes())
+                sequence, stamp_ns = zs.attachment_stamp(attachment.to_bytes())
                 source_s = stamp_ns * 1e-9
             except ValueError:
                 pass  # foreign publishers may attach nothing useful; the message still counts
@@ -176,6 +186,18 @@ class EmbeddedSubscription:
         if not self._scheduled:  # one executor task drains a burst: fewer queue hand-offs
             self._scheduled = True
             self._rt.post(self._deliver)
+
+    def _check_key(self, key: str) -> str | None:
+        """None if samples on ``key`` are ours to decode, else the reason to reject them."""
+        try:
+            _, _, dds_type, type_hash = zs.parse_topic_key(key)
+        except ValueError:
+            return f"bad key: {key}"
+        if dds_type != self.expected_type:
+            return f"wrong type: {dds_type} on {self.topic}, expected {self.expected_type}"
+        if type_hash != self.expected_hash:
+            return f"type hash mismatch: {type_hash} on {self.topic}"
+        return None
 
     def _deliver(self) -> None:
         # clear the flag before draining: a sample appended after this line posts a new task

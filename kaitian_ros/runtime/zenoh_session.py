@@ -128,16 +128,46 @@ def parse_liveliness(key: str) -> LivelinessEntry | None:
     return None
 
 
+_ATTACHMENT_HEAD = struct.Struct("<qqB")
+
+
 def make_attachment(sequence: int, timestamp_ns: int, gid: bytes) -> bytes:
     """rmw_zenoh attachment: int64 sequence, int64 source timestamp (ns), GID (len byte + 16 bytes)."""
-    return struct.pack("<qqB", sequence, timestamp_ns, len(gid)) + gid
+    return _ATTACHMENT_HEAD.pack(sequence, timestamp_ns, len(gid)) + gid
+
+
+class AttachmentWriter:
+    """Per-publisher attachment buffer: the GID is written once, each message packs 16 bytes.
+
+    ``put`` copies the attachment, so one bytearray serves every message of the publisher.
+    """
+
+    __slots__ = ("_buf", "_pack_into", "_gid_len")
+
+    def __init__(self, gid: bytes) -> None:
+        self._buf = bytearray(_ATTACHMENT_HEAD.size + len(gid))
+        self._buf[_ATTACHMENT_HEAD.size:] = gid
+        self._pack_into = _ATTACHMENT_HEAD.pack_into
+        self._gid_len = len(gid)
+
+    def __call__(self, sequence: int, timestamp_ns: int) -> bytearray:
+        self._pack_into(self._buf, 0, sequence, timestamp_ns, self._gid_len)
+        return self._buf
 
 
 def parse_attachment(raw: bytes) -> tuple[int, int, bytes]:
     if len(raw) < 17:
         raise ValueError("attachment too short")
-    sequence, stamp, n = struct.unpack_from("<qqB", raw)
+    sequence, stamp, n = _ATTACHMENT_HEAD.unpack_from(raw)
     return sequence, stamp, bytes(raw[17:17 + n])
+
+
+def attachment_stamp(raw: bytes) -> tuple[int, int]:
+    """(sequence, source timestamp ns) of an rmw_zenoh attachment; ValueError if too short."""
+    if len(raw) < 17:
+        raise ValueError("attachment too short")
+    sequence, stamp, _ = _ATTACHMENT_HEAD.unpack_from(raw)
+    return sequence, stamp
 
 
 def param_key(domain: int, node_fqn: str, op: str) -> str:

@@ -120,6 +120,8 @@ class EmbeddedPublisher:
             with self._lock:
                 cdr = self._encoder.encode(msg)
                 if cdr is not None:  # put copies payload and attachment before returning
+                    if len(cdr) >= zs.SHM_PUT_MIN_BYTES:  # large: one copy into shared memory, none in put
+                        cdr = zs.shm_payload(cdr) or cdr
                     self._pub.put(cdr, attachment=self._attachment(next(self._sequence), time.time_ns()))
                     return
         self.publish_raw(interfaces.encode(msg, self.msg_type))

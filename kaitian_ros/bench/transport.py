@@ -3,9 +3,9 @@
 Two processes on loopback (a publisher and a subscriber, both peers of a router this command
 hosts on a free port). In the same run, between the same two processes, it measures
 
-- ``ours``: ``EmbeddedPublisher.publish(TensorChunk)`` (rosbags serialize + attachment + put) to an
-  ``EmbeddedSubscription`` (key/type checks + copy out of zenoh + decode + executor hand-off to the
-  node callback),
+- ``ours``: ``EmbeddedPublisher.publish(TensorChunk)`` (fast_cdr encode into a reused buffer, SHM
+  buffer for large chunks, attachment, put) to an ``EmbeddedSubscription`` (cached key check + copy
+  out of zenoh + fast_cdr decode + executor hand-off to the node callback),
 - ``raw``: plain zenoh ``put`` of a prebuilt bytes object of the same payload size to a plain zenoh
   subscriber that copies the payload out (``to_bytes()``), the least any Python receiver does,
 

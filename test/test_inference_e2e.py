@@ -51,7 +51,8 @@ def test_first_output_slab_leaves_before_last_input_slab_arrives(tmp_path):
     and 2-row slabs; a compute node publishes OUTPUT rows while its INPUT rows still arrive."""
     with InferenceGraph(tmp_path, model="digits_cnn", height=64, width=64, slowdowns=[1.0, 2.0],
                         shares=[1.0, 1.0], slab_rows=2,
-                        coordinator={"input_pacing_ms": 20.0}) as g:
+                        coordinator={"input_pacing_ms": 20.0},
+                        compute={"min_run_rows": 2}) as g:  # stream at slab granularity
         g.wait_ready()
         frames = g.frames(3)
         outputs = g.check_outputs(frames, g.stream(frames, window=1))

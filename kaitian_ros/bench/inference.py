@@ -96,6 +96,10 @@ class LayerwiseWorker:
         ic, g = self.ic, self.graph
         try:
             x = ic.chunk_rows(msg)
+            if x.dtype == self.torch.uint8:  # pixels, like the product's INPUT chunks
+                from kaitian_ros.core.tensors import normalise_input
+
+                x = normalise_input(x, g.input_shape[0])
             first, last, nxt = int(msg.segment), int(msg.plan_version), msg.header.frame_id
             if not (0 <= first < last <= g.output_value) or (first and first not in g.cut_values):
                 raise ValueError(f"bad range [{first},{last})")
@@ -160,7 +164,7 @@ class Graph:
 
         a = self.args
         model = {"model": a.model, "input_height": a.size, "input_width": a.size, "num_classes": 1000,
-                 "seed": 0, "slab_rows": a.slab_rows}
+                 "seed": 0, "slab_rows": a.slab_rows, "plan_link_mbit": float(a.mbit)}
         doc: dict[str, Any] = {"coordinator": {"ros__parameters": model | {
             "compute_nodes": self.compute, "static_shares": [1.0] * len(self.compute),
             "use_scheduler": False, "max_in_flight": 1, "request_timeout_s": 30.0,
@@ -372,13 +376,14 @@ class Driver:
         """chain: [(worker, first value, last value), ...] covering the whole trunk."""
         import torch
 
-        from kaitian_ros.core.tensors import preprocess
+        from kaitian_ros.core.tensors import resize_pixels
 
         ic, g = self.ic, self.graph
         self.request += 1
         rid = self.request
         t0 = time.perf_counter()
-        x = preprocess(image, self.spec.input_shape[1], self.spec.input_shape[2], self.spec.input_shape[0])
+        # the same uint8 pixel rows the product sends: every variant moves the same input bytes
+        x = resize_pixels(image, self.spec.input_shape[1], self.spec.input_shape[2], self.spec.input_shape[0])
         first_worker, first, last = chain[0]
         nxt = chain[1][0] if len(chain) > 1 else DRIVER
         self.lw_pubs[first_worker].publish(ic.chunk_message(
@@ -579,7 +584,8 @@ def run(args: argparse.Namespace, say: Any) -> dict:
                "ours": series["ours"].median}
         c, h, w = g.input_shape
         oc, oh, ow = g.trunk_output_shape
-        min_bytes = 4 * (c * h * w + oc * oh * ow)  # the image must reach the devices, the trunk output come back
+        # the camera's uint8 image must reach the devices, the float32 trunk output come back
+        min_bytes = c * h * w + 4 * oc * oh * ow
         link_bytes_per_ms = args.mbit * 1e6 / 8 / 1e3
         compute_bound = 1.0 / sum(speeds)
         link_bound = min_bytes / (n * link_bytes_per_ms)  # n links in parallel
@@ -692,9 +698,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--size", type=int, default=224, help="input height = width")
     p.add_argument("--frames", type=int, default=None, help="measured frames per variant (default 30, quick 6)")
     p.add_argument("--rounds", type=int, default=None, help="variants interleaved in this many rounds")
-    p.add_argument("--slab-rows", type=int, default=16, help="streamed slab rows (ours, equal, single)")
-    p.add_argument("--min-run-rows", type=int, default=8,
-                   help="compute nodes' min_run_rows for the streamed variants (product default 8)")
+    p.add_argument("--slab-rows", type=int, default=32, help="streamed slab rows (ours, equal, single)")
+    p.add_argument("--min-run-rows", type=int, default=16,
+                   help="compute nodes' min_run_rows for the streamed variants (product default 16)")
     p.add_argument("--startup-timeout", type=float, default=180.0)
     a = p.parse_args(argv)
     try:

@@ -34,9 +34,13 @@ def image_to_array(data: np.ndarray, height: int, width: int, encoding: str, ste
     return pixels
 
 
-def preprocess(pixels: np.ndarray, out_height: int, out_width: int, in_channels: int = 3,
-               normalise: bool = True) -> torch.Tensor:
-    """uint8 HxWxC -> float32 (1, in_channels, out_height, out_width), resized and normalised."""
+def resize_pixels(pixels: np.ndarray, out_height: int, out_width: int, in_channels: int = 3) -> torch.Tensor:
+    """uint8 HxWxC -> uint8 (1, C, out_height, out_width): what the coordinator streams.
+
+    Rows stay uint8 on the wire (4x fewer bytes than float32); ``normalise_input`` turns them
+    into model input on the compute node. Every step after the resize is per pixel, so a slab
+    normalised on its own equals the same rows of the whole normalised image.
+    """
     import cv2
 
     if pixels.shape[2] == 1 and in_channels == 3:
@@ -46,8 +50,12 @@ def preprocess(pixels: np.ndarray, out_height: int, out_width: int, in_channels:
                             interpolation=cv2.INTER_AREA)
         if pixels.ndim == 2:
             pixels = pixels[:, :, None]
-    x = torch.from_numpy(np.array(pixels, dtype=np.float32, order="C")).div_(255.0)
-    x = x.permute(2, 0, 1).unsqueeze(0)
+    return torch.from_numpy(np.ascontiguousarray(np.transpose(pixels, (2, 0, 1))[None]))
+
+
+def normalise_input(rows: torch.Tensor, in_channels: int = 3, normalise: bool = True) -> torch.Tensor:
+    """uint8 (N, C, r, W) pixel rows -> float32 (N, in_channels, r, W) model input rows."""
+    x = rows.to(torch.float32).div_(255.0)
     if in_channels == 1 and x.shape[1] == 3:
         x = x.mean(dim=1, keepdim=True)
     if normalise:
@@ -58,6 +66,13 @@ def preprocess(pixels: np.ndarray, out_height: int, out_width: int, in_channels:
             mean, std = torch.tensor(0.5).view(1, 1, 1, 1), torch.tensor(0.25).view(1, 1, 1, 1)
         x = (x - mean) / std
     return x.contiguous()
+
+
+def preprocess(pixels: np.ndarray, out_height: int, out_width: int, in_channels: int = 3,
+               normalise: bool = True) -> torch.Tensor:
+    """uint8 HxWxC -> float32 (1, in_channels, out_height, out_width), resized and normalised:
+    exactly what the compute nodes feed the trunk (the single-device reference input)."""
+    return normalise_input(resize_pixels(pixels, out_height, out_width, in_channels), in_channels, normalise)
 
 
 def relative_error(result: torch.Tensor, reference: torch.Tensor) -> float:

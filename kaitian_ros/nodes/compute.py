@@ -19,6 +19,7 @@ import torch
 
 from kaitian_ros.core.plan import Plan
 from kaitian_ros.core.stripe import StripeRunner
+from kaitian_ros.core.tensors import normalise_input
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.runtime import interfaces, run_node
 from kaitian_ros.runtime.api import ParameterDescriptor as P
@@ -31,7 +32,7 @@ PARAMETERS = ic.MODEL_PARAMETERS + (
     P("threads", T.INTEGER, 1, "torch CPU threads for this node", 1, 256),
     P("emulated_slowdown", T.DOUBLE, 1.0,
       "emulate a slower device: after each compute sleep (s-1)x its duration (1.0 = real speed)", 1.0, 100.0),
-    P("min_run_rows", T.INTEGER, 8, "defer conv runs shorter than this while more rows are coming", 1, 4096),
+    P("min_run_rows", T.INTEGER, 16, "defer conv runs shorter than this while more rows are coming", 1, 4096),
     P("heartbeat_hz", T.DOUBLE, 4.0, "heartbeat telemetry rate", 2.0, 100.0),
     P("request_timeout_s", T.DOUBLE, 10.0, "forget an unfinished request after this long", 0.1, 3600.0),
     P("max_plans", T.INTEGER, 8, "plan versions kept for requests still in flight", 2, 1000),
@@ -109,7 +110,8 @@ class ComputeNode:
         if pv.version in self.plans or pv.version < self.retired_below:
             return
         try:
-            plan = ic.plan_for(self.graph, pv.node_ids, pv.shares, self.params["slab_rows"])
+            plan = ic.plan_for(self.graph, pv.node_ids, pv.shares, self.params["slab_rows"],
+                               self.params["plan_link_mbit"])
         except ValueError as exc:
             self.rt.rejected.count(f"bad plan: v{pv.version}: {exc}")
             return
@@ -161,6 +163,9 @@ class ComputeNode:
             state = None  # re-dispatched under a newer plan: start over
         try:
             rows = ic.chunk_rows(msg)
+            if rows.dtype == torch.uint8 and msg.role == ic.ROLE_INPUT:
+                # image rows travel as pixels; per-pixel normalisation makes a slab exact on its own
+                rows = normalise_input(rows, self.spec.input_shape[0], self.params["normalise"])
             if rows.dtype != torch.float32:  # the model computes in float32: another dtype would
                 # fail inside the convolutions (uncounted RuntimeError), so refuse it here
                 raise ValueError(f"chunk dtype {rows.dtype}, the model computes in float32")

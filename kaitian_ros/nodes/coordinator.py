@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kaitian_ros.core.plan import Plan
-from kaitian_ros.core.tensors import ImageFormatError, image_to_array, preprocess
+from kaitian_ros.core.tensors import ImageFormatError, image_to_array, resize_pixels
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.runtime import interfaces, run_node
 from kaitian_ros.runtime.api import ParameterDescriptor as P
@@ -46,7 +46,6 @@ PARAMETERS = ic.MODEL_PARAMETERS + (
     P("input_pacing_ms", T.DOUBLE, 0.0,
       "EMULATED slow input link: pause between input slabs (0 = send at once)", 0.0, 10000.0),
     P("threads", T.INTEGER, 1, "torch CPU threads for preprocessing and the head", 1, 256),
-    P("normalise", T.BOOL, True, "ImageNet mean/std normalisation of the input", read_only=True),
 )
 
 
@@ -197,14 +196,14 @@ class Coordinator:
         all renormalised) until the node owns at least one row; the plan message carries the
         shares actually executed."""
         slab = self.params["slab_rows"]
-        plan = ic.plan_for(self.graph, nodes, shares, slab)
+        plan = ic.plan_for(self.graph, nodes, shares, slab, self.params["plan_link_mbit"])
         for _ in range(10):
             starved = [i for i, n in enumerate(nodes) if shares[i] > 0 and n not in plan.active_nodes()]
             if not starved:
                 break
             raised = [s * 2 if i in starved else s for i, s in enumerate(shares)]
             shares = tuple(s / sum(raised) for s in raised)
-            plan = ic.plan_for(self.graph, nodes, shares, slab)
+            plan = ic.plan_for(self.graph, nodes, shares, slab, self.params["plan_link_mbit"])
         return shares, plan
 
     def _activate(self, pv: ic.PlanVersion) -> None:
@@ -224,8 +223,8 @@ class Coordinator:
         received = time.time()
         try:
             pixels = image_to_array(msg.data, int(msg.height), int(msg.width), msg.encoding, int(msg.step))
-            x = preprocess(pixels, self.spec.input_shape[1], self.spec.input_shape[2],
-                           self.spec.input_shape[0], self.params["normalise"])
+            # uint8 rows on the wire; the compute nodes normalise them (4x fewer input bytes)
+            x = resize_pixels(pixels, self.spec.input_shape[1], self.spec.input_shape[2], self.spec.input_shape[0])
         except ImageFormatError as exc:
             self.rt.rejected.count(f"bad image: {exc}")
             return
@@ -297,6 +296,8 @@ class Coordinator:
             return
         try:
             rows = ic.chunk_rows(msg)
+            if rows.dtype != req.out.dtype:
+                raise ValueError(f"OUTPUT rows are {rows.dtype}, the trunk output is {req.out.dtype}")
             a = int(msg.row_offset)
             z = a + rows.shape[2]
             if rows.shape[:2] != req.out.shape[:2] or rows.shape[3] != req.out.shape[3] or z > req.out.shape[2]:

@@ -15,7 +15,7 @@ import torch
 
 from kaitian_ros.core.graph import ModelGraph, split_model
 from kaitian_ros.core.models import build_model
-from kaitian_ros.core.plan import Plan, make_plan
+from kaitian_ros.core.plan import CostModel, Plan, make_plan
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime.api import ParameterDescriptor as P
 from kaitian_ros.runtime.api import ParameterType as T
@@ -39,6 +39,11 @@ MODEL_PARAMETERS = (
     P("seed", T.INTEGER, 0, "seed of the random weights (when no weights file)", 0, 2**31 - 1, read_only=True),
     P("weights", T.STRING, "", "state_dict file to load ('' = random weights from seed)", read_only=True),
     P("slab_rows", T.INTEGER, 8, "rows per streamed slab (image rows from the coordinator)", 1, 4096),
+    P("normalise", T.BOOL, True, "ImageNet mean/std normalisation of the input (on the compute nodes)",
+      read_only=True),
+    P("plan_link_mbit", T.DOUBLE, 1000.0,
+      "link rate the planner assumes between nodes (every node must agree: same plan from same shares)",
+      1.0, 1e6, read_only=True),
 )
 
 
@@ -70,8 +75,14 @@ def build_graph(spec: ModelSpec) -> ModelGraph:
         raise ValueError(f"cannot build model {spec.name!r}: {exc}") from None
 
 
-def plan_for(graph: ModelGraph, node_ids: tuple[str, ...], shares: tuple[float, ...], slab_rows: int) -> Plan:
-    return make_plan(graph, list(node_ids), list(shares), slab_rows=slab_rows)
+def cost_model(link_mbit: float) -> CostModel:
+    """The planner's cost model with the configured link rate (Mbit/s -> bytes/ms)."""
+    return CostModel(link_bytes_per_ms=link_mbit * 1e6 / 8 / 1e3)
+
+
+def plan_for(graph: ModelGraph, node_ids: tuple[str, ...], shares: tuple[float, ...], slab_rows: int,
+             link_mbit: float = 1000.0) -> Plan:
+    return make_plan(graph, list(node_ids), list(shares), slab_rows=slab_rows, cost=cost_model(link_mbit))
 
 
 @dataclass(frozen=True)
@@ -114,10 +125,13 @@ def chunk_message(*, request_id: int, plan_version: int, producer: str, consumer
 
 
 def chunk_rows(msg: Any) -> torch.Tensor:
-    """The rows a chunk carries as a float tensor (N, C, r, W); DecodeError if inconsistent."""
+    """The rows a chunk carries (N, C, r, W); DecodeError if inconsistent.
+
+    Float rows everywhere, except INPUT chunks which may carry uint8 pixel rows."""
     rows = interfaces.tensor_from_fields(msg)
     if rows.dim() != 4:
         raise interfaces.DecodeError(f"chunk shape {tuple(rows.shape)} is not (N,C,rows,W)")
-    if not rows.is_floating_point():
+    pixels = rows.dtype == torch.uint8 and msg.role == ROLE_INPUT
+    if not rows.is_floating_point() and not pixels:
         raise interfaces.DecodeError(f"chunk dtype {rows.dtype} is not floating point")
     return rows

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -146,6 +147,29 @@ class Launcher:
                 pass
             self._router = None
         self._tmpdir.cleanup()
+
+
+def free_port() -> int:
+    """A TCP port the kernel just handed out (bind to port 0), so parallel graphs never collide."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_on_free_port(scenario: Scenario, *, out: TextIO = sys.stdout, attempts: int = 5) -> Launcher:
+    """Start a graph whose router listens on a fresh loopback port (``launcher.router_endpoint``).
+
+    A port can be taken between ``free_port()`` and the router's listen: retry a few times.
+    """
+    for _ in range(attempts):
+        launcher = Launcher(scenario, f"tcp/127.0.0.1:{free_port()}", out=out)
+        try:
+            launcher.start()
+        except RuntimeError:
+            launcher.stop()
+            continue
+        return launcher
+    raise RuntimeError("could not host a router on a free port")
 
 
 def launch(scenario: Scenario, router_endpoint: str, *, duration_s: float | None = None,

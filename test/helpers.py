@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -35,11 +34,7 @@ if str(REPO) not in sys.path:
 
 # --- ports, routers, environments ---------------------------------------------------------
 
-def free_port() -> int:
-    """A TCP port the kernel just handed out (bind to port 0), so parallel runs never collide."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kaitian_ros.launcher import free_port  # noqa: E402  (one definition, shared with the benches)
 
 
 def child_env(router: str, **extra: str) -> dict[str, str]:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import yaml
 
-from helpers import Collector, free_port, wait_until
+from helpers import Collector, wait_until
 from kaitian_ros.core.tensors import image_to_array, preprocess, relative_error
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.runtime import interfaces
@@ -139,7 +139,7 @@ class InferenceGraph:
     """coordinator + compute nodes as real processes, plus an in-process camera/probe node."""
 
     def __init__(self, tmp_path: Path, **scenario: Any) -> None:
-        from kaitian_ros.launcher import Launcher
+        from kaitian_ros.launcher import start_on_free_port
         from kaitian_ros.scenario import load_scenario
 
         self.config = scenario_dict(**scenario)
@@ -151,19 +151,8 @@ class InferenceGraph:
         self.scenario = load_scenario(str(path))
         self.out = LineSink()
         self.probe: Camera | None = None
-        self.launcher = None
-        for _ in range(5):  # a free port can be taken between bind(0) and listen: retry
-            self.endpoint = f"tcp/127.0.0.1:{free_port()}"
-            launcher = Launcher(self.scenario, self.endpoint, out=self.out)
-            try:
-                launcher.start()
-            except RuntimeError:
-                launcher.stop()
-                continue
-            self.launcher = launcher
-            break
-        if self.launcher is None:
-            raise RuntimeError("could not host a router on a free port")
+        self.launcher = start_on_free_port(self.scenario, out=self.out)
+        self.endpoint = self.launcher.router_endpoint
         try:
             self.probe = Camera(self.endpoint)
             self.fused = self.probe.collect(ic.FUSED_TOPIC, "FusedOutput")

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,12 +42,6 @@ CAMERA_TOPIC = "/camera/image_raw"
 POLICIES = ("adaptive", "static", "profile_once")
 RECONVERGE_FACTOR = 1.10
 ROLLING = 3  # requests in the rolling median that decides "reconverged"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Sink:
@@ -132,7 +125,7 @@ class AdaptivityGraph:
     """coordinator + scheduler + compute nodes as real processes, the driver in this process."""
 
     def __init__(self, config: dict[str, Any], *, echo: bool = False) -> None:
-        from kaitian_ros.launcher import Launcher
+        from kaitian_ros.launcher import start_on_free_port
         from kaitian_ros.nodes import inference_common as ic
         from kaitian_ros.runtime.api import QoS
         from kaitian_ros.runtime.embedded import EmbeddedRuntime
@@ -153,18 +146,8 @@ class AdaptivityGraph:
         self.launcher: Any = None
         self.rt: Any = None
         self.extra: list[subprocess.Popen] = []
-        for _ in range(5):  # the free port may be taken between bind(0) and listen: retry
-            self.endpoint = f"tcp/127.0.0.1:{free_port()}"
-            launcher = Launcher(self.scenario, self.endpoint, out=self.out)
-            try:
-                launcher.start()
-            except RuntimeError:
-                launcher.stop()
-                continue
-            self.launcher = launcher
-            break
-        if self.launcher is None:
-            raise RuntimeError("could not host a router on a free port")
+        self.launcher = start_on_free_port(self.scenario, out=self.out)
+        self.endpoint = self.launcher.router_endpoint
         try:
             self.rt = EmbeddedRuntime(NodeArgs("adaptivity_driver"), router=self.endpoint)
             self.fused, self.plans, self.assignments, self.telemetry = _Log(), _Log(), _Log(), _Log()

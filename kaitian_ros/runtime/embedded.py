@@ -176,6 +176,12 @@ class EmbeddedSubscription:
         except interfaces.DecodeError as exc:
             self._rt.reject(f"malformed: {exc} on {self.topic}")
             return
+        if not self.with_info:  # nobody asked for delivery facts: skip the attachment
+            self.pending.append((msg, None))
+            if not self._scheduled:
+                self._scheduled = True
+                self._rt.post(self._deliver)
+            return
         source_s, sequence = 0.0, 0
         attachment = sample.attachment
         if attachment is not None:

@@ -149,6 +149,35 @@ class Launcher:
         self._tmpdir.cleanup()
 
 
+class CapturedOutput:
+    """A thread-safe ``out`` for a Launcher that keeps the prefixed node lines (for harnesses
+    that start graphs: benchmarks and tests read them back for pids and diagnostics)."""
+
+    def __init__(self, echo: bool = False) -> None:
+        self.lines: list[str] = []
+        self.echo = echo
+        self._lock = threading.Lock()
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self._partial += text
+            *done, self._partial = self._partial.split("\n")
+            self.lines.extend(done)
+            if self.echo:
+                for line in done:
+                    print(line, file=sys.stderr, flush=True)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def text(self, last: int | None = None) -> str:
+        with self._lock:
+            lines = self.lines + ([self._partial] if self._partial else [])
+            return "\n".join(lines if last is None else lines[-last:])
+
+
 def free_port() -> int:
     """A TCP port the kernel just handed out (bind to port 0), so parallel graphs never collide."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

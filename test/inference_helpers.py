@@ -30,29 +30,6 @@ TOLERANCE = 1e-4  # max abs error relative to the reference's max magnitude (DES
 STARTUP_S = 45.0  # liveness deadline for a graph to come up on 2 busy cores (not a perf check)
 
 
-class LineSink:
-    """A thread-safe text sink for the launcher's prefixed output lines."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self._lock = threading.Lock()
-        self._partial = ""
-
-    def write(self, text: str) -> int:
-        with self._lock:
-            self._partial += text
-            *done, self._partial = self._partial.split("\n")
-            self.lines.extend(done)
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-    def text(self) -> str:
-        with self._lock:
-            return "\n".join(self.lines + ([self._partial] if self._partial else []))
-
-
 def scenario_dict(*, model: str, height: int, width: int, channels: int = 3, num_classes: int = 10,
                   slowdowns: Sequence[float], shares: Sequence[float], slab_rows: int = 4,
                   coordinator: dict[str, Any] | None = None,
@@ -139,7 +116,7 @@ class InferenceGraph:
     """coordinator + compute nodes as real processes, plus an in-process camera/probe node."""
 
     def __init__(self, tmp_path: Path, **scenario: Any) -> None:
-        from kaitian_ros.launcher import start_on_free_port
+        from kaitian_ros.launcher import CapturedOutput, start_on_free_port
         from kaitian_ros.scenario import load_scenario
 
         self.config = scenario_dict(**scenario)
@@ -149,7 +126,7 @@ class InferenceGraph:
         path = Path(tmp_path) / "inference_test.yaml"
         path.write_text(yaml.safe_dump(self.config, sort_keys=False))
         self.scenario = load_scenario(str(path))
-        self.out = LineSink()
+        self.out = CapturedOutput()
         self.probe: Camera | None = None
         self.launcher = start_on_free_port(self.scenario, out=self.out)
         self.endpoint = self.launcher.router_endpoint

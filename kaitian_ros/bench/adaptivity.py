@@ -44,34 +44,6 @@ RECONVERGE_FACTOR = 1.10
 ROLLING = 3  # requests in the rolling median that decides "reconverged"
 
 
-class _Sink:
-    """Thread-safe text sink for the launcher's prefixed node output (kept for diagnostics)."""
-
-    def __init__(self, echo: bool = False) -> None:
-        self.lines: list[str] = []
-        self.echo = echo
-        self._lock = threading.Lock()
-        self._partial = ""
-
-    def write(self, text: str) -> int:
-        with self._lock:
-            self._partial += text
-            *done, self._partial = self._partial.split("\n")
-            self.lines.extend(done)
-            if self.echo:
-                for line in done:
-                    print(line, file=sys.stderr, flush=True)
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-    def text(self, last: int | None = None) -> str:
-        with self._lock:
-            lines = self.lines if last is None else self.lines[-last:]
-            return "\n".join(lines)
-
-
 class _Log:
     """(monotonic time, message) pairs in arrival order."""
 
@@ -125,7 +97,7 @@ class AdaptivityGraph:
     """coordinator + scheduler + compute nodes as real processes, the driver in this process."""
 
     def __init__(self, config: dict[str, Any], *, echo: bool = False) -> None:
-        from kaitian_ros.launcher import start_on_free_port
+        from kaitian_ros.launcher import CapturedOutput, start_on_free_port
         from kaitian_ros.nodes import inference_common as ic
         from kaitian_ros.runtime.api import QoS
         from kaitian_ros.runtime.embedded import EmbeddedRuntime
@@ -142,7 +114,7 @@ class AdaptivityGraph:
 
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         self.scenario = load_scenario(str(path))
-        self.out = _Sink(echo)
+        self.out = CapturedOutput(echo)
         self.launcher: Any = None
         self.rt: Any = None
         self.extra: list[subprocess.Popen] = []

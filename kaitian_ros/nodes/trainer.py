@@ -26,7 +26,6 @@ final status and shuts the runtime down: exit code 0 after success, 1 after a fa
 
 from __future__ import annotations
 
-import math
 import os
 import queue
 import sys

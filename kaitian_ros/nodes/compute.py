@@ -255,7 +255,7 @@ class ComputeNode:
                 keep.append((stamp, chunk, info))
         self.pending = keep
         rejected = self.rt.rejected
-        level = Level.OK if not self.plans else Level.OK
+        level = Level.OK
         text = f"{self.completed} requests" + (f", {rejected.total} dropped" if rejected.total else "")
         if not self.plans:
             level, text = Level.WARN, "waiting for a plan from the coordinator"

@@ -70,7 +70,9 @@ class Coordinator:
         self.rt = rt
         self.params = rt.declare_parameters(PARAMETERS)
         torch.set_num_threads(self.params["threads"])
-        self._check_shares(self.params["static_shares"], self.params["compute_nodes"])
+        problem = self._shares_problem(self.params["static_shares"], self.params["compute_nodes"])
+        if problem:
+            raise ValueError(problem)
         self.spec = ic.ModelSpec.from_params(self.params)
         self.graph = ic.build_graph(self.spec)
         self.out_shape = self.graph.trunk_output_shape
@@ -102,23 +104,25 @@ class Coordinator:
                        f"compute nodes {list(self.nodes)}")
 
     @staticmethod
-    def _check_shares(shares: list[float], nodes: list[str]) -> str:
+    def _shares_problem(shares: list[float], nodes: list[str]) -> str:
+        """'' if ``shares`` fit ``nodes``, else why not (startup raises it, param set returns it)."""
         if len(shares) != len(nodes):
-            raise ValueError(f"static_shares has {len(shares)} values for {len(nodes)} compute nodes")
+            return f"static_shares has {len(shares)} values for {len(nodes)} compute nodes"
         if sum(shares) <= 0:
-            raise ValueError("static_shares must not all be zero")
+            return "static_shares must not all be zero"
         return ""
 
     def _on_set(self, changes: dict[str, Any]) -> SetParametersResult:
         if "static_shares" in changes:
-            shares = changes["static_shares"]
-            if len(shares) != len(self.nodes) or sum(shares) <= 0:
-                return SetParametersResult(False, f"static_shares needs {len(self.nodes)} values, not all zero")
+            problem = self._shares_problem(changes["static_shares"], list(self.nodes))
+            if problem:
+                return SetParametersResult(False, problem)
         if "threads" in changes:
             torch.set_num_threads(changes["threads"])
         self.params = self.params | changes
         if "static_shares" in changes or "use_scheduler" in changes:
-            self.rt.post(lambda: self._replan("parameters changed"))
+            # self.params already holds the new values; the runtime applies them after we return
+            self._replan("parameters changed")
         return SetParametersResult(True)
 
     # --- membership and plans -----------------------------------------------------------

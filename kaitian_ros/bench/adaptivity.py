@@ -21,7 +21,6 @@ defined in ``docs/benchmarks-adaptivity.md``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
+from kaitian_ros.bench import BenchArgumentParser
 
 DEFAULT_JSON = Path("bench/results/adaptivity.json")
 CAMERA_TOPIC = "/camera/image_raw"
@@ -545,7 +545,7 @@ def print_table(summary: dict[str, Any], speeds: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="kaitian bench adaptivity")
+    p = BenchArgumentParser(prog="kaitian bench adaptivity")
     p.add_argument("--json", default=str(DEFAULT_JSON), help=f"result JSON (default {DEFAULT_JSON}; PNG next to it)")
     p.add_argument("--quick", action="store_true", help="short phases (about 2 min on 2 busy cores)")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(POLICIES))

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from kaitian_ros.bench import BenchArgumentParser
 
 DEFAULT_JSON = Path("bench/results/inference.json")
 LW_TOPIC_PREFIX = "/kaitian/bench/lw/"
@@ -686,7 +687,7 @@ def plot(res: dict, path: Path) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="kaitian bench inference",
+    p = BenchArgumentParser(prog="kaitian bench inference",
                                 description="collaborative inference vs baselines (see module docstring)")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"output JSON (PNG next to it); {DEFAULT_JSON}")
     p.add_argument("--quick", action="store_true", help="few frames (under a minute)")

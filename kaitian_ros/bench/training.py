@@ -28,7 +28,6 @@ difference to the single device is summation-order noise, not a weighting bug.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -36,6 +35,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
+from kaitian_ros.bench import BenchArgumentParser
 
 DEFAULT_DIR = Path("bench/results")
 WARMUP = 2  # first steps of every run left out of rates (lazy init, DDP bucket rebuild)
@@ -364,7 +364,7 @@ def _table(result: dict) -> str:
 
 def main(argv: list[str]) -> int:
     """``kaitian bench training [--json PATH] [--quick]``."""
-    p = argparse.ArgumentParser(prog="kaitian bench training")
+    p = BenchArgumentParser(prog="kaitian bench training")
     p.add_argument("--json", help=f"result JSON path (default {DEFAULT_DIR}/training.json)")
     p.add_argument("--quick", action="store_true", help="short schedule (< 2 min on 2 cores)")
     p.add_argument("--out-dir", default=str(DEFAULT_DIR), help="where the PNG (and JSON) go")

@@ -29,6 +29,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+from kaitian_ros.bench import BenchArgumentParser
 
 BIG = 4 * 1024 * 1024
 SMALL = 256
@@ -362,7 +363,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kaitian bench transport", description=__doc__.split("\n\n")[0])
+    parser = BenchArgumentParser(prog="kaitian bench transport", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default="bench/results/transport.json", help="output JSON (PNG written next to it)")
     parser.add_argument("--quick", action="store_true", help="fewer, shorter trials (smoke run)")
     parser.add_argument("--repeats", type=int, help="repeats per path (default 5, --quick 2)")

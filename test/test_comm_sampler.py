@@ -203,3 +203,25 @@ def test_fixed_cost_fit_ignores_noise_it_cannot_resolve() -> None:
     t = AdaptiveBatchSampler(1000, 256, 0, 2)
     t.load_state_dict(state)
     assert t.fixed_samples == s.fixed_samples and t.estimate() == s.estimate()
+
+
+def test_short_batch_is_split_at_its_own_size() -> None:
+    """With fixed costs the balanced split depends on the batch size: the short
+    end-of-epoch batch uses the gathered model at its size, full batches the shares."""
+    model = [(1e-3, 0.0), (3e-3, 10.0)]  # fast, no fixed cost; slow, 10 samples fixed
+    n, B = 100, 64  # batches 64, 36
+    samplers = [AdaptiveBatchSampler(n, B, r, 2, policy="adaptive", rebalance_every=1)
+                for r in range(2)]
+    for s in samplers:
+        s.record(1.0, 32)  # something measured
+        assert s.maybe_rebalance(lambda _est: model)
+    full = split_counts(B, shares_from_model([1e-3, 3e-3], [0.0, 10.0], B))
+    short = split_counts(36, shares_from_model([1e-3, 3e-3], [0.0, 10.0], 36))
+    per_rank = [list(s.epoch(0)) for s in samplers]
+    assert per_rank[0][0].counts == per_rank[1][0].counts == full
+    assert per_rank[0][1].counts == per_rank[1][1].counts == short
+    assert short != split_counts(36, samplers[0].shares)  # full-batch shares would differ
+    # and it survives a checkpoint
+    s2 = AdaptiveBatchSampler(n, B, 0, 2)
+    s2.load_state_dict(samplers[0].state_dict())
+    assert list(s2.epoch(0))[1].counts == short

@@ -185,6 +185,8 @@ class AdaptiveBatchSampler:
         # forgotten sums: w, w b, w t, w b^2, w b t, w t^2, w^2 (for the effective count)
         self._fit = np.zeros(7)
         self._fit_updates = 0
+        # the (c, beta) of every rank behind the current shares (short batches use it)
+        self._gathered: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
     # -- iteration -----------------------------------------------------------------
     def steps_per_epoch(self) -> int:
@@ -196,7 +198,7 @@ class AdaptiveBatchSampler:
         perm = epoch_permutation(self.num_samples, self.seed, epoch)
         for k in range(start_step_in_epoch, self.steps_per_epoch()):
             batch = perm[k * self.global_batch:(k + 1) * self.global_batch]
-            counts = split_counts(len(batch), self.shares)
+            counts = split_counts(len(batch), self._shares_for(len(batch)))
             off = sum(counts[:self.rank])
             mine = batch[off:off + counts[self.rank]]
             sl = StepSlice(epoch=epoch, step=self.step, indices=tuple(int(i) for i in mine),
@@ -204,6 +206,19 @@ class AdaptiveBatchSampler:
                            global_batch=len(batch), counts=counts)
             self.step += 1
             yield sl
+
+    def _shares_for(self, batch: int) -> tuple[float, ...]:
+        """Shares for a global batch of ``batch`` samples.
+
+        ``self.shares`` equalise finish times for the full ``global_batch``. With fixed
+        costs the balanced split depends on the batch size (``b_r = T/c_r - beta_r``), so a
+        short batch (end of epoch) is split from the same gathered model at its own size;
+        every rank holds the same gathered vector, so all compute the same counts.
+        """
+        m = self._gathered
+        if batch >= self.global_batch or m is None or not any(b > 0 for b in m[1]):
+            return self.shares
+        return shares_from_model(m[0], m[1], batch)
 
     # -- measurement and rebalancing ---------------------------------------------------
     def record(self, compute_seconds: float, local_batch: int,
@@ -306,6 +321,7 @@ class AdaptiveBatchSampler:
         if not all(measured) if self.policy == "profile_once" else not any(measured):
             return False
         self.shares = shares_from_model(times, betas, self.global_batch)
+        self._gathered = (tuple(times), tuple(betas))
         self.rebalances += 1
         self._since_rebalance = 0
         return True
@@ -320,7 +336,8 @@ class AdaptiveBatchSampler:
     def state_dict(self) -> dict:
         return {"shares": list(self.shares), "step": self.step, "rebalances": self.rebalances,
                 "ewma": self._ewma, "beta": self._beta, "fit": self._fit.tolist(),
-                "fit_updates": self._fit_updates}
+                "fit_updates": self._fit_updates,
+                "gathered": None if self._gathered is None else [list(x) for x in self._gathered]}
 
     def load_state_dict(self, state: dict) -> None:
         self.shares = tuple(float(x) for x in state["shares"])
@@ -331,4 +348,7 @@ class AdaptiveBatchSampler:
         fit = np.asarray(state.get("fit", [0.0] * 7), dtype=np.float64)
         self._fit = fit if fit.shape == (7,) else np.zeros(7)
         self._fit_updates = int(state.get("fit_updates", 0))
+        g = state.get("gathered")
+        self._gathered = (None if g is None else
+                          (tuple(float(x) for x in g[0]), tuple(float(x) for x in g[1])))
         self._since_rebalance = 0

@@ -7,8 +7,13 @@ callback. The process group must already be initialised (see ``comm.launch``).
 One step on rank r: take this rank's contiguous slice (b_r samples) of the global batch
 (``comm.sampler``), forward/backward with the loss averaged over the local slice, the DDP
 hook scales by b_r/B and all-reduces hierarchically (``comm.hooks``), optimizer step --
-which makes every rank's update the single-process update on the union batch. Then, if
-the rank emulates a slower device (factor s), it sleeps (s-1) x the real compute time.
+which makes every rank's update the single-process update on the union batch. If the
+rank emulates a slower device (factor s), it sleeps (s-1) x its real compute time, and
+does so *before* each communication (for the compute since the previous one) and after the
+optimizer step (for that step): a real slow device arrives late at the all-reduce. Sleeping
+only after the step would let an emulated-slow rank reach the all-reduce early and pay its
+debt afterwards; any extra synchronisation (the rebalance all-gather) then makes it wait
+for the fast rank's compute *and* makes the fast rank wait for its sleep.
 """
 
 from __future__ import annotations
@@ -358,7 +363,23 @@ class RankTrainer:
             ddp = DDP(model, process_group=self.groups.world, init_sync=False,
                       broadcast_buffers=False, gradient_as_bucket_view=True, **ddp_kw)
         state = HookState(groups=self.groups, flat_group=self.groups.world)
-        ddp.register_comm_hook(state, HOOKS[cfg.hook])
+        hook = HOOKS[cfg.hook]
+        # emulated slowdown of this step and the end of the last compute interval
+        emu = {"s": 1.0, "mark": 0.0}
+
+        def emulate() -> None:
+            """Sleep (s-1) x the real compute since the last mark (no comm in between)."""
+            now = time.perf_counter()
+            if emu["s"] > 1.0:
+                time.sleep((emu["s"] - 1.0) * max(now - emu["mark"], 0.0))
+
+        def slowed_hook(st, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+            emulate()  # a slow device is late *at* the all-reduce, not after it
+            fut = hook(st, bucket)
+            emu["mark"] = time.perf_counter()
+            return fut
+
+        ddp.register_comm_hook(state, slowed_hook)
         opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
         sampler = AdaptiveBatchSampler(_size(data.train), cfg.global_batch, self.rank,
                                        self.world_size, seed=cfg.seed, policy=cfg.policy,
@@ -390,6 +411,7 @@ class RankTrainer:
                     stop = True
                     break
                 t0 = time.perf_counter()
+                emu["s"], emu["mark"] = self.emulated_slowdown, t0
                 x, y = _batch(data.train, sl.indices)
                 x, y = x.to(self.device), y.to(self.device)
                 state.set_batch(sl.local_batch, sl.global_batch)
@@ -401,11 +423,9 @@ class RankTrainer:
                 opt.step()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                real = time.perf_counter() - t0
+                emulate()  # the rest: optimizer step (and all compute if no hook ran)
                 comm = state.take_comm_seconds()
-                s = self.emulated_slowdown
-                if s > 1.0:
-                    time.sleep((s - 1.0) * max(real - comm, 0.0))
+                s = emu["s"]
                 wall = time.perf_counter() - t0
                 compute = wall - comm
                 # The first two steps of a run are not speed samples: lazy allocation, and

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from inference_helpers import InferenceGraph, image_msg, synthetic_image, wait_until
+from kaitian_ros.core.policy import Assignment
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime import zenoh_session as zs
@@ -220,8 +221,8 @@ def test_unknown_plan_chunk_times_out_while_other_plans_keep_arriving(graph):
     counted = False
     while time.monotonic() < deadline and not counted:
         version += 1
-        plans.publish(ic.PlanVersion(version, 0, tuple(pv.node_ids), tuple(pv.shares), "static",
-                                     "test: re-announced").to_msg())
+        plans.publish(ic.assignment_msg(Assignment(version, 0, tuple(pv.node_ids), tuple(pv.shares), "static",
+                                                   "test: re-announced", 0.0)))
         time.sleep(0.3)
         values = latest_values(g, node)
         counted = int(values.get("rejected.unknown plan", "0")) > unknown_before

@@ -103,7 +103,7 @@ class ComputeNode:
     # --- plans --------------------------------------------------------------------------
     def _on_plan(self, msg: Any) -> None:
         try:
-            pv = ic.PlanVersion.from_msg(msg)
+            pv = ic.assignment_from_msg(msg)
         except ValueError as exc:
             self.rt.rejected.count(f"bad plan: {exc}")
             return

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from kaitian_ros.core.plan import Plan
+from kaitian_ros.core.policy import Assignment
 from kaitian_ros.core.tensors import ImageFormatError, image_to_array, resize_pixels
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.runtime import interfaces, run_node
@@ -79,9 +80,9 @@ class Coordinator:
         self.nodes = tuple(self.params["compute_nodes"])
         self.last_seen: dict[str, float] = {}
         self.alive: tuple[str, ...] = ()
-        self.assignment: ic.PlanVersion | None = None  # scheduler's latest proposal
-        self.current: ic.PlanVersion | None = None
-        self.pending: ic.PlanVersion | None = None  # adopted, effective from a later request
+        self.assignment: Assignment | None = None  # scheduler's latest proposal
+        self.current: Assignment | None = None
+        self.pending: Assignment | None = None  # adopted, effective from a later request
         self.plans: dict[int, Plan] = {}
         self.requests: dict[int, Request] = {}
         self.waiting: Any = None  # newest image waiting for an in-flight slot
@@ -140,7 +141,7 @@ class Coordinator:
         if not self.params["use_scheduler"]:
             return
         try:
-            proposal = ic.PlanVersion.from_msg(msg)
+            proposal = ic.assignment_from_msg(msg)
         except ValueError as exc:
             self.rt.rejected.count(f"bad assignment: {exc}")
             return
@@ -183,7 +184,8 @@ class Coordinator:
                 self._activate(dataclasses.replace(self.pending, effective_from_request=self.next_request))
             return
         version = (latest.version + 1) if latest else 1
-        pv = ic.PlanVersion(version, max(self.next_request, effective), nodes, shares, policy, reason)
+        pv = Assignment(version, max(self.next_request, effective), nodes, shares, policy, reason,
+                        plan.estimated_ms)
         self.plans[version] = plan
         if effective > self.next_request:
             # the scheduler asked for a switch at a later request: hold it until then
@@ -210,12 +212,12 @@ class Coordinator:
             plan = ic.plan_for(self.graph, nodes, shares, slab, self.params["plan_link_mbit"])
         return shares, plan
 
-    def _activate(self, pv: ic.PlanVersion) -> None:
+    def _activate(self, pv: Assignment) -> None:
         version = pv.version
         self.pending = None
         self.current = pv
         nodes, shares, reason = pv.node_ids, pv.shares, pv.reason
-        self.plan_pub.publish(pv.to_msg(self.plans[version].estimated_ms))
+        self.plan_pub.publish(ic.assignment_msg(pv))
         self.rt.logger.info(f"plan v{version}: " + ", ".join(f"{n} {s:.2f}" for n, s in zip(nodes, shares))
                             + f" ({reason})")
         in_use = {r.version for r in self.requests.values()} | {version} | (

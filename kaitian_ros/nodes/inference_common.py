@@ -16,6 +16,7 @@ import torch
 from kaitian_ros.core.graph import ModelGraph, split_model
 from kaitian_ros.core.models import build_model
 from kaitian_ros.core.plan import CostModel, Plan, make_plan
+from kaitian_ros.core.policy import Assignment
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime.api import ParameterDescriptor as P
 from kaitian_ros.runtime.api import ParameterType as T
@@ -85,34 +86,25 @@ def plan_for(graph: ModelGraph, node_ids: tuple[str, ...], shares: tuple[float, 
     return make_plan(graph, list(node_ids), list(shares), slab_rows=slab_rows, cost=cost_model(link_mbit))
 
 
-@dataclass(frozen=True)
-class PlanVersion:
-    """A plan as the coordinator executes it: version, first request, nodes and shares."""
+def assignment_msg(a: Assignment) -> Any:
+    """LoadAssignment message of an assignment (the scheduler's proposal or an executed plan)."""
+    import numpy as np
 
-    version: int
-    effective_from_request: int
-    node_ids: tuple[str, ...]
-    shares: tuple[float, ...]
-    policy: str
-    reason: str
+    return interfaces.make("LoadAssignment", version=a.version, effective_from_request=a.effective_from_request,
+                           node_ids=list(a.node_ids), shares=np.asarray(a.shares, np.float64),
+                           policy=a.policy, reason=a.reason, predicted_makespan_ms=a.predicted_makespan_ms)
 
-    def to_msg(self, predicted_ms: float = 0.0) -> Any:
-        import numpy as np
 
-        return interfaces.make("LoadAssignment", version=self.version,
-                               effective_from_request=self.effective_from_request,
-                               node_ids=list(self.node_ids), shares=np.asarray(self.shares, np.float64),
-                               policy=self.policy, reason=self.reason, predicted_makespan_ms=predicted_ms)
-
-    @classmethod
-    def from_msg(cls, msg: Any) -> "PlanVersion":
-        shares = tuple(float(s) for s in msg.shares)
-        node_ids = tuple(msg.node_ids)
-        if len(shares) != len(node_ids) or not node_ids:
-            raise ValueError(f"assignment v{msg.version}: {len(node_ids)} nodes but {len(shares)} shares")
-        if any(not math.isfinite(s) or s < 0 for s in shares) or sum(shares) <= 0:
-            raise ValueError(f"assignment v{msg.version}: invalid shares {shares}")
-        return cls(int(msg.version), int(msg.effective_from_request), node_ids, shares, msg.policy, msg.reason)
+def assignment_from_msg(msg: Any) -> Assignment:
+    """Validated assignment from a LoadAssignment message (ValueError with the reason)."""
+    shares = tuple(float(s) for s in msg.shares)
+    node_ids = tuple(msg.node_ids)
+    if len(shares) != len(node_ids) or not node_ids:
+        raise ValueError(f"assignment v{msg.version}: {len(node_ids)} nodes but {len(shares)} shares")
+    if any(not math.isfinite(s) or s < 0 for s in shares) or sum(shares) <= 0:
+        raise ValueError(f"assignment v{msg.version}: invalid shares {shares}")
+    return Assignment(int(msg.version), int(msg.effective_from_request), node_ids, shares, msg.policy,
+                      msg.reason, float(msg.predicted_makespan_ms))
 
 
 def chunk_message(*, request_id: int, plan_version: int, producer: str, consumer: str, segment: int,

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 
 from kaitian_ros.core import policy as pol
 from kaitian_ros.nodes import inference_common as ic
-from kaitian_ros.runtime import interfaces, run_node
+from kaitian_ros.runtime import run_node
 from kaitian_ros.runtime.api import ParameterDescriptor as P
 from kaitian_ros.runtime.api import ParameterType as T
 from kaitian_ros.runtime.api import QoS, Runtime, SetParametersResult
@@ -89,11 +88,7 @@ class Scheduler:
             return
         self.last = assignment
         self.published += 1
-        self.pub.publish(interfaces.make(
-            "LoadAssignment", version=assignment.version, effective_from_request=assignment.effective_from_request,
-            node_ids=list(assignment.node_ids), shares=np.asarray(assignment.shares, np.float64),
-            policy=assignment.policy, reason=assignment.reason,
-            predicted_makespan_ms=assignment.predicted_makespan_ms))
+        self.pub.publish(ic.assignment_msg(assignment))
         self.rt.logger.info(f"assignment v{assignment.version} from request {assignment.effective_from_request}: "
                             f"{assignment.reason}")
 

@@ -42,6 +42,26 @@ def node_command(spec: NodeSpec, params_file: Path) -> list[str]:
             "-r", f"__node:={spec.name}", "--params-file", str(params_file)]
 
 
+DEFAULT_ESCALATION = ((signal.SIGINT, STOP_GRACE_S), (signal.SIGTERM, 2.0), (signal.SIGKILL, 2.0))
+
+
+def stop_process_groups(processes: list[subprocess.Popen],
+                        escalation: tuple[tuple[int, float], ...] = DEFAULT_ESCALATION) -> None:
+    """Signal each live process's group, escalating (signal, grace seconds) until all exit."""
+    for sig, grace in escalation:
+        alive = [p for p in processes if p.poll() is None]
+        if not alive:
+            break
+        for process in alive:
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + grace
+        while time.monotonic() < end and any(p.poll() is None for p in alive):
+            time.sleep(0.05)
+
+
 @dataclass
 class Child:
     spec: NodeSpec
@@ -125,18 +145,7 @@ class Launcher:
     def stop(self) -> None:
         """SIGINT every node, then SIGTERM, then SIGKILL; never leave a process behind."""
         self._stopping.set()
-        for sig, grace in ((signal.SIGINT, STOP_GRACE_S), (signal.SIGTERM, 2.0), (signal.SIGKILL, 2.0)):
-            alive = [c for c in self.children if c.process.poll() is None]
-            if not alive:
-                break
-            for child in alive:
-                try:
-                    os.killpg(child.process.pid, sig)
-                except ProcessLookupError:
-                    pass
-            end = time.monotonic() + grace
-            while time.monotonic() < end and any(c.process.poll() is None for c in alive):
-                time.sleep(0.05)
+        stop_process_groups([c.process for c in self.children])
         for child in self.children:
             child.process.wait()
             child.reader.join(timeout=1.0)

@@ -36,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from kaitian_ros.bench import BenchArgumentParser
@@ -224,16 +224,9 @@ class Graph:
                 raise RuntimeError(f"{p.name} exited with code {p.popen.returncode}:\n{tail}")
 
     def stop(self) -> None:
-        for sig, grace in ((signal.SIGINT, 4.0), (signal.SIGKILL, 2.0)):
-            alive = [p for p in self.procs if p.popen.poll() is None]
-            for p in alive:
-                try:
-                    os.killpg(p.popen.pid, sig)
-                except ProcessLookupError:
-                    pass
-            end = time.monotonic() + grace
-            while time.monotonic() < end and any(p.popen.poll() is None for p in alive):
-                time.sleep(0.05)
+        from kaitian_ros.launcher import stop_process_groups
+
+        stop_process_groups([p.popen for p in self.procs], ((signal.SIGINT, 4.0), (signal.SIGKILL, 2.0)))
         for p in self.procs:
             try:
                 p.popen.wait(timeout=2.0)
@@ -355,14 +348,10 @@ class Driver:
                                    encoding="rgb8", is_bigendian=0, step=w * 3, data=image.reshape(-1))
         t0 = time.perf_counter()
         self.image_pub.publish(msg)
-        deadline = t0 + timeout_s
-        while True:
-            try:
-                t1, m = self.fused.get(timeout=max(0.01, deadline - time.perf_counter()))
-            except queue.Empty:
-                return {"ok": False, "status": "no FusedOutput (timeout)"}
-            if m.header.frame_id == fid:
-                break
+        got = _wait_for(self.fused, lambda m: m.header.frame_id == fid, t0 + timeout_s)
+        if got is None:
+            return {"ok": False, "status": "no FusedOutput (timeout)"}
+        t1, m = got
         if not m.complete:
             return {"ok": False, "status": m.status}
         rid = int(m.request_id)
@@ -390,14 +379,10 @@ class Driver:
         self.lw_pubs[first_worker].publish(ic.chunk_message(
             request_id=rid, plan_version=last, producer=DRIVER, consumer=first_worker, segment=first,
             role=ic.ROLE_INPUT, row_offset=0, total_rows=x.shape[2], rows=x, frame_id=nxt))
-        deadline = t0 + timeout_s
-        while True:
-            try:
-                _, m = self.lw_out.get(timeout=max(0.01, deadline - time.perf_counter()))
-            except queue.Empty:
-                return {"ok": False, "status": "no layer-wise result (timeout)"}
-            if int(m.request_id) == rid:
-                break
+        got = _wait_for(self.lw_out, lambda m: int(m.request_id) == rid, t0 + timeout_s)
+        if got is None:
+            return {"ok": False, "status": "no layer-wise result (timeout)"}
+        _, m = got
         with torch.no_grad():
             y = g.run_head(ic.chunk_rows(m).clone())
         t1 = time.perf_counter()
@@ -406,6 +391,18 @@ class Driver:
         comp = {w: self.lw_tele.pop((w, rid), None) for w, _, _ in chain}
         return {"ok": True, "ms": (t1 - t0) * 1e3,
                 "node_compute_ms": {w: (t.compute_ms if t is not None else None) for w, t in comp.items()}}
+
+
+def _wait_for(replies: "queue.Queue", wanted: Callable[[Any], bool], deadline: float) -> tuple[float, Any] | None:
+    """The first (arrival time, message) from ``replies`` that ``wanted`` accepts, None at
+    ``deadline`` (perf_counter); older replies (earlier, timed-out frames) are skipped."""
+    while True:
+        try:
+            arrived, msg = replies.get(timeout=max(0.01, deadline - time.perf_counter()))
+        except queue.Empty:
+            return None
+        if wanted(msg):
+            return arrived, msg
 
 
 # =========================================================================== measurement

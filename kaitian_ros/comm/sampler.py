@@ -48,11 +48,17 @@ def shares_from_times(seconds_per_sample: Sequence[float]) -> tuple[float, ...]:
     ok = np.isfinite(t) & (t > 0)
     if not ok.any():
         return tuple([1.0 / t.size] * t.size)
-    speed = np.zeros_like(t)
-    speed[ok] = 1.0 / t[ok]
-    speed[~ok] = speed[ok].mean()
+    speed = _speeds(t, ok)
     s = speed / speed.sum()
     return tuple(float(x) for x in s)
+
+
+def _speeds(seconds_per_sample: np.ndarray, measured: np.ndarray) -> np.ndarray:
+    """1 / seconds per sample; unmeasured ranks get the mean speed of the measured ones."""
+    speed = np.zeros_like(seconds_per_sample)
+    speed[measured] = 1.0 / seconds_per_sample[measured]
+    speed[~measured] = speed[measured].mean()
+    return speed
 
 
 def shares_from_model(per_sample_s: Sequence[float], fixed_samples: Sequence[float],
@@ -74,9 +80,7 @@ def shares_from_model(per_sample_s: Sequence[float], fixed_samples: Sequence[flo
     ok = np.isfinite(c) & (c > 0)
     if not ok.any():
         return tuple([1.0 / c.size] * c.size)
-    speed = np.zeros_like(c)
-    speed[ok] = 1.0 / c[ok]
-    speed[~ok] = speed[ok].mean()
+    speed = _speeds(c, ok)
     beta = np.where(np.isfinite(beta) & (beta > 0), beta, 0.0)
     beta[~ok] = beta[ok].mean()
     active = np.ones(c.size, dtype=bool)

@@ -106,8 +106,28 @@ class Heartbeat:
         self._stop.set()
         try:
             self._store.set(f"kaitian/state/{self.env.rank}", state)
+            self._store.set(f"kaitian/final/{self.env.rank}", state)  # done with the store
         except Exception:
             pass
+
+    def wait_for_peers(self, max_s: float) -> None:
+        """Wait (at most ``max_s``) until every other rank is done with the store (it has
+        stopped, after its own diagnosis) or its heartbeat is stale."""
+        deadline = time.monotonic() + max_s
+        while time.monotonic() < deadline:
+            try:
+                now, pending = time.time(), 0
+                for r in range(self.env.world_size):
+                    if r == self.env.rank or self._store.check([f"kaitian/final/{r}"]):
+                        continue
+                    if (self._store.check([f"kaitian/hb/{r}"]) and
+                            now - float(self._store.get(f"kaitian/hb/{r}").decode()) <= STALE_S):
+                        pending += 1
+            except Exception:
+                return
+            if not pending:
+                return
+            time.sleep(HEARTBEAT_S / 2)
 
     def diagnose(self, labels: Sequence[str] | None = None, wait_s: float = STALE_S * 2) -> str:
         """Name the rank(s) that stopped; waits up to ``wait_s`` for heartbeats to go stale.
@@ -180,6 +200,10 @@ _STORE: Any = None
 def shutdown_distributed(hb: Heartbeat | None, state: str = "done") -> None:
     if hb is not None:
         hb.stop(state)
+        if state == "aborting" and hb.env.rank == 0:
+            # rank 0 hosts the store: the other ranks read it to name the dead peer, so it
+            # stays up until each of them has said it is aborting/done or has gone stale
+            hb.wait_for_peers(STALE_S * 2 + 1.0)
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
@@ -281,6 +305,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int)
     p.add_argument("--model")
     p.add_argument("--dataset")
+    p.add_argument("--image-size", type=int, help="resize images to this square size")
     p.add_argument("--lr", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--checkpoint-dir")
@@ -318,6 +343,7 @@ def _config_from_args(a: argparse.Namespace) -> tuple[Any, int | None]:
             raise ValueError(f"--slowdowns must be numbers, got {a.slowdowns!r}") from None
     for k_arg, k_cfg in (("policy", "policy"), ("epochs", "epochs"), ("global_batch", "global_batch"),
                          ("model", "model"), ("dataset", "dataset"), ("lr", "lr"),
+                         ("image_size", "image_size"),
                          ("seed", "seed"), ("checkpoint_dir", "checkpoint_dir"),
                          ("timeout", "timeout_s")):
         v = getattr(a, k_arg)

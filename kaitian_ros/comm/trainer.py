@@ -54,6 +54,10 @@ class TrainingConfig:
     model: str = "digits_cnn"
     dataset: str = "digits"  # or "package.module:callable" -> Dataset or (train, test)
     num_classes: int | None = None  # None: 10 for digits, else inferred from labels
+    # square input size the images are resized to (bilinear); None: as the dataset has them.
+    # Digits are 8x8: a larger size gives the same task more compute per sample (and the
+    # same gradient size), the regime of real image models where communication is small.
+    image_size: int | None = None
     global_batch: int = 64
     epochs: int = 5
     lr: float = 0.05
@@ -84,6 +88,8 @@ class TrainingConfig:
             raise ValueError("global_batch, epochs and rebalance_every must be positive")
         if not self.devices:
             raise ValueError("devices must not be empty")
+        if self.image_size is not None and not 4 <= int(self.image_size) <= 4096:
+            raise ValueError(f"image_size must be in 4..4096 or None, got {self.image_size}")
         if any(not (s >= 1.0 and math.isfinite(s)) for s in self.emulated_slowdown):
             raise ValueError("emulated_slowdown factors must be finite and >= 1")
         # tuples even when built from YAML/JSON lists (frozen: use object.__setattr__)
@@ -201,13 +207,49 @@ def _digits(seed_split: int = 0) -> DataSplit:
                      num_classes=10, in_channels=1)
 
 
-def load_data(spec: str, num_classes: int | None = None) -> DataSplit:
+class _Resized(torch.utils.data.Dataset):
+    """Items of `base` with the image resized to `size` x `size` (bilinear)."""
+
+    def __init__(self, base: Any, size: int) -> None:
+        self.base, self.size = base, size
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, Any]:
+        x, y = self.base[i]
+        return _resize(torch.as_tensor(x)[None], self.size)[0], y
+
+
+def _resize(x: torch.Tensor, size: int) -> torch.Tensor:
+    if tuple(x.shape[-2:]) == (size, size):
+        return x
+    return torch.nn.functional.interpolate(x.float(), size=(size, size), mode="bilinear",
+                                           align_corners=False)
+
+
+def resize_split(data: DataSplit, size: int | None) -> DataSplit:
+    """`data` with every image resized to `size` x `size` (None: unchanged)."""
+    if size is None:
+        return data
+
+    def one(ds: Any) -> Any:
+        if isinstance(ds, tuple):
+            return (_resize(ds[0], size).contiguous(), ds[1])
+        return _Resized(ds, size)
+
+    return DataSplit(one(data.train), one(data.test), data.num_classes, data.in_channels)
+
+
+def load_data(spec: str, num_classes: int | None = None, image_size: int | None = None
+              ) -> DataSplit:
     """``"digits"`` or ``"package.module:callable"`` returning a Dataset or (train, test).
 
-    A single Dataset is split 75/25 deterministically. Items are ``(x, label)``.
+    A single Dataset is split 75/25 deterministically. Items are ``(x, label)``. With
+    `image_size` every image is resized (bilinear) to that square size.
     """
     if spec == "digits":
-        return _digits()
+        return resize_split(_digits(), image_size)
     mod, _, attr = spec.partition(":")
     if not mod or not attr:
         raise ValueError(f"dataset must be 'digits' or 'package.module:callable', got {spec!r}")
@@ -231,7 +273,8 @@ def load_data(spec: str, num_classes: int | None = None) -> DataSplit:
     if num_classes is None:
         labels = {int(train[i][1]) for i in range(len(train))}
         num_classes = max(labels) + 1
-    return DataSplit(train=train, test=test, num_classes=num_classes, in_channels=in_ch)
+    return resize_split(DataSplit(train=train, test=test, num_classes=num_classes,
+                                  in_channels=in_ch), image_size)
 
 
 def _size(ds: Any) -> int:
@@ -345,7 +388,7 @@ class RankTrainer:
     def run(self) -> TrainingResult:
         cfg = self.config
         torch.manual_seed(cfg.seed)
-        data = self._data or load_data(cfg.dataset, cfg.num_classes)
+        data = self._data or load_data(cfg.dataset, cfg.num_classes, cfg.image_size)
         self.groups = build_groups(self.group_label, timeout_s=cfg.timeout_s)
         model = _build_model(cfg, data).to(self.device).train()
         self.model = model

@@ -65,6 +65,8 @@ PARAMETERS = (
     # training configuration (read-only, identical on every rank)
     P("model", T.STRING, "digits_cnn", "model name (kaitian_ros.core.models)", read_only=True),
     P("dataset", T.STRING, "digits", "'digits' or 'package.module:callable'", read_only=True),
+    P("image_size", T.INTEGER, 0, "resize images to this square size (0: as the dataset has "
+      "them)", 0, 4096, read_only=True),
     P("global_batch", T.INTEGER, 64, "samples per step over all ranks", 1, 2**31 - 1,
       read_only=True),
     P("epochs", T.INTEGER, 5, "epochs to train", 1, 2**31 - 1, read_only=True),
@@ -134,6 +136,7 @@ def training_config(params: dict[str, Any]) -> Any:
     d["checkpoint_dir"] = params["checkpoint_dir"] or None
     d["resume"] = params["resume"]
     d["max_steps"] = params["max_steps"] or None
+    d["image_size"] = params["image_size"] or None
     return TrainingConfig.from_dict(d)
 
 

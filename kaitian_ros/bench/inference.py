@@ -539,20 +539,27 @@ def run(args: argparse.Namespace, say: Any) -> dict:
         lw_chain = [(gp.workers[best_lw["first"]], 0, best_lw["cut_value"]),
                     (gp.workers[best_lw["second"]], best_lw["cut_value"], out_value)]
 
-        # 3. all variants, interleaved in rounds on the same frames
+        # 3. our shares: trunk-alone speeds are not stripe speeds (a thin stripe pays per-call
+        # and weight-read costs a whole trunk amortises; the plan's solo tail runs on the
+        # fastest node), so pick the best of a one-parameter family by measured latency
         by_speed = [s / sum(speeds) for s in speeds]
+        balanced, calibration = _tune_shares(driver, gp, measure, speeds, args)
+        say("[bench] share tuning (median ms): " + ", ".join(
+            f"gamma {c['gamma']} [{', '.join(f'{x:.3f}' for x in c['shares'])}] {c['median_ms']:.1f}"
+            for c in calibration) + f" -> [{', '.join(f'{x:.3f}' for x in balanced)}]")
         one_hot = [1.0 if i == fastest else 0.0 for i in range(n)]
         cfgs = {
             "single_stream": (one_hot, args.slab_rows, args.min_run_rows),
             "equal": ([1.0] * n, args.slab_rows, args.min_run_rows),
-            "no_stream": (by_speed, WHOLE, WHOLE),
-            "ours": (by_speed, args.slab_rows, args.min_run_rows),
+            "no_stream": (balanced, WHOLE, WHOLE),
+            "ours": (balanced, args.slab_rows, args.min_run_rows),
         }
         series = {k: Series(k, {"shares": [round(x, 4) for x in v[0]], "slab_rows": v[1], "min_run_rows": v[2]})
                   for k, v in cfgs.items()}
         for k, (shares, slab, _) in cfgs.items():  # the plan the nodes derive (deterministic)
             nodes = [gp.compute[i] for i in range(n) if shares[i] > 0]
-            pl = ic.plan_for(g, tuple(nodes), tuple(shares[i] for i in range(n) if shares[i] > 0), slab)
+            pl = ic.plan_for(g, tuple(nodes), tuple(shares[i] for i in range(n) if shares[i] > 0), slab,
+                             args.mbit)
             series[k].config["plan"] = {
                 "cut_values": list(pl.cut_values), "estimated_ms": round(pl.estimated_ms, 1),
                 "segment_rows": [[list(r) for r in seg.out_rows] for seg in pl.segments],
@@ -608,6 +615,8 @@ def run(args: argparse.Namespace, say: Any) -> dict:
                       "min_bytes": min_bytes, "formula": "max(1 / sum_i(1 / trunk_ms_i), "
                       "(image + trunk output bytes) / (n_links * link rate))"},
             "single_is": single_name,
+            "shares": {"by_trunk_speed": [round(x, 4) for x in by_speed],
+                       "ours": [round(x, 4) for x in balanced], "candidates": calibration},
             "variants": {k: s.summary() for k, s in series.items()},
             "layerwise_search": search,
             "tbf_bytes_sent": sent,
@@ -621,6 +630,33 @@ def run(args: argparse.Namespace, say: Any) -> dict:
             gp.stop()
         if links is not None:
             links.close()
+
+
+GAMMAS = (1.0, 1.5, 2.0, 3.0)  # share_i ~ speed_i ** gamma candidates (see _tune_shares)
+
+
+def _tune_shares(driver: Driver, gp: Graph, measure: Any, speeds: list[float],
+                 args: argparse.Namespace) -> tuple[list[float], list[dict]]:
+    """The lowest-latency shares of the family share_i ~ speed_i ** gamma (gamma 1 = by trunk
+    speed; larger gammas tilt work to the faster devices, whose thicker stripes pay less
+    per-call and weight-read overhead and who run the plan's solo tail), measured on the
+    product in interleaved passes; returns them and every candidate's latency."""
+    floor = 0.4 * min(speeds) / sum(speeds)  # a stripe this thin rounds away at the trunk end
+    cands = []
+    for gamma in GAMMAS:
+        w = [s ** gamma for s in speeds]
+        shares = [x / sum(w) for x in w]
+        if gamma == 1.0 or min(shares) >= floor:
+            cands.append((gamma, shares))
+    samples: dict[float, Series] = {g: Series(f"gamma {g}", {}) for g, _ in cands}
+    for _ in range(args.balance_passes):
+        for gamma, shares in cands:
+            driver.configure(shares, args.slab_rows, args.min_run_rows)
+            measure(samples[gamma], driver.product_frame, args.balance_frames, warmup=1)
+    steps = [{"gamma": g, "shares": [round(x, 4) for x in sh], "median_ms": round(samples[g].median, 2)}
+             for g, sh in cands]
+    best = min(steps, key=lambda r: r["median_ms"])
+    return dict(cands)[best["gamma"]], steps
 
 
 def _sent_bytes(text: str) -> int:
@@ -700,6 +736,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--min-run-rows", type=int, default=16,
                    help="compute nodes' min_run_rows for the streamed variants (product default 16)")
     p.add_argument("--startup-timeout", type=float, default=180.0)
+    p.add_argument("--balance-passes", type=int, default=None,
+                   help="passes over the share candidates before measuring (default 2, quick 1)")
     a = p.parse_args(argv)
     try:
         a.slowdowns = tuple(float(s) for s in a.slowdowns.split(","))
@@ -713,6 +751,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.rounds = a.rounds or (1 if a.quick else 3)
     a.solo_frames = 3 if a.quick else 8
     a.search_frames = 1 if a.quick else 2
+    a.balance_passes = a.balance_passes if a.balance_passes is not None else (1 if a.quick else 2)
+    if a.balance_passes < 1:
+        p.error("--balance-passes must be >= 1")
+    a.balance_frames = 3
     return a
 
 

@@ -358,7 +358,7 @@ def test_hysteresis_threshold_property(min_gain, slow):
 
 
 def test_min_interval_respected():
-    cfg = _cfg(min_interval_s=1.0, min_gain=0.01)
+    cfg = _cfg(min_interval_s=1.0, min_gain=0.01, change_ratio=1.0)  # change detection off
     sim = Sim(cfg, {"a": 1.0, "b": 1.0})
     sim.run(10)
     times = []
@@ -370,6 +370,58 @@ def test_min_interval_respected():
                 times.append(sim.now)
     assert len(times) >= 2
     assert all(t2 - t1 >= 1.0 - 1e-9 for t1, t2 in zip(times, times[1:]))
+
+
+def test_step_change_is_followed_at_once_despite_min_interval():
+    # EWMA 0.3 alone needs ~10 samples to follow a 3x slowdown, min_interval_s 5 s would hold
+    # the plan for 100 requests; two confirming samples restart the estimate and act at once.
+    cfg = _cfg(min_interval_s=5.0, ewma_alpha=0.3, min_gain=0.1)
+    sim = Sim(cfg, {"compute_0": 1.0, "compute_1": 1.0, "compute_2": 1.0})
+    sim.run(12)
+    sim.now += 10.0  # long after the last publish: the first reaction is not the bypass
+    sim.run(1)
+    n_before = len(sim.published)
+    sim.speeds["compute_1"] = 1.0 / 3.0
+    r0 = sim.r
+    sim.run(2 + 2)  # 2 confirming samples (under plans already issued), then decide
+    fresh = sim.published[n_before:]
+    assert fresh, "no reaction to a 3x slowdown"
+    assert fresh[0].effective_from_request - r0 <= 2 + 1 + 2  # detect + decide + lead
+    assert dict(zip(fresh[-1].node_ids, fresh[-1].shares))["compute_1"] == \
+        pytest.approx(1 / 7, abs=0.02)  # speeds 1 : 1/3 : 1 -> 3/7, 1/7, 3/7
+    assert sim.state.estimates["compute_1"].speed == pytest.approx(W / 3 / (W / 3) / 3, rel=0.05)
+    # recovery is a step change too, and is acted on although min_interval_s has not passed
+    sim.speeds["compute_1"] = 1.0
+    n_before = len(sim.published)
+    sim.run(8)
+    assert len(sim.published) > n_before
+    assert sim.shares()["compute_1"] == pytest.approx(1 / 3, abs=0.03)
+
+
+def test_one_outlier_does_not_restart_the_estimate():
+    cfg = _cfg(ewma_alpha=0.3, change_samples=2)
+    sim = Sim(cfg, {"a": 1.0, "b": 1.0})
+    sim.run(10)
+    sim.speeds["b"] = 0.2  # one request 5x slow (a scheduling hiccup)
+    sim.run(1)
+    e = sim.state.estimates["b"]
+    # the EWMA moved, one surprise counted, no restart at the outlier's speed
+    assert 0.3 < e.speed < 1.0 and e.surprise == -1 and "b" not in sim.state.changed
+    sim.speeds["b"] = 1.0
+    sim.run(3)
+    # the normal samples that follow look fast against the dented average and may restart it
+    # at the true speed - never at the outlier's
+    assert sim.state.estimates["b"].speed == pytest.approx(1.0, abs=0.15)
+
+
+def test_change_detection_off_keeps_plain_ewma():
+    cfg = _cfg(ewma_alpha=0.3, change_ratio=1.0)
+    sim = Sim(cfg, {"a": 1.0, "b": 1.0})
+    sim.run(10)
+    sim.speeds["b"] = 1.0 / 3.0
+    sim.run(3)
+    sp = sim.state.estimates["b"].speed
+    assert sp > 0.4  # three EWMA steps from 1 toward 1/3 (a restart would give 1/3)
 
 
 def test_dead_node_leaves_after_dead_after_s_and_publishes_immediately():

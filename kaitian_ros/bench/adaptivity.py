@@ -85,7 +85,8 @@ def scenario_config(*, model: str = "resnet18", height: int = 128, width: int = 
         "scheduler": {"ros__parameters": {
             "executable": "scheduler", "compute_nodes": names, "policy": policy, "static_shares": shares,
             "ewma_alpha": 0.3, "min_gain": 0.1, "min_interval_s": 0.5, "dead_after_s": dead_after_s,
-            "warmup_requests": 3, "decide_period_s": 0.1, "lead_requests": 2, **(scheduler or {})}},
+            "change_ratio": 1.6, "change_samples": 2, "warmup_requests": 3, "decide_period_s": 0.1,
+            "lead_requests": 2, **(scheduler or {})}},
     }
     for name, slowdown in zip(names, slowdowns):
         cfg[name] = {"ros__parameters": {"executable": "compute", "device": "cpu", "threads": 1,

@@ -82,6 +82,14 @@ PARAMETERS: tuple[ParamDescriptor, ...] = (
     ParamDescriptor("min_interval_s", "double",
                     "minimum seconds between two load-driven plan changes",
                     0.0, 3600.0, 0.5),
+    ParamDescriptor("change_ratio", "double",
+                    "a node whose speed differs from its estimate by this factor in "
+                    "change_samples consecutive samples changed: its estimate restarts from "
+                    "the new samples and may be acted on before min_interval_s (1 = off)",
+                    1.0, 100.0, 1.6),
+    ParamDescriptor("change_samples", "integer",
+                    "consecutive surprising samples that confirm a change (see change_ratio)",
+                    1, 100, 2),
     ParamDescriptor("dead_after_s", "double",
                     "a node silent (no heartbeat, no telemetry) this long leaves the plan",
                     0.05, 3600.0, 2.0),
@@ -121,6 +129,8 @@ class PolicyConfig:
     ewma_alpha: float = 0.3
     min_gain: float = 0.05
     min_interval_s: float = 0.5
+    change_ratio: float = 1.6
+    change_samples: int = 2
     dead_after_s: float = 2.0
     warmup_requests: int = 3
     probe_share: float = 0.05
@@ -142,11 +152,14 @@ class PolicyConfig:
         """Raise ValueError naming the first invalid parameter."""
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        for name in ("ewma_alpha", "min_gain", "min_interval_s", "dead_after_s", "probe_share"):
+        for name in ("ewma_alpha", "min_gain", "min_interval_s", "change_ratio", "dead_after_s",
+                     "probe_share"):
             _check_range(name, getattr(self, name))
-        if isinstance(self.warmup_requests, bool) or not isinstance(self.warmup_requests, int):
-            raise ValueError(f"warmup_requests must be an integer, got {self.warmup_requests!r}")
-        _check_range("warmup_requests", self.warmup_requests)
+        for name in ("warmup_requests", "change_samples"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+            _check_range(name, v)
         if not isinstance(self.wait_as_fixed, bool):
             raise ValueError(f"wait_as_fixed must be a bool, got {self.wait_as_fixed!r}")
         values = (list(self.static_shares.values()) if isinstance(self.static_shares, Mapping)
@@ -227,6 +240,9 @@ class NodeEstimate:
     ew_bytes: float = 0.0
     ew_transfer_ms: float = 0.0
     link_samples: int = 0
+    # change detection: consecutive samples whose speed is off the estimate by change_ratio
+    # in one direction (+n faster, -n slower)
+    surprise: int = 0
 
 
 @dataclass(frozen=True)
@@ -257,6 +273,7 @@ class PolicyState:
         default_factory=lambda: MappingProxyType({}))
     profile: Mapping[str, NodeEstimate] = field(default_factory=lambda: MappingProxyType({}))
     last_publish_s: float | None = None
+    changed: frozenset[str] = frozenset()  # nodes whose speed changed since the last publish
     work_total: float = 0.0     # EWMA model cost of a whole request; 0.0 = unknown
     bytes_total: float = 0.0    # EWMA bytes of a whole request
     totals_samples: int = 0
@@ -421,6 +438,10 @@ def observe(state: PolicyState, sample: TelemetrySample, config: PolicyConfig) -
         return _with_estimate(state, est)
     a = config.ewma_alpha
     first = est.samples == 0
+    est, changed = _detect_change(est, float(sample.work) / float(sample.compute_ms), config)
+    if changed:  # a step change, not noise: restart the averages from the new regime
+        first = True
+        state = replace(state, changed=state.changed | {sample.node_id})
     nbytes = float(sample.bytes_in + sample.bytes_out)
     ew_work = _ew(est.ew_work, float(sample.work), a, first)
     ew_c = _ew(est.ew_compute_ms, float(sample.compute_ms), a, first)
@@ -448,6 +469,21 @@ def observe(state: PolicyState, sample: TelemetrySample, config: PolicyConfig) -
                         bytes_total=_ew(state.bytes_total, nbytes / share, a, tf),
                         totals_samples=state.totals_samples + 1)
     return state
+
+
+def _detect_change(est: NodeEstimate, speed: float, config: PolicyConfig
+                   ) -> tuple[NodeEstimate, bool]:
+    """Count samples off the estimate by ``change_ratio``; True once ``change_samples``
+    consecutive ones agree in direction (an EWMA alone needs ~1/alpha samples to follow a
+    device that became 3x slower; one outlier - a scheduling hiccup - must not reset it)."""
+    if config.change_ratio <= 1.0 or est.samples == 0 or est.speed <= 0:
+        return replace(est, surprise=0), False
+    r = speed / est.speed
+    step = 1 if r >= config.change_ratio else -1 if r <= 1.0 / config.change_ratio else 0
+    n = est.surprise + step if est.surprise * step > 0 else step
+    if abs(n) >= config.change_samples:
+        return replace(est, surprise=0), True
+    return replace(est, surprise=n), False
 
 
 def _totals(state: PolicyState, nodes: Sequence[str]) -> tuple[float, float]:
@@ -631,7 +667,8 @@ def decide(state: PolicyState, now_s: float, newest_request_id: int, config: Pol
         cur_ms = _makespan(state, state.estimates, cur.node_ids, cur.shares, config)
         gain = (cur_ms - new_ms) / cur_ms if cur_ms > 0 else 0.0
         interval_ok = (state.last_publish_s is None
-                       or now_s - state.last_publish_s >= config.min_interval_s)
+                       or now_s - state.last_publish_s >= config.min_interval_s
+                       or bool(state.changed & set(cur.node_ids)))
         # The 1e-9 floor keeps min_gain=0 from republishing on rounding noise.
         if gain >= max(config.min_gain, 1e-9) and interval_ok:
             publish = True
@@ -665,7 +702,8 @@ def decide(state: PolicyState, now_s: float, newest_request_id: int, config: Pol
                             predicted_makespan_ms=new_ms)
     state = replace(state, assignment=assignment,
                     history=(state.history + (assignment,))[-_HISTORY:], roles=roles,
-                    published_estimates=state.estimates, last_publish_s=now_s)
+                    published_estimates=state.estimates, last_publish_s=now_s,
+                    changed=frozenset())
     return state, assignment
 
 

@@ -154,6 +154,7 @@ class ModelGraph:
     consumers: tuple[tuple[int, ...], ...]  # per value: indices of the ops reading it
     trunk_module: fx.GraphModule = field(repr=False)
     head_module: fx.GraphModule = field(repr=False)
+    device: torch.device = torch.device("cpu")  # where the ops' weights live (the model's)
 
     @property
     def num_values(self) -> int:
@@ -409,11 +410,18 @@ def _fetch_attr(gm: fx.GraphModule, target: str) -> Tensor:
     return obj  # type: ignore[return-value]
 
 
-def _avg_divisor(m: nn.AvgPool2d, in_hw: tuple[int, int], out_hw: tuple[int, int]) -> Tensor:
+def _model_device(model: nn.Module) -> torch.device:
+    for t in (*model.parameters(), *model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _avg_divisor(m: nn.AvgPool2d, in_hw: tuple[int, int], out_hw: tuple[int, int],
+                 device: torch.device) -> Tensor:
     """Per-output divisor of an average pool (torch semantics incl. ceil_mode clipping)."""
     k, s, p = _pair(m.kernel_size), _pair(m.stride or m.kernel_size), _pair(m.padding)
     if m.divisor_override:
-        return torch.full((1, 1, *out_hw), float(m.divisor_override))
+        return torch.full((1, 1, *out_hw), float(m.divisor_override), device=device)
     sizes = []
     for d in range(2):
         col = []
@@ -425,7 +433,7 @@ def _avg_divisor(m: nn.AvgPool2d, in_hw: tuple[int, int], out_hw: tuple[int, int
             else:
                 col.append(min(end, in_hw[d]) - max(start, 0))
         sizes.append(torch.tensor(col, dtype=torch.float32))
-    return (sizes[0][:, None] * sizes[1][None, :]).view(1, 1, *out_hw)
+    return (sizes[0][:, None] * sizes[1][None, :]).view(1, 1, *out_hw).to(device)
 
 
 def _compile(raw: _Raw, epilogue: list[Callable[[Tensor], Tensor]], gm: fx.GraphModule,
@@ -495,7 +503,7 @@ def _compile(raw: _Raw, epilogue: list[Callable[[Tensor], Tensor]], gm: fx.Graph
             window = Window(k[0], s[0], p[0], d[0], hin, hout)
             pad_value = float("-inf")
         else:
-            div = _avg_divisor(m, (hin, win), (hout, wout))
+            div = _avg_divisor(m, (hin, win), (hout, wout), _model_device(gm))
             ceil = m.ceil_mode
 
             def run(xs: list[Tensor], lo: int, hi: int) -> Tensor:
@@ -544,8 +552,11 @@ def _epilogue(raw: _Raw, gm: fx.GraphModule, trunk: set[fx.Node]
 
 # --------------------------------------------------------------------------- split_model
 def split_model(model: nn.Module, input_shape: tuple[int, int, int]) -> ModelGraph:
-    """Trace `model` (put in eval mode) and split it into a row-splittable trunk and a head."""
+    """Trace `model` (put in eval mode) and split it into a row-splittable trunk and a head.
+
+    The ops compute on the model's device (move the model first: ``model.to("cuda:0")``)."""
     model.eval()
+    device = _model_device(model)
     try:
         gm = fx.symbolic_trace(model)
     except Exception as e:  # noqa: BLE001 - any tracing failure means we cannot split
@@ -555,7 +566,7 @@ def split_model(model: nn.Module, input_shape: tuple[int, int, int]) -> ModelGra
     c, h, w = (int(v) for v in input_shape)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        ShapeProp(gm).propagate(torch.randn(1, c, h, w, generator=gen))
+        ShapeProp(gm).propagate(torch.randn(1, c, h, w, generator=gen).to(device))
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != 1:
@@ -675,6 +686,7 @@ def split_model(model: nn.Module, input_shape: tuple[int, int, int]) -> ModelGra
         consumers=tuple(tuple(x) for x in consumers),
         trunk_module=trunk_module,
         head_module=head_module,
+        device=device,
     )
 
 

@@ -124,7 +124,7 @@ class StripeRunner:
         t0 = time.perf_counter()
         buf = self._bufs[v]
         off = self._buf_rng[v][0]
-        buf[:, :, lo - off:hi - off].copy_(rows)
+        buf[:, :, lo - off:hi - off].copy_(rows)  # also host -> device when the graph is there
         self._expect[v] = iv_sub(exp, (lo, hi))
         self._avail[v] = iv_add(self._avail[v], (lo, hi))
         self._stats["rows_in" if segment == 0 else "halo_rows_in"] += r
@@ -139,7 +139,8 @@ class StripeRunner:
         for v, (lo, hi) in enumerate(self._buf_rng):
             if hi > lo:
                 c, _, w = self.graph.value_shapes[v]
-                self._bufs[v] = torch.empty((n, c, hi - lo, w), dtype=dtype)
+                self._bufs[v] = torch.empty((n, c, hi - lo, w), dtype=dtype,
+                                            device=self.graph.device)
 
     def _advance(self, changed: set[int]) -> list[Emission]:
         out: list[Emission] = []

@@ -28,7 +28,8 @@ from kaitian_ros.runtime.api import MessageInfo, QoS, Runtime, SetParametersResu
 from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher, Level
 
 PARAMETERS = ic.MODEL_PARAMETERS + (
-    P("device", T.STRING, "cpu", "torch device string this node computes on (cpu, cuda:0, ...)", read_only=True),
+    P("device", T.STRING, "cpu", "torch device this node computes on (cpu, cuda:0, ...; checked at start)",
+      read_only=True),
     P("threads", T.INTEGER, 1, "torch CPU threads for this node", 1, 256),
     P("emulated_slowdown", T.DOUBLE, 1.0,
       "emulate a slower device: after each compute sleep (s-1)x its duration (1.0 = real speed)", 1.0, 100.0),
@@ -64,12 +65,9 @@ class ComputeNode:
         self.node_id = rt.node_name
         self.params = rt.declare_parameters(PARAMETERS)
         torch.set_num_threads(self.params["threads"])
-        self.device = torch.device(self.params["device"])
-        if self.device.type != "cpu":
-            raise ValueError(f"device {self.params['device']}: only the cpu path is implemented in "
-                             f"StripeRunner buffers here; use 'cpu'")
+        self.device = ic.check_device(self.params["device"])
         self.spec = ic.ModelSpec.from_params(self.params)
-        self.graph = ic.build_graph(self.spec)
+        self.graph = ic.build_graph(self.spec, self.params["device"])
         self.plans: collections.OrderedDict[int, Plan] = collections.OrderedDict()
         self.requests: dict[int, RequestState] = {}
         self.pending: list[tuple[float, Any, Any]] = []  # chunks waiting for their plan
@@ -176,6 +174,8 @@ class ComputeNode:
                                      started_s=now, frame_id=msg.header.frame_id)
             t0 = time.perf_counter()
             emissions = state.runner.feed(int(msg.segment), int(msg.row_offset), rows)
+            if self.device.type == "cuda":  # kernels run asynchronously: time them whole
+                torch.cuda.synchronize(self.device)
             spent = time.perf_counter() - t0
         except (ValueError, interfaces.DecodeError) as exc:
             self.rt.rejected.count(f"bad chunk: request {msg.request_id}: {exc}")

@@ -66,14 +66,35 @@ class ModelSpec:
                    params["num_classes"], params["seed"], params["weights"])
 
 
-def build_graph(spec: ModelSpec) -> ModelGraph:
-    """Model in eval mode, traced and split into trunk and head (raises ValueError clearly)."""
+def build_graph(spec: ModelSpec, device: str = "cpu") -> ModelGraph:
+    """Model in eval mode on `device`, traced and split into trunk and head (raises ValueError
+    clearly)."""
     try:
         model = build_model(spec.name, num_classes=spec.num_classes, in_channels=spec.input_shape[0],
                             seed=spec.seed, state_dict_path=spec.weights or None)
-        return split_model(model, spec.input_shape)
+        return split_model(model.to(device), spec.input_shape)
     except (ImportError, AttributeError, FileNotFoundError, RuntimeError) as exc:
         raise ValueError(f"cannot build model {spec.name!r}: {exc}") from None
+
+
+def check_device(name: str) -> torch.device:
+    """The torch device `name`, or ValueError saying why it cannot be used on this machine."""
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"device {name!r} is not a torch device string: {exc}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r}: CUDA is not available to this torch "
+                             f"({torch.__version__}) on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        try:  # vendor back ends (npu, mlu, xpu, ...) register on import; try a tensor there
+            torch.empty(1, device=dev)
+        except Exception as exc:  # noqa: BLE001 - any failure means unusable here
+            raise ValueError(f"device {name!r} is not usable here: {exc}") from None
+    return dev
 
 
 def cost_model(link_mbit: float) -> CostModel:

@@ -159,6 +159,29 @@ def test_config_roundtrip_and_validation() -> None:
         TrainingConfig(policy="x")
 
 
+def test_lr_schedule_and_image_size() -> None:
+    from kaitian_ros.comm.trainer import load_data, lr_at
+
+    const = TrainingConfig(lr=0.1)
+    assert [lr_at(const, k, 3) for k in (0, 7, 100)] == [0.1, 0.1, 0.1]
+    warm = TrainingConfig(lr=0.1, warmup_steps=4)
+    assert [round(lr_at(warm, k, 3), 6) for k in range(6)] == [0.025, 0.05, 0.075, 0.1, 0.1, 0.1]
+    cos = TrainingConfig(lr=0.2, epochs=10, lr_schedule="cosine")  # 30 steps
+    assert lr_at(cos, 0, 3) == pytest.approx(0.2)
+    assert lr_at(cos, 15, 3) == pytest.approx(0.1)
+    assert lr_at(cos, 30, 3) == pytest.approx(0.0, abs=1e-12)
+    assert all(lr_at(cos, k + 1, 3) <= lr_at(cos, k, 3) for k in range(30))
+    with pytest.raises(ValueError, match="lr_schedule"):
+        TrainingConfig(lr_schedule="step")
+    with pytest.raises(ValueError, match="warmup_steps"):
+        TrainingConfig(warmup_steps=-1)
+    with pytest.raises(ValueError, match="image_size"):
+        TrainingConfig(image_size=2)
+    d = load_data("digits", None, 16)
+    assert tuple(d.train[0].shape[1:]) == (1, 16, 16) and tuple(d.test[0].shape[1:]) == (1, 16, 16)
+    assert float(d.train[0].min()) >= 0.0 and float(d.train[0].max()) <= 1.0 + 1e-6
+
+
 def _slowdown_live(rank: int, world: int, cfg: TrainingConfig) -> list[tuple[float, bool]]:
     holder: dict[str, RankTrainer] = {}
 

@@ -199,7 +199,8 @@ def split_train(cfg: Any, *, shares: Sequence[float] | None = None,
     from torch import nn
 
     from kaitian_ros.comm.sampler import AdaptiveBatchSampler, split_counts
-    from kaitian_ros.comm.trainer import _batch, _build_model, _size, evaluate, load_data
+    from kaitian_ros.comm.trainer import _batch, _build_model, _size, evaluate, load_data, lr_at, \
+        set_lr
 
     torch.set_num_threads(1)  # as every rank: kernels (and their summation order) match
     torch.manual_seed(cfg.seed)
@@ -211,6 +212,7 @@ def split_train(cfg: Any, *, shares: Sequence[float] | None = None,
     sampler = AdaptiveBatchSampler(_size(data.train), cfg.global_batch, 0, 1, seed=cfg.seed,
                                    policy="equal")
     params = list(model.parameters())
+    steps_per_epoch = -(-_size(data.train) // cfg.global_batch)
     step = 0
     for epoch in range(cfg.epochs):
         for sl in sampler.epoch(epoch):
@@ -241,6 +243,7 @@ def split_train(cfg: Any, *, shares: Sequence[float] | None = None,
                     total[i] = g if total[i] is None else total[i] + g
             for p, g in zip(params, total):
                 p.grad.copy_(g)
+            set_lr(opt, lr_at(cfg, sl.step, steps_per_epoch))
             opt.step()
             step += 1
     flat = torch.cat([p.detach().flatten() for p in params])

@@ -307,6 +307,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset")
     p.add_argument("--image-size", type=int, help="resize images to this square size")
     p.add_argument("--lr", type=float)
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"))
+    p.add_argument("--warmup-steps", type=int, help="linear lr warm-up steps")
     p.add_argument("--seed", type=int)
     p.add_argument("--checkpoint-dir")
     p.add_argument("--timeout", type=float, help="collective / failure timeout in seconds")
@@ -343,7 +345,8 @@ def _config_from_args(a: argparse.Namespace) -> tuple[Any, int | None]:
             raise ValueError(f"--slowdowns must be numbers, got {a.slowdowns!r}") from None
     for k_arg, k_cfg in (("policy", "policy"), ("epochs", "epochs"), ("global_batch", "global_batch"),
                          ("model", "model"), ("dataset", "dataset"), ("lr", "lr"),
-                         ("image_size", "image_size"),
+                         ("image_size", "image_size"), ("lr_schedule", "lr_schedule"),
+                         ("warmup_steps", "warmup_steps"),
                          ("seed", "seed"), ("checkpoint_dir", "checkpoint_dir"),
                          ("timeout", "timeout_s")):
         v = getattr(a, k_arg)

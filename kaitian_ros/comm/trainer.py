@@ -39,6 +39,7 @@ from kaitian_ros.comm.hooks import HOOKS, HookState
 from kaitian_ros.comm.sampler import MODELS, POLICIES, AdaptiveBatchSampler
 
 CHECKPOINT_NAME = "checkpoint.pt"
+LR_SCHEDULES = ("constant", "cosine")
 WARMUP_STEPS = 2  # steps per run not used as speed measurements
 
 
@@ -62,6 +63,8 @@ class TrainingConfig:
     epochs: int = 5
     lr: float = 0.05
     momentum: float = 0.9
+    lr_schedule: str = "constant"  # or "cosine": decay to 0 over all epochs' steps
+    warmup_steps: int = 0  # linear ramp of the lr over the first steps (both schedules)
     seed: int = 0
     policy: str = "adaptive"
     rebalance_every: int = 5
@@ -84,6 +87,11 @@ class TrainingConfig:
                              f"got {self.share_model!r}")
         if self.hook not in HOOKS:
             raise ValueError(f"hook must be one of {', '.join(HOOKS)}, got {self.hook!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, "
+                             f"got {self.lr_schedule!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.global_batch <= 0 or self.epochs <= 0 or self.rebalance_every <= 0:
             raise ValueError("global_batch, epochs and rebalance_every must be positive")
         if not self.devices:
@@ -177,6 +185,23 @@ class TrainingResult:
         d["final_shares"] = list(self.final_shares)
         d["accuracy_per_epoch"] = list(self.accuracy_per_epoch)
         return d
+
+
+def lr_at(cfg: TrainingConfig, step: int, steps_per_epoch: int) -> float:
+    """Learning rate of global step `step` (0-based): the same on every rank and in a
+    single-process replay, so schedules keep the split exact."""
+    lr = cfg.lr
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        lr *= (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "cosine":
+        total = max(1, cfg.epochs * steps_per_epoch)
+        lr *= 0.5 * (1.0 + math.cos(math.pi * min(step, total) / total))
+    return lr
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for group in opt.param_groups:
+        group["lr"] = lr
 
 
 # --------------------------------------------------------------------------------------
@@ -443,6 +468,7 @@ class RankTrainer:
         # view; harmless, but the reducer warns on every run.
         warnings.filterwarnings("ignore", message="Grad strides do not match bucket view")
         history: list[TrainingStep] = []
+        steps_per_epoch = -(-_size(data.train) // cfg.global_batch)
         train_s = comm_s = 0.0
         samples = 0
         steps = 0
@@ -463,6 +489,7 @@ class RankTrainer:
                 # sum / b: mean over the local slice, and an exact zero for an empty one
                 loss = nn.functional.cross_entropy(out, y, reduction="sum") / max(sl.local_batch, 1)
                 loss.backward()  # the comm hook runs inside
+                set_lr(opt, lr_at(cfg, sl.step, steps_per_epoch))
                 opt.step()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)

@@ -74,6 +74,9 @@ PARAMETERS = (
       read_only=True),
     P("lr", T.DOUBLE, 0.05, "SGD learning rate", 0.0, 1e6, read_only=True),
     P("momentum", T.DOUBLE, 0.9, "SGD momentum", 0.0, 1.0, read_only=True),
+    P("lr_schedule", T.STRING, "constant", "learning-rate schedule", read_only=True,
+      choices=("constant", "cosine")),
+    P("warmup_steps", T.INTEGER, 0, "linear lr warm-up steps", 0, 2**31 - 1, read_only=True),
     P("seed", T.INTEGER, 0, "seed of weights and sample order", 0, 2**31 - 1, read_only=True),
     P("policy", T.STRING, "adaptive", "batch split policy", read_only=True, choices=_POLICIES),
     P("rebalance_every", T.INTEGER, 5, "steps between share updates", 1, 2**31 - 1,
@@ -89,7 +92,8 @@ PARAMETERS = (
     P("telemetry_topic", T.STRING, TELEMETRY_TOPIC, "TrainingTelemetry output", read_only=True),
 )
 
-_CONFIG_KEYS = ("model", "dataset", "global_batch", "epochs", "lr", "momentum", "seed", "policy",
+_CONFIG_KEYS = ("model", "dataset", "global_batch", "epochs", "lr", "momentum", "lr_schedule",
+                "warmup_steps", "seed", "policy",
                 "rebalance_every", "ewma_alpha", "hook", "timeout_s")
 
 

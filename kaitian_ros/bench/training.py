@@ -5,10 +5,11 @@ upsampled to ``--image-size``, default 16, for realistic compute per step):
 
 * solo runs: each emulated device speed alone on the whole global batch, one thread, the
   same process setup -> its throughput. They are measured again right before every
-  multi-rank run (the box is shared and its load drifts) -> "ideal_isolated"; speed 1
+  multi-rank run and again right after it (the mean of both: the box is shared and its load
+  drifts) -> "ideal_isolated"; speed 1
   trained for the full schedule gives the single-device accuracy;
-* concurrent solo runs: right before every multi-rank run, all its devices' solo jobs at
-  once (they share this CPU's caches and memory bus in the run too); "ideal" is the sum
+* concurrent solo runs: right before and after every multi-rank run, all its devices' solo
+  jobs at once (they share this CPU's caches and memory bus in the run too); "ideal" is the sum
   of these rates;
 * 2 ranks at emulated speeds 1 : 0.33 with policies equal / profile_once / adaptive;
 * control 1 : 1 (equal, adaptive);
@@ -324,7 +325,7 @@ def run_bench(quick: bool, image_size: int | None = DEFAULT_IMAGE_SIZE) -> tuple
                           lr_schedule="cosine", warmup_steps=9,
                           ewma_alpha=0.5, evaluate_every_epoch=False, timeout_s=60)
     steps_total = epochs * 3  # 1347 training samples / 512 -> 3 steps per epoch
-    solo_steps = 10 if quick else 16
+    solo_steps = 10 if quick else 24
     single = RunSpec("solo speed 1 (single device)", (1.0,), "equal", solo=True)
     specs = [
         RunSpec("equal", (1.0, 3.0), "equal"),
@@ -351,20 +352,30 @@ def run_bench(quick: bool, image_size: int | None = DEFAULT_IMAGE_SIZE) -> tuple
     runs[single.name] = r
     solo_log.setdefault(1.0, []).append(r["samples_per_s"])
     for spec in specs:
-        # solo rates of this run's device speeds, measured right before it
+        # solo rates of this run's device speeds, measured right before and right after it
+        # (the mean of both: the box's speed drifts by 10-30 % within minutes)
         needed = sorted(set(spec.slowdowns) | ({spec.drift[2]} if spec.drift else set()))
-        solo_now = {s: measure_solo(s) for s in needed}
         phases = [tuple(spec.slowdowns)]
         if spec.drift:
             after = list(spec.slowdowns)
             after[spec.drift[0]] = spec.drift[2]
             phases.append(tuple(after))
-        conc_now = {ph: _concurrent_solo(ph, base, solo_steps) for ph in phases}
+        solo_before = {s: measure_solo(s) for s in needed}
+        conc_before = {ph: _concurrent_solo(ph, base, solo_steps) for ph in phases}
         t0 = time.perf_counter()
         r = _run(spec, base)
-        r["seconds"], r["spec"], r["solo"] = time.perf_counter() - t0, spec, solo_now
-        r["concurrent_solo"] = conc_now
-        r["name"] = spec.name
+        r["seconds"] = time.perf_counter() - t0
+        solo_after = {s: measure_solo(s) for s in needed}
+        conc_after = {ph: _concurrent_solo(ph, base, solo_steps) for ph in phases}
+        r["spec"], r["name"] = spec, spec.name
+        r["solo"] = {s: (solo_before[s] + solo_after[s]) / 2 for s in needed}
+        r["concurrent_solo"] = {ph: [(a + b) / 2 for a, b in zip(conc_before[ph], conc_after[ph])]
+                                for ph in phases}
+        r["ideal_samples"] = {"isolated_before_after": {str(s): [solo_before[s], solo_after[s]]
+                                                        for s in needed},
+                              "concurrent_before_after": {":".join(map(str, ph)): [conc_before[ph],
+                                                                                     conc_after[ph]]
+                                                          for ph in phases}}
         runs[spec.name] = r
     single_acc = runs[single.name]["final_accuracy"]
     result: dict[str, Any] = {
@@ -403,6 +414,7 @@ def run_bench(quick: bool, image_size: int | None = DEFAULT_IMAGE_SIZE) -> tuple
             "drift": (f"rank {spec.drift[0]} slows to speed {1 / spec.drift[2]:.2g} at step "
                       f"{spec.drift[1]}" if spec.drift else None),
             "final_shares": r["final_shares"], "steps": len(r["throughput"]),
+            "ideal_measurements": r["ideal_samples"],
             "imbalance_pct": r["imbalance_pct"],
         }
     result["accuracy_check"] = accuracy_check(base, runs, single_acc)

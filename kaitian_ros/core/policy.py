@@ -241,8 +241,9 @@ class NodeEstimate:
     ew_transfer_ms: float = 0.0
     link_samples: int = 0
     # change detection: consecutive samples whose speed is off the estimate by change_ratio
-    # in one direction (+n faster, -n slower)
+    # in one direction (+n faster, -n slower); samples left in the settling window after one
     surprise: int = 0
+    settle: int = 0
 
 
 @dataclass(frozen=True)
@@ -441,6 +442,12 @@ def observe(state: PolicyState, sample: TelemetrySample, config: PolicyConfig) -
     est, changed = _detect_change(est, float(sample.work) / float(sample.compute_ms), config)
     if changed:  # a step change, not noise: restart the averages from the new regime
         first = True
+        est = replace(est, settle=config.change_samples)
+        state = replace(state, changed=state.changed | {sample.node_id})
+    elif est.settle > 0:
+        # settling: the first post-change plan was made from one sample (often of a request
+        # that was only partly slowed), so the next few may correct it without waiting
+        est = replace(est, settle=est.settle - 1)
         state = replace(state, changed=state.changed | {sample.node_id})
     nbytes = float(sample.bytes_in + sample.bytes_out)
     ew_work = _ew(est.ew_work, float(sample.work), a, first)

@@ -38,7 +38,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 from kaitian_ros.bench import BenchArgumentParser
 
 DEFAULT_DIR = Path("bench/results")
@@ -56,6 +56,15 @@ class RunSpec:
     drift: tuple[int, int, float] | None = None  # (rank, at step, new slowdown)
     solo: bool = False  # one rank on the whole batch; ``max_steps`` limits it
     max_steps: int | None = None
+
+    def phases(self) -> list[tuple[float, ...]]:
+        """The slowdown vectors the run goes through (two with a drift)."""
+        out = [tuple(self.slowdowns)]
+        if self.drift:
+            after = list(self.slowdowns)
+            after[self.drift[0]] = self.drift[2]
+            out.append(tuple(after))
+        return out
 
 
 def _rank_fn(rank: int, world: int, cfg: Any, drift: tuple[int, int, float] | None) -> dict:
@@ -107,11 +116,11 @@ def _run(spec: RunSpec, base: Any) -> dict:
             "counts": [tuple(o["steps"][i][2] for o in outs) for i in range(n)]}
 
 
-def _solo_child(spec: RunSpec, base: Any, q: Any) -> None:
+def _solo_child(index: int, spec: RunSpec, base: Any, q: Any) -> None:
     try:
-        q.put((spec.slowdowns[0], _run(spec, base)["samples_per_s"], None))
+        q.put((index, _run(spec, base)["samples_per_s"], None))
     except Exception as e:  # reported by the parent
-        q.put((spec.slowdowns[0], 0.0, f"{type(e).__name__}: {e}"))
+        q.put((index, 0.0, f"{type(e).__name__}: {e}"))
 
 
 def _concurrent_solo(slowdowns: Sequence[float], base: Any, steps: int) -> list[float]:
@@ -125,10 +134,10 @@ def _concurrent_solo(slowdowns: Sequence[float], base: Any, steps: int) -> list[
     q = ctx.Queue()
     top = max(slowdowns)
     procs = []
-    for s in slowdowns:
+    for i, s in enumerate(slowdowns):
         n = WARMUP + max(4, round((steps - WARMUP) * top / s))
         spec = RunSpec(f"concurrent solo {s}", (s,), "equal", solo=True, max_steps=n)
-        p = ctx.Process(target=_solo_child, args=(spec, base, q), daemon=False)
+        p = ctx.Process(target=_solo_child, args=(i, spec, base, q), daemon=False)
         p.start()
         procs.append(p)
     got = [q.get(timeout=600) for _ in procs]
@@ -137,25 +146,17 @@ def _concurrent_solo(slowdowns: Sequence[float], base: Any, steps: int) -> list[
     errors = [e for _, _, e in got if e]
     if errors:
         raise RuntimeError(f"concurrent solo run failed: {errors[0]}")
-    rates: dict[float, list[float]] = {}
-    for s, r, _ in got:
-        rates.setdefault(s, []).append(r)
-    return [rates[s].pop() for s in slowdowns]
-
-
-def _ideal_concurrent(slowdowns_per_step: Sequence[Sequence[float]],
-                      global_batches: Sequence[int],
-                      conc: dict[tuple[float, ...], list[float]]) -> float:
-    """Like `_ideal`, with each phase's devices at their concurrently measured solo rates."""
-    t = sum(g / sum(conc[tuple(sl)])
-            for sl, g in zip(slowdowns_per_step[WARMUP:], global_batches[WARMUP:]))
-    return sum(global_batches[WARMUP:]) / t if t else 0.0
+    rates = [0.0] * len(slowdowns)
+    for i, r, _ in got:
+        rates[i] = r
+    return rates
 
 
 def _ideal(slowdowns_per_step: Sequence[Sequence[float]], global_batches: Sequence[int],
-           solo: dict[float, float]) -> float:
-    """Samples/s if every device ran at its solo rate, phase by phase (drift changes it)."""
-    t = sum(g / sum(solo[s] for s in sl)
+           rate_of: Callable[[tuple[float, ...]], float]) -> float:
+    """Samples/s if the devices ran at their solo rates, phase by phase (drift changes it);
+    ``rate_of(slowdowns)`` is the summed solo rate of the devices at those slowdowns."""
+    t = sum(g / rate_of(tuple(sl))
             for sl, g in zip(slowdowns_per_step[WARMUP:], global_batches[WARMUP:]))
     return sum(global_batches[WARMUP:]) / t if t else 0.0
 
@@ -354,12 +355,8 @@ def run_bench(quick: bool, image_size: int | None = DEFAULT_IMAGE_SIZE) -> tuple
     for spec in specs:
         # solo rates of this run's device speeds, measured right before and right after it
         # (the mean of both: the box's speed drifts by 10-30 % within minutes)
-        needed = sorted(set(spec.slowdowns) | ({spec.drift[2]} if spec.drift else set()))
-        phases = [tuple(spec.slowdowns)]
-        if spec.drift:
-            after = list(spec.slowdowns)
-            after[spec.drift[0]] = spec.drift[2]
-            phases.append(tuple(after))
+        phases = spec.phases()
+        needed = sorted({x for ph in phases for x in ph})
         solo_before = {s: measure_solo(s) for s in needed}
         conc_before = {ph: _concurrent_solo(ph, base, solo_steps) for ph in phases}
         t0 = time.perf_counter()
@@ -397,9 +394,10 @@ def run_bench(quick: bool, image_size: int | None = DEFAULT_IMAGE_SIZE) -> tuple
         spec: RunSpec = r["spec"]
         if spec.solo:
             continue
-        isolated = _ideal(r["slowdown_per_step"], r["global_batches"], r["solo"])
-        ideal = _ideal_concurrent(r["slowdown_per_step"], r["global_batches"],
-                                  r["concurrent_solo"])
+        isolated = _ideal(r["slowdown_per_step"], r["global_batches"],
+                          lambda sl, solo=r["solo"]: sum(solo[x] for x in sl))
+        ideal = _ideal(r["slowdown_per_step"], r["global_batches"],
+                       lambda sl, conc=r["concurrent_solo"]: sum(conc[sl]))
         speeds = ":".join(f"{1 / s:.2g}" for s in spec.slowdowns)
         result["policies"][name] = {
             "samples_per_s": r["samples_per_s"], "ideal_samples_per_s": ideal,
@@ -470,7 +468,7 @@ def main(argv: list[str]) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
         json_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        result, runs = run_bench(a.quick, None if a.image_size == 8 else a.image_size)
+        result, runs = run_bench(a.quick, a.image_size)  # 8 = native: resizing is a no-op
         result["bench_seconds"] = time.perf_counter() - t0
         png = out_dir / "training_throughput.png"
         _plot({k: v for k, v in runs.items() if not v["spec"].solo}, png)

@@ -110,6 +110,13 @@ class Heartbeat:
         except Exception:
             pass
 
+    def _heartbeat_age(self, rank: int, now: float) -> float | None:
+        """Seconds since ``rank``'s last heartbeat, None if it never sent one."""
+        key = f"kaitian/hb/{rank}"
+        if not self._store.check([key]):
+            return None
+        return now - float(self._store.get(key).decode())
+
     def wait_for_peers(self, max_s: float) -> None:
         """Wait (at most ``max_s``) until every other rank is done with the store (it has
         stopped, after its own diagnosis) or its heartbeat is stale."""
@@ -120,8 +127,8 @@ class Heartbeat:
                 for r in range(self.env.world_size):
                     if r == self.env.rank or self._store.check([f"kaitian/final/{r}"]):
                         continue
-                    if (self._store.check([f"kaitian/hb/{r}"]) and
-                            now - float(self._store.get(f"kaitian/hb/{r}").decode()) <= STALE_S):
+                    age = self._heartbeat_age(r, now)
+                    if age is not None and age <= STALE_S:
                         pending += 1
             except Exception:
                 return
@@ -152,11 +159,8 @@ class Heartbeat:
                         st = self._store.get(f"kaitian/state/{r}").decode()
                         if st in ("aborting", "done"):
                             continue
-                    if not self._store.check([f"kaitian/hb/{r}"]):
-                        dead.append((r, None))
-                        continue
-                    age = now - float(self._store.get(f"kaitian/hb/{r}").decode())
-                    if age > STALE_S:
+                    age = self._heartbeat_age(r, now)
+                    if age is None or age > STALE_S:
                         dead.append((r, age))
             except Exception:
                 return ("rank 0 is unreachable (it hosts the rendezvous store at "

@@ -32,7 +32,10 @@ def _train(rank: int, world: int, cfg: TrainingConfig) -> dict:
 
 def test_adaptive_three_ranks_matches_single_process_accuracy() -> None:
     """Same global batches in the same order, exact weighting -> same model, same accuracy."""
-    base = dict(epochs=4, global_batch=64, seed=3, rebalance_every=3, lr=0.05)
+    # cosine to 0: at a constant lr the final accuracy moved by 2 test samples (0.44 pp) with the
+    # float summation order of the timing-dependent split alone (1 run in 5-6 failed, also before
+    # this change); with the lr decayed the final model is settled (14 of 14 runs passed)
+    base = dict(epochs=4, global_batch=64, seed=3, rebalance_every=3, lr=0.05, lr_schedule="cosine")
     single = run_local(_train, 1, TrainingConfig(**base), timeout_s=60)[0]
     cfg = TrainingConfig(**base, policy="adaptive", devices=("cpu:a", "cpu:b", "cpu:b"),
                          emulated_slowdown=(1.0, 3.0, 1.0))

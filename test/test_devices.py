@@ -32,6 +32,24 @@ def test_check_device_accepts_cpu_and_explains_the_rest() -> None:
             ic.check_device("cuda:0")
 
 
+def test_cpu_busy_clock_counts_work_not_waiting() -> None:
+    """A CPU node's compute time is CPU time: waiting for a core (or sleeping) is not compute,
+    so co-located nodes do not make each other look slow (docs/policy.md "Compute time")."""
+    import time
+
+    clock = ic.busy_clock(torch.device("cpu"))
+    t0 = clock()
+    time.sleep(0.3)
+    slept = clock() - t0
+    t0 = clock()
+    x = torch.randn(256, 256)
+    for _ in range(50):
+        x = torch.tanh(x @ x)
+    worked = clock() - t0
+    assert slept < 0.05, f"0.3 s of sleep counted as {slept:.3f} s of compute"
+    assert worked > 0.0
+
+
 def test_graph_and_buffers_on_the_model_device() -> None:
     g = ic.build_graph(SPEC, "cpu")
     assert g.device == torch.device("cpu")

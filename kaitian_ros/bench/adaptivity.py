@@ -6,7 +6,8 @@ Real processes of the product on one host (a Zenoh router in this process, ``coo
 is the camera: it publishes frames as a steady closed-loop stream (the next frame as soon as
 fewer than ``window`` are unanswered) and records every ``FusedOutput``. Device speeds are
 EMULATED (``emulated_slowdown``: a node sleeps (s-1)x each real compute). The timeline, the
-same for every policy:
+same for every policy, after a calibration phase on equal static shares that normalises the run
+(the coordinator ignores the scheduler until the policy's ``start`` phase):
 
 * ``R1``  ``compute_1`` slows 3x (``emulated_slowdown`` set live, as ``kaitian param set`` does),
 * ``R2``  it recovers (back to its start slowdown),
@@ -338,7 +339,8 @@ def check_requests(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 @dataclass
 class Timeline:
     phase: int   # answers per phase, counted from the phase's first request
-    warm: int    # answers before the start phase (adaptive/profile_once warm up here)
+    warm: int    # answers before calibration (every node has computed a few requests)
+    calibration: int  # answers with equal static shares, the same for every policy
     slow_node: str = "compute_1"
     kill_node: str = "compute_2"
     slow_factor: float = 3.0
@@ -356,16 +358,21 @@ class PolicyRun:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-PHASES = ("start", "slowed", "recovered", "killed")
+PHASES = ("calibration", "start", "slowed", "recovered", "killed")
+EVENT_PHASES = PHASES[2:]  # the phases that start with an event to reconverge from
 
 
 def run_policy(policy: str, timeline: Timeline, *, model: str, size: int, slowdowns: Sequence[float],
                dead_after_s: float, window: int, echo: bool = False) -> PolicyRun:
-    """One launch, one policy: warm-up + start phase, then slow / recover / kill, each phase
-    ``timeline.phase`` answers long counted from its first request (see :func:`boundary`)."""
+    """One launch, one policy: warm-up and calibration on equal static shares with the scheduler
+    ignored, then the policy's start phase, then slow / recover / kill, each phase
+    ``timeline.phase`` answers long counted from its first request."""
     static = [1.0 / s for s in slowdowns]  # static baseline: shares tuned to the START speeds
+    # The coordinator starts on equal static shares, scheduler ignored: the calibration phase
+    # measures this run's machine speed with the same plan for every policy (the normaliser).
     cfg = scenario_config(model=model, height=size, width=size, slowdowns=slowdowns, policy=policy,
-                          static_shares=static, dead_after_s=dead_after_s)
+                          static_shares=static, dead_after_s=dead_after_s,
+                          coordinator={"use_scheduler": False, "static_shares": [1.0] * len(slowdowns)})
     t0 = time.monotonic()
     with AdaptivityGraph(cfg, echo=echo) as g:
         g.wait_ready(timeout_s=120.0)
@@ -393,8 +400,12 @@ def run_policy(policy: str, timeline: Timeline, *, model: str, size: int, slowdo
                 return newest() >= r + timeline.phase - 1
             g.drive(until=done, window=window, timeout_s=300.0, events=[(0, fire)])
 
-        g.drive(timeline.warm + timeline.phase, window=window, timeout_s=300.0)
-        bounds["start"] = min(int(m.request_id) for _, m in g.fused.snapshot())
+        g.drive(timeline.warm, window=window, timeout_s=300.0)
+        bounds["calibration"] = newest() + 1
+        g.drive(timeline.calibration, window=window, timeout_s=300.0)
+        bounds["start"] = newest() + 1
+        g.set_param("/coordinator", "use_scheduler", True)
+        g.drive(timeline.phase, window=window, timeout_s=300.0)
         phase("slowed", lambda: g.set_param(f"/{timeline.slow_node}", "emulated_slowdown", slowed),
               lambda: g.first_request_with_slowdown(timeline.slow_node, slowed))
         phase("recovered", lambda: g.set_param(f"/{timeline.slow_node}", "emulated_slowdown", base),
@@ -442,15 +453,16 @@ def requests_to_reconverge(latencies: Sequence[float], best: float) -> int | Non
 def summarise(runs: Sequence[PolicyRun]) -> dict[str, Any]:
     """Metrics per policy (definitions: docs/benchmarks-adaptivity.md).
 
-    Each run's latencies are normalised by its own start-phase steady state (every policy starts
-    on the same devices with shares fitted to them), which cancels most of the background load
-    that differs between the runs on a shared machine. A phase's best steady state is the lowest
-    normalised steady state any policy reached in that phase."""
+    Each run's latencies are normalised by the median of its calibration phase (equal static
+    shares on the equal start devices, the same plan in every run), which cancels most of the
+    background load that differs between the runs on a shared machine without depending on
+    what the policy did. A phase's best steady state is the lowest normalised steady state any
+    policy reached in that phase."""
     slices = {r.policy: phase_slices(r) for r in runs}
     norm: dict[str, float] = {}
     for r in runs:
-        ref = steady_state(slices[r.policy]["start"])
-        norm[r.policy] = ref if ref else 1.0
+        cal = slices[r.policy]["calibration"]
+        norm[r.policy] = statistics.median(cal) if cal else 1.0
     rel = {r.policy: {p: [x / norm[r.policy] for x in xs] for p, xs in slices[r.policy].items()} for r in runs}
     best: dict[str, float | None] = {}
     for p in PHASES:
@@ -462,7 +474,7 @@ def summarise(runs: Sequence[PolicyRun]) -> dict[str, Any]:
         phases: dict[str, Any] = {}
         worst = 0
         never = False
-        for p in PHASES[1:]:  # the start phase has no event to reconverge from
+        for p in EVENT_PHASES:
             xs = rel[r.policy][p]
             k = requests_to_reconverge(xs, best[p]) if best[p] is not None else None
             if k is None:
@@ -482,7 +494,8 @@ def summarise(runs: Sequence[PolicyRun]) -> dict[str, Any]:
             "duplicate_ids": r.lost["duplicates"], "requests": len(r.records),
             "p50_ms": _round(float(np.percentile(lat, 50)) if lat else None),
             "p95_ms": _round(float(np.percentile(lat, 95)) if lat else None),
-            "start_steady_ms": _round(norm[r.policy]),
+            "calibration_ms": _round(norm[r.policy]),
+            "start_steady_ms": _round(steady_state(slices[r.policy]["start"])),
             "kill_detected_after_s": _round(r.kill_detect_s, 3), "startup_s": _round(r.startup_s, 1),
             "phases": phases}
     return {"policies": policies}
@@ -513,7 +526,8 @@ def plot(runs: Sequence[PolicyRun], path: Path, title: str) -> None:
                 if x > top:
                     ax.annotate(f"{x:.0f} ms", (i, top), xytext=(3, -10), textcoords="offset points", fontsize=7)
         ax.set_title(f"{run.policy}", loc="left", fontsize=10)
-        for name, colour in (("slowed", "tab:red"), ("recovered", "tab:green"), ("killed", "tab:purple")):
+        for name, colour in (("start", "tab:blue"), ("slowed", "tab:red"), ("recovered", "tab:green"),
+                             ("killed", "tab:purple")):
             ax.axvline(run.boundaries[name], color=colour, ls="--", lw=1, label=name)
         ax2 = ax.twinx()
         nodes = sorted({n for r in recs for n in r["shares"]})
@@ -566,12 +580,14 @@ def main(argv: list[str]) -> int:
     if len(slowdowns) != 3:
         p.error("--slowdowns needs 3 values (compute_0, compute_1 slows, compute_2 is killed)")
     n = args.phase or (14 if args.quick else 30)
-    warm = 8 if args.quick else 12  # adaptive needs warm-up samples before the start phase is steady
-    timeline = Timeline(phase=n, warm=warm)
+    warm = 6 if args.quick else 8  # the nodes' first requests pay for lazy torch initialisation
+    calibration = 8 if args.quick else 12
+    timeline = Timeline(phase=n, warm=warm, calibration=calibration)
     json_path = Path(args.json)
     png_path = json_path.with_suffix(".png")
-    speeds = (f"compute_0..2 slowdown {'/'.join(f'{s:g}' for s in slowdowns)}; after {warm}+{n} answers "
-              f"compute_1 x3, {n} later back, {n} later compute_2 SIGKILL, {n} more")
+    speeds = (f"compute_0..2 slowdown {'/'.join(f'{s:g}' for s in slowdowns)}; {warm} warm-up + {calibration} "
+              f"calibration answers on equal shares, then the policy: {n} answers, compute_1 x3, {n} later "
+              f"back, {n} later compute_2 SIGKILL, {n} more")
     print(f"kaitian bench adaptivity: {args.model} {args.size}x{args.size}, {speeds}; EMULATED speeds; "
           f"window {args.window}, dead_after_s {args.dead_after}", flush=True)
     runs = []

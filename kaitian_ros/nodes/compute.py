@@ -32,7 +32,7 @@ PARAMETERS = ic.MODEL_PARAMETERS + (
       read_only=True),
     P("threads", T.INTEGER, 1, "torch CPU threads for this node", 1, 256),
     P("emulated_slowdown", T.DOUBLE, 1.0,
-      "emulate a slower device: after each compute sleep (s-1)x its duration (1.0 = real speed)", 1.0, 100.0),
+      "emulate a slower device: after each compute sleep (s-1)x its compute time (1.0 = real speed)", 1.0, 100.0),
     P("min_run_rows", T.INTEGER, 16, "defer conv runs shorter than this while more rows are coming", 1, 4096),
     P("heartbeat_hz", T.DOUBLE, 4.0, "heartbeat telemetry rate", 2.0, 100.0),
     P("request_timeout_s", T.DOUBLE, 10.0, "forget an unfinished request after this long", 0.1, 3600.0),
@@ -68,6 +68,7 @@ class ComputeNode:
         self.device = ic.check_device(self.params["device"])
         self.spec = ic.ModelSpec.from_params(self.params)
         self.graph = ic.build_graph(self.spec, self.params["device"])
+        self.busy_clock = ic.busy_clock(self.device)
         self.plans: collections.OrderedDict[int, Plan] = collections.OrderedDict()
         self.requests: dict[int, RequestState] = {}
         self.pending: list[tuple[float, Any, Any]] = []  # chunks waiting for their plan
@@ -172,11 +173,11 @@ class ComputeNode:
                                      StripeRunner(self.graph, plan, self.node_id,
                                                   min_run_rows=self.params["min_run_rows"]),
                                      started_s=now, frame_id=msg.header.frame_id)
-            t0 = time.perf_counter()
+            t0 = self.busy_clock()
             emissions = state.runner.feed(int(msg.segment), int(msg.row_offset), rows)
             if self.device.type == "cuda":  # kernels run asynchronously: time them whole
                 torch.cuda.synchronize(self.device)
-            spent = time.perf_counter() - t0
+            spent = self.busy_clock() - t0
         except (ValueError, interfaces.DecodeError) as exc:
             self.rt.rejected.count(f"bad chunk: request {msg.request_id}: {exc}")
             return

@@ -8,8 +8,9 @@ from a plan version's node list and shares, so a chunk only needs to carry its p
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -95,6 +96,22 @@ def check_device(name: str) -> torch.device:
         except Exception as exc:  # noqa: BLE001 - any failure means unusable here
             raise ValueError(f"device {name!r} is not usable here: {exc}") from None
     return dev
+
+
+def busy_clock(device: torch.device) -> Callable[[], float]:
+    """A clock of this node's device work, in seconds, for compute times in telemetry.
+
+    On a CPU device it is this process's CPU time per torch thread, not wall time: co-located
+    nodes (the emulated devices here, the coordinator) share cores, and in wall time a node's
+    measured speed would include the time it waited for a core - which depends on the other
+    nodes' shares. A node with the larger share runs alone at the end of a request, looks
+    faster, gets more rows: positive feedback that pulled equal nodes apart to 0.16/0.77
+    (docs/policy.md "Compute time"). Accelerators are timed in wall time (the caller
+    synchronises).
+    """
+    if device.type == "cpu":
+        return lambda: time.process_time() / torch.get_num_threads()
+    return time.perf_counter
 
 
 def cost_model(link_mbit: float) -> CostModel:

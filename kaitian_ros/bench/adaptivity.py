@@ -543,7 +543,9 @@ def plot(runs: Sequence[PolicyRun], path: Path, title: str) -> None:
         h2, l2 = ax2.get_legend_handles_labels()
         ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left", ncol=4)
     axes[-1, 0].set_xlabel("request id")
-    fig.suptitle(title, fontsize=10)
+    import textwrap
+
+    fig.suptitle("\n".join(textwrap.fill(line, 120) for line in title.split("\n")), fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -3,7 +3,8 @@
 Receives INPUT (image rows from the coordinator) and HALO (rows from neighbours) chunks on
 ``/kaitian/chunks/<node>``, feeds them to a StripeRunner per request (wavefront: every row
 whose receptive field has arrived is computed at once), publishes HALO rows to neighbours and
-OUTPUT rows to the coordinator as soon as they exist, then NodeTelemetry for the request.
+OUTPUT rows to the coordinator as soon as they exist, then NodeTelemetry for the request
+(compute time is device time: ``inference_common.busy_clock``).
 Plans come from the coordinator's latched ``/kaitian/plan`` topic by version; a chunk of an
 unknown, retired or mismatched plan is dropped and counted, never a crash.
 """

@@ -5,7 +5,7 @@ that was slower during one run does not count against that run's policy."""
 
 from __future__ import annotations
 
-from kaitian_ros.bench.adaptivity import PHASES, PolicyRun, summarise
+from kaitian_ros.bench.adaptivity import PHASES, PolicyRun, combine_rounds, summarise
 
 PHASE_LEN = 12
 
@@ -63,3 +63,18 @@ def test_a_policy_that_stays_slow_never_reconverges() -> None:
     assert out["adaptive"]["requests_to_reconverge"] == 2
     assert out["static"]["phases"]["slowed"]["reconverged"] is False
     assert out["static"]["requests_to_reconverge"] == PHASE_LEN  # censored: the whole phase
+
+
+def test_rounds_report_the_median_and_every_round() -> None:
+    good = {"calibration": _flat(80.0), "start": _flat(70.0), "slowed": _recovering(150.0, 70.0, 3),
+            "recovered": _flat(70.0), "killed": _recovering(900.0, 55.0, 1)}
+    late = good | {"killed": _recovering(900.0, 55.0, 9)}  # one round where the machine lagged
+    lost = _run("a", good)
+    lost.lost = {"lost": 1, "missing": [5], "incomplete": [], "duplicates": []}
+    out = combine_rounds([[_run("a", good)], [_run("a", late)], [lost]])["policies"]["a"]
+    assert out["requests_to_reconverge_per_round"] == [2, 8, 2]
+    assert out["requests_to_reconverge"] == 2
+    assert out["lost_requests"] == 1  # a lost request in any round counts
+    assert len(out["rounds"]) == 3
+    two = combine_rounds([[_run("a", good)], [_run("a", late)]])["policies"]["a"]
+    assert two["requests_to_reconverge"] == 8  # even count: the upper median, never the kinder one

@@ -501,6 +501,32 @@ def summarise(runs: Sequence[PolicyRun]) -> dict[str, Any]:
     return {"policies": policies}
 
 
+def combine_rounds(rounds: Sequence[Sequence[PolicyRun]]) -> dict[str, Any]:
+    """Metrics over repeated rounds (each round: one run per policy, summarised on its own, so a
+    phase's best steady state comes from runs minutes apart, not a quarter of an hour).
+
+    Per policy: ``requests_to_reconverge`` is the median over rounds (the upper median for an
+    even count), ``lost_requests`` the sum, p50/p95 over every answer of every round; the
+    round whose value is that median supplies ``phases``; every round's summary is kept under
+    ``rounds``."""
+    per_round = [summarise(runs)["policies"] for runs in rounds]
+    out: dict[str, Any] = {}
+    for name in per_round[0]:
+        values = [r[name]["requests_to_reconverge"] for r in per_round]
+        med = statistics.median_high(values)
+        median_round = per_round[values.index(med)][name]
+        lat = [x["latency_ms"] for runs in rounds for run in runs if run.policy == name
+               for x in run.records if x["complete"]]
+        out[name] = {
+            "requests_to_reconverge": med, "requests_to_reconverge_per_round": values,
+            "lost_requests": sum(r[name]["lost_requests"] for r in per_round),
+            "p50_ms": _round(float(np.percentile(lat, 50)) if lat else None),
+            "p95_ms": _round(float(np.percentile(lat, 95)) if lat else None),
+            "reconverged_every_phase": median_round["reconverged_every_phase"],
+            "phases": median_round["phases"], "rounds": [r[name] for r in per_round]}
+    return {"policies": out}
+
+
 def _round(x: float | None, nd: int = 1) -> float | None:
     return None if x is None else round(float(x), nd)
 
@@ -554,11 +580,14 @@ def plot(runs: Sequence[PolicyRun], path: Path, title: str) -> None:
 
 def print_table(summary: dict[str, Any], speeds: str) -> None:
     print(f"\nadaptivity ({speeds}; EMULATED speeds)")
-    print(f"{'policy':<13}{'reconverge':>11}{'lost':>6}{'p50 ms':>9}{'p95 ms':>9}   per phase (slowed/recovered/killed)")
+    print(f"{'policy':<13}{'reconverge':>11}{'lost':>6}{'p50 ms':>9}{'p95 ms':>9}   per round  "
+          f"per phase of the median round (slowed/recovered/killed)")
     for name, m in summary["policies"].items():
         per = " / ".join(f"{ph['requests_to_reconverge']}{'' if ph['reconverged'] else '(never)'}"
                          for ph in m["phases"].values())
-        print(f"{name:<13}{m['requests_to_reconverge']:>11}{m['lost_requests']:>6}{m['p50_ms']:>9}{m['p95_ms']:>9}   {per}")
+        rounds = ",".join(map(str, m["requests_to_reconverge_per_round"]))
+        print(f"{name:<13}{m['requests_to_reconverge']:>11}{m['lost_requests']:>6}{m['p50_ms']:>9}{m['p95_ms']:>9}"
+              f"   {rounds:<10} {per}")
 
 
 def main(argv: list[str]) -> int:
@@ -572,8 +601,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--phase", type=int, help="requests per phase (default 30, quick 14)")
     p.add_argument("--window", type=int, default=1, help="frames unanswered at once (1 = one request at a time)")
     p.add_argument("--dead-after", type=float, default=1.0, help="dead_after_s of coordinator and scheduler")
+    p.add_argument("--rounds", type=int, help="rounds of one run per policy, reported as medians "
+                   "(default 3, quick 1; the policy order rotates between rounds)")
     p.add_argument("--echo", action="store_true", help="print the nodes' output")
     args = p.parse_args(argv)
+    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
+    if rounds < 1:
+        p.error("--rounds must be >= 1")
     policies = [x for x in args.policies.split(",") if x]
     bad = [x for x in policies if x not in POLICIES]
     if bad:
@@ -592,31 +626,41 @@ def main(argv: list[str]) -> int:
               f"back, {n} later compute_2 SIGKILL, {n} more")
     print(f"kaitian bench adaptivity: {args.model} {args.size}x{args.size}, {speeds}; EMULATED speeds; "
           f"window {args.window}, dead_after_s {args.dead_after}", flush=True)
-    runs = []
+    all_rounds: list[list[PolicyRun]] = []
     t_all = time.monotonic()
-    for policy in policies:
-        t = time.monotonic()
-        run = run_policy(policy, timeline, model=args.model, size=args.size, slowdowns=slowdowns,
-                         dead_after_s=args.dead_after, window=args.window, echo=args.echo)
-        runs.append(run)
-        print(f"  {policy}: {len(run.records)} answers in {time.monotonic() - t:.0f} s "
-              f"(startup {run.startup_s:.0f} s), phases from request {run.boundaries}, "
-              f"lost {run.lost['lost']}, kill detected after "
-              f"{run.kill_detect_s if run.kill_detect_s is None else round(run.kill_detect_s, 2)} s", flush=True)
-    summary = summarise(runs)
+    for k in range(rounds):
+        order = policies[k % len(policies):] + policies[:k % len(policies)]  # drift hits all alike
+        runs = []
+        for policy in order:
+            t = time.monotonic()
+            run = run_policy(policy, timeline, model=args.model, size=args.size, slowdowns=slowdowns,
+                             dead_after_s=args.dead_after, window=args.window, echo=args.echo)
+            runs.append(run)
+            print(f"  round {k + 1}/{rounds} {policy}: {len(run.records)} answers in {time.monotonic() - t:.0f} s "
+                  f"(startup {run.startup_s:.0f} s), phases from request {run.boundaries}, "
+                  f"lost {run.lost['lost']}, kill detected after "
+                  f"{run.kill_detect_s if run.kill_detect_s is None else round(run.kill_detect_s, 2)} s", flush=True)
+        all_rounds.append(sorted(runs, key=lambda r: policies.index(r.policy)))
+    summary = combine_rounds(all_rounds)
     summary["setup"] = {"model": args.model, "input": [3, args.size, args.size], "compute_nodes": 3,
                         "start_slowdowns": slowdowns, "emulated": True, "timeline": speeds,
                         "answers_per_phase": n, "warmup_answers": warm, "window": args.window,
                         "dead_after_s": args.dead_after, "reconverge_factor": RECONVERGE_FACTOR,
-                        "rolling_median": ROLLING, "quick": args.quick, "cpus": os.cpu_count(),
+                        "rolling_median": ROLLING, "quick": args.quick, "rounds": rounds, "cpus": os.cpu_count(),
                         "wall_s": round(time.monotonic() - t_all, 1)}
-    summary["timelines"] = {r.policy: [{k: x[k] for k in ("request_id", "plan_version", "complete", "latency_ms",
-                                                           "shares")} for x in r.records] for r in runs}
+    summary["timelines"] = [{r.policy: [{k: x[k] for k in ("request_id", "plan_version", "complete", "latency_ms",
+                                                            "shares")} for x in r.records] for r in runs}
+                            for runs in all_rounds]
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(summary, indent=1))
-    plot(runs, png_path, f"kaitian bench adaptivity: {args.model} {args.size}x{args.size} (EMULATED speeds)\n{speeds}")
+    pngs = []
+    for k, runs in enumerate(all_rounds):
+        path = png_path if k == 0 else png_path.with_name(f"{png_path.stem}_round{k + 1}.png")
+        plot(runs, path, f"kaitian bench adaptivity, round {k + 1}/{rounds}: {args.model} {args.size}x{args.size} "
+                         f"(EMULATED speeds)\n{speeds}")
+        pngs.append(str(path))
     print_table(summary, speeds)
-    print(f"\nwrote {json_path} and {png_path}")
+    print(f"\nwrote {json_path} and {', '.join(pngs)}")
     return 0
 
 

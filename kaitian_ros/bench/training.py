@@ -214,7 +214,6 @@ def split_train(cfg: Any, *, shares: Sequence[float] | None = None,
     sampler = AdaptiveBatchSampler(_size(data.train), cfg.global_batch, 0, 1, seed=cfg.seed,
                                    policy="equal")
     params = list(model.parameters())
-    steps_per_epoch = -(-_size(data.train) // cfg.global_batch)
     step = 0
     for epoch in range(cfg.epochs):
         for sl in sampler.epoch(epoch):
@@ -245,7 +244,7 @@ def split_train(cfg: Any, *, shares: Sequence[float] | None = None,
                     total[i] = g if total[i] is None else total[i] + g
             for p, g in zip(params, total):
                 p.grad.copy_(g)
-            set_lr(opt, lr_at(cfg, sl.step, steps_per_epoch))
+            set_lr(opt, lr_at(cfg, sl.step, sampler.steps_per_epoch()))
             opt.step()
             step += 1
     flat = torch.cat([p.detach().flatten() for p in params])

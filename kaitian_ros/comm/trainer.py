@@ -468,7 +468,6 @@ class RankTrainer:
         # view; harmless, but the reducer warns on every run.
         warnings.filterwarnings("ignore", message="Grad strides do not match bucket view")
         history: list[TrainingStep] = []
-        steps_per_epoch = -(-_size(data.train) // cfg.global_batch)
         train_s = comm_s = 0.0
         samples = 0
         steps = 0
@@ -489,7 +488,7 @@ class RankTrainer:
                 # sum / b: mean over the local slice, and an exact zero for an empty one
                 loss = nn.functional.cross_entropy(out, y, reduction="sum") / max(sl.local_batch, 1)
                 loss.backward()  # the comm hook runs inside
-                set_lr(opt, lr_at(cfg, sl.step, steps_per_epoch))
+                set_lr(opt, lr_at(cfg, sl.step, sampler.steps_per_epoch()))
                 opt.step()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)

@@ -31,13 +31,18 @@ def _recovering(spike: float, settle: float, after: int) -> list[float]:
     return [spike] * after + [settle] * (PHASE_LEN - after)
 
 
+def _timeline(**phases: list[float]) -> dict[str, list[float]]:
+    """A policy that re-converges 2 requests after the slowdown and at once after the
+    recovery and the kill (whose first request waits out dead_after_s); `phases` replace."""
+    return {"calibration": _flat(80.0), "start": _flat(70.0), "slowed": _recovering(150.0, 70.0, 3),
+            "recovered": _flat(70.0), "killed": _recovering(900.0, 55.0, 1)} | phases
+
+
 def test_a_good_start_phase_is_not_a_handicap() -> None:
     # both policies end every phase at the same absolute latency on an equally fast machine;
     # "fast_start" also had a better start phase. Neither may look worse for it.
-    common = {"calibration": _flat(80.0), "slowed": _recovering(150.0, 70.0, 3),
-              "recovered": _flat(75.0), "killed": _recovering(900.0, 55.0, 1)}
-    out = summarise([_run("fast_start", common | {"start": _flat(60.0)}),
-                     _run("slow_start", common | {"start": _flat(80.0)})])["policies"]
+    out = summarise([_run("fast_start", _timeline(start=_flat(60.0), recovered=_flat(75.0))),
+                     _run("slow_start", _timeline(start=_flat(80.0), recovered=_flat(75.0)))])["policies"]
     for name in ("fast_start", "slow_start"):
         phases = out[name]["phases"]
         assert out[name]["calibration_ms"] == 80.0
@@ -47,8 +52,7 @@ def test_a_good_start_phase_is_not_a_handicap() -> None:
 
 def test_a_slower_machine_during_one_run_is_normalised_away() -> None:
     # the second run ran on a machine 1.5x slower throughout (calibration included)
-    fast = {"calibration": _flat(80.0), "start": _flat(70.0), "slowed": _recovering(150.0, 70.0, 3),
-            "recovered": _flat(70.0), "killed": _recovering(900.0, 55.0, 1)}
+    fast = _timeline()
     slow = {p: [1.5 * x for x in xs] for p, xs in fast.items()}
     out = summarise([_run("a", fast), _run("b", slow)])["policies"]
     assert out["a"]["requests_to_reconverge"] == out["b"]["requests_to_reconverge"] == 2
@@ -56,19 +60,15 @@ def test_a_slower_machine_during_one_run_is_normalised_away() -> None:
 
 
 def test_a_policy_that_stays_slow_never_reconverges() -> None:
-    adaptive = {"calibration": _flat(80.0), "start": _flat(70.0), "slowed": _recovering(150.0, 70.0, 3),
-                "recovered": _flat(70.0), "killed": _recovering(900.0, 55.0, 1)}
-    frozen = adaptive | {"slowed": _flat(130.0)}
-    out = summarise([_run("adaptive", adaptive), _run("static", frozen)])["policies"]
+    out = summarise([_run("adaptive", _timeline()), _run("static", _timeline(slowed=_flat(130.0)))])["policies"]
     assert out["adaptive"]["requests_to_reconverge"] == 2
     assert out["static"]["phases"]["slowed"]["reconverged"] is False
     assert out["static"]["requests_to_reconverge"] == PHASE_LEN  # censored: the whole phase
 
 
 def test_rounds_report_the_median_and_every_round() -> None:
-    good = {"calibration": _flat(80.0), "start": _flat(70.0), "slowed": _recovering(150.0, 70.0, 3),
-            "recovered": _flat(70.0), "killed": _recovering(900.0, 55.0, 1)}
-    late = good | {"killed": _recovering(900.0, 55.0, 9)}  # one round where the machine lagged
+    good = _timeline()
+    late = _timeline(killed=_recovering(900.0, 55.0, 9))  # one round where the machine lagged
     lost = _run("a", good)
     lost.lost = {"lost": 1, "missing": [5], "incomplete": [], "duplicates": []}
     out = combine_rounds([[_run("a", good)], [_run("a", late)], [lost]])["policies"]["a"]

@@ -9,7 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from kaitian_ros.core.graph import UnsplittableModelError, Window, split_model
+import torch.nn.functional as F
+
+from kaitian_ros.core.graph import PACK_MIN_WEIGHT_ELEMENTS, UnsplittableModelError, Window, prepacked_conv, split_model
 from kaitian_ros.core.models import build_model
 
 torch.set_num_threads(1)
@@ -123,3 +125,35 @@ def test_user_model_import_path(tmp_path, monkeypatch) -> None:
     g = split_model(m, (3, 24, 24))
     assert g.trunk_output_shape == (6, 12, 12)
     sys.modules.pop("kt_user_net", None)
+
+
+@pytest.mark.parametrize("cin,cout,stride", [(256, 256, 1), (128, 256, 2), (512, 512, 1)])
+def test_prepacked_conv_equals_conv2d_for_any_rows_and_batch(cin: int, cout: int, stride: int) -> None:
+    """The packed weights are laid out once for the whole input; a stripe of any row count
+    and a batch of two must still give F.conv2d's result."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN: prepacked_conv returns None by design")
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(cout, cin, 3, 3, generator=g), torch.randn(cout, generator=g)
+    width = 8
+    full_rows = (width - 1) * stride + 3
+    conv = prepacked_conv(w, b, (0, 1), (stride, stride), (1, 1), 1, (1, cin, full_rows, width * stride))
+    assert conv is not None
+    for out_rows in (1, 3, width):
+        for n in (1, 2):
+            x = torch.randn(n, cin, (out_rows - 1) * stride + 3, width * stride, generator=g)
+            want = F.conv2d(x, w, b, stride, (0, 1))
+            got = conv(x)
+            assert got.shape == want.shape
+            assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_prepacked_conv_declines_what_it_does_not_speed_up() -> None:
+    small = torch.randn(64, 64, 3, 3)
+    assert small.numel() < PACK_MIN_WEIGHT_ELEMENTS
+    assert prepacked_conv(small, None, (0, 1), (1, 1), (1, 1), 1, (1, 64, 10, 8)) is None
+    big = torch.randn(256, 256, 3, 3)
+    assert prepacked_conv(big.double(), None, (0, 1), (1, 1), (1, 1), 1, (1, 256, 10, 8)) is None
+    grouped = torch.randn(512, 256, 3, 3)  # groups=2: stays on F.conv2d
+    assert prepacked_conv(grouped, None, (0, 1), (1, 1), (1, 1), 2, (1, 512, 10, 8)) is None
+

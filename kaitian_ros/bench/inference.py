@@ -545,7 +545,8 @@ def run(args: argparse.Namespace, say: Any) -> dict:
         by_speed = [s / sum(speeds) for s in speeds]
         balanced, calibration = _tune_shares(driver, gp, measure, speeds, args)
         say("[bench] share tuning (median ms): " + ", ".join(
-            f"gamma {c['gamma']} [{', '.join(f'{x:.3f}' for x in c['shares'])}] {c['median_ms']:.1f}"
+            f"gamma {c['gamma']} [{', '.join(f'{x:.3f}' for x in c['shares'])}] {c['median_ms']:.1f} "
+            f"(compute {'/'.join(f'{v:.0f}' for v in c['node_compute_median_ms'].values())})"
             for c in calibration) + f" -> [{', '.join(f'{x:.3f}' for x in balanced)}]")
         one_hot = [1.0 if i == fastest else 0.0 for i in range(n)]
         cfgs = {
@@ -653,7 +654,9 @@ def _tune_shares(driver: Driver, gp: Graph, measure: Any, speeds: list[float],
         for gamma, shares in cands:
             driver.configure(shares, args.slab_rows, args.min_run_rows)
             measure(samples[gamma], driver.product_frame, args.balance_frames, warmup=1)
-    steps = [{"gamma": g, "shares": [round(x, 4) for x in sh], "median_ms": round(samples[g].median, 2)}
+    steps = [{"gamma": g, "shares": [round(x, 4) for x in sh], "median_ms": round(samples[g].median, 2),
+              "node_compute_median_ms": {n: round(v, 1) for n, v in
+                                         samples[g].summary()["node_compute_median_ms"].items()}}
              for g, sh in cands]
     best = min(steps, key=lambda r: r["median_ms"])
     return dict(cands)[best["gamma"]], steps

@@ -436,6 +436,48 @@ def _avg_divisor(m: nn.AvgPool2d, in_hw: tuple[int, int], out_hw: tuple[int, int
     return (sizes[0][:, None] * sizes[1][None, :]).view(1, 1, *out_hw).to(device)
 
 
+# The default CPU conv reorders its weights on every call; below about this many weight
+# elements that costs little and the blocked kernels are no faster - sometimes much slower
+# (a 1-row 64-channel 3x3 conv: 3.3 ms packed against 0.06 ms). From 128->256 3x3 up the
+# packed path was as fast or faster at every row count measured (session 4).
+PACK_MIN_WEIGHT_ELEMENTS = 1 << 18
+
+
+def prepacked_conv(weight: Tensor, bias: Tensor | None, padding: tuple[int, int],
+                   stride: Sequence[int], dilation: Sequence[int], groups: int,
+                   input_shape: tuple[int, int, int, int]) -> Callable[[Tensor], Tensor] | None:
+    """A CPU float32 conv with its weights reordered once into oneDNN's blocked layout, or
+    None where that path does not apply or is unavailable.
+
+    Why: the default CPU conv reorders the whole weight tensor on every call. For a stripe of
+    a few rows of a weight-heavy layer that reorder is most of the cost - a 1-row call of a
+    512-channel 3x3 conv (9.4 MB of weights) took 7.1 ms, as long as all 7 rows (7.3 ms);
+    prepacked it takes 0.26 ms and 4.6 ms (docs/benchmarks.md, session 4). Row splits pay that
+    fixed cost once per node and per run, so it decides whether splitting pays at all.
+    The packed op is checked against ``F.conv2d`` once here; any mismatch or error -> None.
+    """
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or groups != 1
+            or weight.numel() < PACK_MIN_WEIGHT_ELEMENTS or not torch.backends.mkldnn.is_available()):
+        return None
+    try:
+        mkldnn = torch.ops.mkldnn
+        pad, st, dil = list(padding), list(stride), list(dilation)
+        with torch.no_grad():
+            packed_w = mkldnn._reorder_convolution_weight(weight, pad, st, dil, groups, list(input_shape))
+
+            def conv(x: Tensor) -> Tensor:
+                return mkldnn._convolution_pointwise(x, packed_w, bias, pad, st, dil, groups, "none", [], "")
+
+            probe = torch.randn(1, *input_shape[1:3], input_shape[3], generator=torch.Generator().manual_seed(0))
+            want = F.conv2d(probe, weight, bias, st, pad, dil, groups)
+            got = conv(probe)
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+            return None
+    except (RuntimeError, AttributeError, TypeError):  # op missing or refused by this build
+        return None
+    return conv
+
+
 def _compile(raw: _Raw, epilogue: list[Callable[[Tensor], Tensor]], gm: fx.GraphModule,
              trunk: set[fx.Node], value_of: dict[fx.Node, int], name: str,
              out_node: fx.Node, fold: tuple[Tensor, Tensor] | None) -> TrunkOp:
@@ -467,10 +509,15 @@ def _compile(raw: _Raw, epilogue: list[Callable[[Tensor], Tensor]], gm: fx.Graph
         weight, bias = weight.contiguous(), None if bias is None else bias.contiguous()
         stride, dil, groups = m.stride, m.dilation, m.groups
         sym = pl == pr
+        padding = (0, pl if sym else 0)
+        packed = prepacked_conv(weight, bias, padding, stride, dil, groups,
+                                (1, cin, (hout - 1) * sh + dh * (kh - 1) + 1, win + (0 if sym else pl + pr)))
 
         def run(xs: list[Tensor], lo: int, hi: int) -> Tensor:
             x = xs[0] if sym else F.pad(xs[0], (pl, pr, 0, 0))
-            return finish(F.conv2d(x, weight, bias, stride, (0, pl if sym else 0), dil, groups))
+            if packed is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+                return finish(packed(x))
+            return finish(F.conv2d(x, weight, bias, stride, padding, dil, groups))
 
         flops = 2.0 * cout * wout * (cin // groups) * kh * m.kernel_size[1]
         window = Window(kh, sh, ptop, dh, hin, hout)

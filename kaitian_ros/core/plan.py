@@ -32,17 +32,19 @@ class CostModel:
     `link_bytes_per_ms` (transfers to different nodes proceed in parallel).
     """
 
-    flops_per_ms: float = 6.0e7  # ~ one CPU thread here: ResNet-18 trunk 3.6 GFLOP in ~60 ms
+    flops_per_ms: float = 4.5e7  # ~ one CPU thread here: ResNet-18 trunk 3.6 GFLOP in ~80 ms
     exchange_ms: float = 1.0  # per cut: message latency + synchronisation with neighbours
     link_bytes_per_ms: float = 1.0e5  # 100 MB/s (~ gigabit link)
     bytes_per_element: int = 4  # float32
     # Per-call costs the flop count misses (measured here, ResNet-18, one thread): every conv
-    # call reads its whole weight tensor, so a 1-2 row call of a layer4 conv (9.4 MB of weights)
-    # costs about as much as all 7 rows; and each call has a fixed Python/dispatch cost. Runs
-    # are about `run_rows` rows (the stripe executor's min_run_rows). These terms decide whether
-    # the low-resolution, weight-heavy tail is split at all (see `make_plan(solo_tail=...)`).
+    # call reads its whole weight tensor - with the weights prepacked once
+    # (`graph.prepacked_conv`) at memory speed; before that the default CPU conv also reordered
+    # them on every call, and a 1-row call of a layer4 conv cost as much as all 7 rows. Each
+    # call also has a fixed Python/dispatch cost. Runs are about `run_rows` rows (the stripe
+    # executor's min_run_rows). These terms decide whether the low-resolution, weight-heavy
+    # tail is split at all (see `make_plan(solo_tail=...)`).
     call_ms: float = 0.05
-    weight_bytes_per_ms: float = 4.0e6  # ~4 GB/s effective weight streaming
+    weight_bytes_per_ms: float = 2.0e7  # ~20 GB/s: prepacked weights (graph.prepacked_conv)
     run_rows: int = 8
 
 

@@ -35,12 +35,14 @@ def main() -> None:
 
     def per_node(plan) -> tuple[dict[str, float], float]:
         """Best stripe times per node, and the best whole-trunk time measured between them
-        (this box's speed drifts by 10-30 % within minutes: compare only interleaved times)."""
+        (this box's speed drifts by 10-30 % within minutes: compare only interleaved times).
+        The trunk runs the same fused, prepacked ops as the stripes (``run_ops``), as the
+        benchmark's single-device baseline does."""
         best: dict[str, float] = {}
         trunk = float("inf")
         for _ in range(args.reps):
             t0 = time.perf_counter()
-            g.run_trunk(x)
+            g.run_ops(x)
             trunk = min(trunk, (time.perf_counter() - t0) * 1e3)
             runners: dict = {}
             run_plan_locally(g, plan, x, slab_rows=4096, min_run_rows=4096, runners_out=runners)
@@ -49,7 +51,7 @@ def main() -> None:
         return best, trunk
 
     with torch.no_grad():
-        g.run_trunk(x)
+        g.run_ops(x)
         print(f"{args.model} {args.size}x{args.size}: cut values {g.cut_values}; node b EMULATED "
               f"{args.slow}x slower; trunk = whole trunk in one call, interleaved with the plan's runs")
         cuts = g.cut_values

@@ -33,7 +33,11 @@ class CostModel:
     """
 
     flops_per_ms: float = 4.5e7  # ~ one CPU thread here: ResNet-18 trunk 3.6 GFLOP in ~80 ms
-    exchange_ms: float = 1.0  # per cut: message latency + synchronisation with neighbours
+    # per cut: message latency + synchronisation with neighbours. 0.5 since session 4: at 1.0
+    # the planner preferred one segment for shares like 0.43/0.14/0.43 at 128x128 (the slow
+    # node rounds to no rows, the other two compute 95 % of the trunk each); at 0.5 it cuts 5
+    # times and the two compute 60 %. Adaptivity benchmark: 15 (7/30/15) -> 7 (5/7/7).
+    exchange_ms: float = 0.5
     link_bytes_per_ms: float = 1.0e5  # 100 MB/s (~ gigabit link)
     bytes_per_element: int = 4  # float32
     # Per-call costs the flop count misses (measured here, ResNet-18, one thread): every conv

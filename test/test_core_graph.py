@@ -7,11 +7,16 @@ import textwrap
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-import torch.nn.functional as F
-
-from kaitian_ros.core.graph import PACK_MIN_WEIGHT_ELEMENTS, UnsplittableModelError, Window, prepacked_conv, split_model
+from kaitian_ros.core.graph import (
+    PACK_MIN_WEIGHT_ELEMENTS,
+    UnsplittableModelError,
+    Window,
+    prepacked_conv,
+    split_model,
+)
 from kaitian_ros.core.models import build_model
 
 torch.set_num_threads(1)

@@ -140,6 +140,7 @@ class StepSlice:
     local_batch: int
     global_batch: int
     counts: tuple[int, ...]  # slice size of every rank
+    batch: tuple[int, ...] = ()  # the whole global batch (work stealing moves boundaries)
 
 
 class AdaptiveBatchSampler:
@@ -207,7 +208,8 @@ class AdaptiveBatchSampler:
             mine = batch[off:off + counts[self.rank]]
             sl = StepSlice(epoch=epoch, step=self.step, indices=tuple(int(i) for i in mine),
                            offset=off, local_batch=counts[self.rank],
-                           global_batch=len(batch), counts=counts)
+                           global_batch=len(batch), counts=counts,
+                           batch=tuple(int(i) for i in batch))
             self.step += 1
             yield sl
 

@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from kaitian_ros.comm.groups import CommGroups, build_groups, parse_device
 from kaitian_ros.comm.hooks import HOOKS, HookState
 from kaitian_ros.comm.sampler import MODELS, POLICIES, AdaptiveBatchSampler
+from kaitian_ros.comm.stealing import StepClaims, forget_step
 
 CHECKPOINT_NAME = "checkpoint.pt"
 LR_SCHEDULES = ("constant", "cosine")
@@ -70,6 +71,9 @@ class TrainingConfig:
     rebalance_every: int = 5
     ewma_alpha: float = 0.5
     share_model: str = "affine"  # step time a + c b per rank ("proportional": c b)
+    # slice boundaries settled at run time by claims (``comm.stealing``); None: on for the
+    # adaptive policy, off for the baselines (equal = plain DDP, profile_once = KAITIAN)
+    work_stealing: bool | None = None
     hook: str = "hierarchical"
     devices: tuple[str, ...] = ("cpu",)
     emulated_slowdown: tuple[float, ...] = (1.0,)
@@ -104,6 +108,11 @@ class TrainingConfig:
         object.__setattr__(self, "devices", tuple(str(d) for d in self.devices))
         object.__setattr__(self, "emulated_slowdown",
                            tuple(float(s) for s in self.emulated_slowdown))
+
+    @property
+    def steals(self) -> bool:
+        """Whether ranks steal work inside a step (``work_stealing``, resolved)."""
+        return self.policy == "adaptive" if self.work_stealing is None else bool(self.work_stealing)
 
     def device_for(self, rank: int, local_rank: int | None = None) -> str:
         if len(self.devices) == 1:
@@ -376,6 +385,15 @@ class RankTrainer:
             return self._slowdown
 
     # -- helpers -----------------------------------------------------------------------
+    def _claims_store(self) -> Any:
+        """The rendezvous store, for the per-step claim counters of work stealing."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception as e:  # the process group was initialised without a store
+            raise RuntimeError(f"work stealing needs the rendezvous store: {e}; set "
+                               "work_stealing: false") from None
+        return dist.PrefixStore("kaitian/steal", store)
+
     def _gather(self, x: float | Sequence[float]) -> list[Any]:
         """All-gather a float or a fixed-length float vector from every rank (rank order)."""
         scalar = isinstance(x, (int, float))
@@ -448,6 +466,39 @@ class RankTrainer:
             return fut
 
         ddp.register_comm_hook(state, slowed_hook)
+        claims_store = self._claims_store() if cfg.steals and self.world_size > 1 else None
+
+        def stolen_forward_backward(sl: Any) -> tuple[int, float]:
+            """This rank's share of the step with run-time boundaries (``comm.stealing``).
+
+            Chunks are accumulated without communication; an empty forward/backward then
+            runs the comm hook on the sum. Each chunk's summed loss is divided by the
+            *planned* slice size d and the hook weighs by d / B, so the reduced gradient is
+            (sum over the samples this rank computed) / B: exact for any final counts.
+            """
+            d = max(sl.local_batch, 1)
+            state.set_batch(d, sl.global_batch)
+            claims = StepClaims(claims_store, str(sl.step), sl.counts, self.rank)
+            loss_sum = 0.0
+            with ddp.no_sync():
+                while (rng := claims.next()) is not None:
+                    x, y = _batch(data.train, sl.batch[rng[0]:rng[1]])
+                    x, y = x.to(self.device), y.to(self.device)
+                    loss = nn.functional.cross_entropy(ddp(x), y, reduction="sum")
+                    (loss / d).backward()
+                    loss_sum += float(loss.item())
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    emulate()  # at the emulated pace, so the slow rank claims late
+                    emu["mark"] = time.perf_counter()
+            x, y = _batch(data.train, [])
+            loss = nn.functional.cross_entropy(ddp(x.to(self.device)), y.to(self.device),
+                                               reduction="sum")
+            loss.backward()  # the comm hook runs inside, on the accumulated gradient
+            if self.rank == 0 and sl.step > 0:
+                # every rank has left the previous step (its all-reduce just completed)
+                forget_step(claims_store, str(sl.step - 1), self.world_size - 1)
+            return claims.count, loss_sum
         opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
         sampler = AdaptiveBatchSampler(_size(data.train), cfg.global_batch, self.rank,
                                        self.world_size, seed=cfg.seed, policy=cfg.policy,
@@ -480,14 +531,18 @@ class RankTrainer:
                     break
                 t0 = time.perf_counter()
                 emu["s"], emu["mark"] = self.emulated_slowdown, t0
-                x, y = _batch(data.train, sl.indices)
-                x, y = x.to(self.device), y.to(self.device)
-                state.set_batch(sl.local_batch, sl.global_batch)
                 opt.zero_grad(set_to_none=False)
-                out = ddp(x)
-                # sum / b: mean over the local slice, and an exact zero for an empty one
-                loss = nn.functional.cross_entropy(out, y, reduction="sum") / max(sl.local_batch, 1)
-                loss.backward()  # the comm hook runs inside
+                if claims_store is not None:
+                    count, loss_sum = stolen_forward_backward(sl)
+                else:
+                    x, y = _batch(data.train, sl.indices)
+                    x, y = x.to(self.device), y.to(self.device)
+                    state.set_batch(sl.local_batch, sl.global_batch)
+                    out = ddp(x)
+                    # sum / b: mean over the local slice, and an exact zero for an empty one
+                    loss = nn.functional.cross_entropy(out, y, reduction="sum") / max(sl.local_batch, 1)
+                    loss.backward()  # the comm hook runs inside
+                    count, loss_sum = sl.local_batch, float(loss.item()) * sl.local_batch
                 set_lr(opt, lr_at(cfg, sl.step, sampler.steps_per_epoch()))
                 opt.step()
                 if self.device.type == "cuda":
@@ -501,7 +556,7 @@ class RankTrainer:
                 # DDP's bucket rebuild in step 1 runs a collective outside the hook that
                 # would count a fast rank's wait for a slow one as its compute.
                 if steps >= WARMUP_STEPS:
-                    sampler.record(compute, sl.local_batch, sl.global_batch)
+                    sampler.record(compute, count, sl.global_batch)
                 sampler.maybe_rebalance(self._gather)  # collective when due
                 train_s += wall
                 comm_s += comm
@@ -509,11 +564,11 @@ class RankTrainer:
                 steps += 1
                 rec = TrainingStep(
                     rank=self.rank, device=self.device_label, epoch=epoch, step=sl.step,
-                    local_batch=sl.local_batch, global_batch=sl.global_batch,
-                    share=sl.local_batch / sl.global_batch, step_ms=wall * 1e3,
+                    local_batch=count, global_batch=sl.global_batch,
+                    share=count / sl.global_batch, step_ms=wall * 1e3,
                     compute_ms=compute * 1e3, comm_ms=comm * 1e3,
-                    loss=float(loss.item()) if sl.local_batch else math.nan,
-                    samples_per_s=sl.local_batch / wall if wall > 0 else 0.0,
+                    loss=loss_sum / count if count else math.nan,
+                    samples_per_s=count / wall if wall > 0 else 0.0,
                     emulated=s != 1.0, slowdown=s)
                 history.append(rec)
                 if self.on_step is not None:

@@ -314,6 +314,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr-schedule", choices=("constant", "cosine"))
     p.add_argument("--warmup-steps", type=int, help="linear lr warm-up steps")
     p.add_argument("--seed", type=int)
+    p.add_argument("--work-stealing", choices=("auto", "on", "off"),
+                   help="move slice boundaries inside a step (auto: with --policy adaptive)")
     p.add_argument("--checkpoint-dir")
     p.add_argument("--timeout", type=float, help="collective / failure timeout in seconds")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint")
@@ -350,7 +352,7 @@ def _config_from_args(a: argparse.Namespace) -> tuple[Any, int | None]:
     for k_arg, k_cfg in (("policy", "policy"), ("epochs", "epochs"), ("global_batch", "global_batch"),
                          ("model", "model"), ("dataset", "dataset"), ("lr", "lr"),
                          ("image_size", "image_size"), ("lr_schedule", "lr_schedule"),
-                         ("warmup_steps", "warmup_steps"),
+                         ("warmup_steps", "warmup_steps"), ("work_stealing", "work_stealing"),
                          ("seed", "seed"), ("checkpoint_dir", "checkpoint_dir"),
                          ("timeout", "timeout_s")):
         v = getattr(a, k_arg)

@@ -41,6 +41,7 @@ from kaitian_ros.comm.stealing import StepClaims, forget_step
 
 CHECKPOINT_NAME = "checkpoint.pt"
 LR_SCHEDULES = ("constant", "cosine")
+WORK_STEALING = ("auto", "on", "off")
 WARMUP_STEPS = 2  # steps per run not used as speed measurements
 
 
@@ -71,9 +72,10 @@ class TrainingConfig:
     rebalance_every: int = 5
     ewma_alpha: float = 0.5
     share_model: str = "affine"  # step time a + c b per rank ("proportional": c b)
-    # slice boundaries settled at run time by claims (``comm.stealing``); None: on for the
-    # adaptive policy, off for the baselines (equal = plain DDP, profile_once = KAITIAN)
-    work_stealing: bool | None = None
+    # slice boundaries settled at run time by claims (``comm.stealing``): "on", "off", or
+    # "auto" = on for the adaptive policy, off for the baselines (equal = plain DDP,
+    # profile_once = KAITIAN's profiling)
+    work_stealing: str = "auto"
     hook: str = "hierarchical"
     devices: tuple[str, ...] = ("cpu",)
     emulated_slowdown: tuple[float, ...] = (1.0,)
@@ -94,6 +96,11 @@ class TrainingConfig:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, "
                              f"got {self.lr_schedule!r}")
+        if isinstance(self.work_stealing, bool):  # YAML true/false
+            object.__setattr__(self, "work_stealing", "on" if self.work_stealing else "off")
+        if self.work_stealing not in WORK_STEALING:
+            raise ValueError(f"work_stealing must be one of {', '.join(WORK_STEALING)}, "
+                             f"got {self.work_stealing!r}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.global_batch <= 0 or self.epochs <= 0 or self.rebalance_every <= 0:
@@ -112,7 +119,9 @@ class TrainingConfig:
     @property
     def steals(self) -> bool:
         """Whether ranks steal work inside a step (``work_stealing``, resolved)."""
-        return self.policy == "adaptive" if self.work_stealing is None else bool(self.work_stealing)
+        if self.work_stealing == "auto":
+            return self.policy == "adaptive"
+        return self.work_stealing == "on"
 
     def device_for(self, rank: int, local_rank: int | None = None) -> str:
         if len(self.devices) == 1:

@@ -79,6 +79,9 @@ PARAMETERS = (
     P("warmup_steps", T.INTEGER, 0, "linear lr warm-up steps", 0, 2**31 - 1, read_only=True),
     P("seed", T.INTEGER, 0, "seed of weights and sample order", 0, 2**31 - 1, read_only=True),
     P("policy", T.STRING, "adaptive", "batch split policy", read_only=True, choices=_POLICIES),
+    P("work_stealing", T.STRING, "auto", "move slice boundaries inside a step to the rank "
+      "that finishes first (auto: with the adaptive policy)", read_only=True,
+      choices=("auto", "on", "off")),
     P("rebalance_every", T.INTEGER, 5, "steps between share updates", 1, 2**31 - 1,
       read_only=True),
     P("ewma_alpha", T.DOUBLE, 0.5, "EWMA weight of the newest step time", 0.01, 1.0,
@@ -93,7 +96,7 @@ PARAMETERS = (
 )
 
 _CONFIG_KEYS = ("model", "dataset", "global_batch", "epochs", "lr", "momentum", "lr_schedule",
-                "warmup_steps", "seed", "policy",
+                "warmup_steps", "seed", "policy", "work_stealing",
                 "rebalance_every", "ewma_alpha", "hook", "timeout_s")
 
 

@@ -201,3 +201,24 @@ def test_slowdown_is_settable_at_run_time() -> None:
     out = run_local(_slowdown_live, 2, cfg, timeout_s=60)
     assert out[1] == [(1.0, False)] * 3 + [(2.0, True)] * 2
     assert all(s == (1.0, False) for s in out[0])
+
+
+def test_optimizer_standardised_inputs_and_work_stealing_options() -> None:
+    from kaitian_ros.comm.trainer import load_data
+
+    with pytest.raises(ValueError, match="optimizer"):
+        TrainingConfig(optimizer="rmsprop")
+    with pytest.raises(ValueError, match="work_stealing"):
+        TrainingConfig(work_stealing="sometimes")
+    assert TrainingConfig(policy="adaptive").steals
+    assert not TrainingConfig(policy="equal").steals
+    assert TrainingConfig(policy="equal", work_stealing=True).steals  # YAML true
+    assert not TrainingConfig(policy="adaptive", work_stealing="off").steals
+    d = load_data("digits", None, 16, standardize=True)
+    x = d.train[0]
+    assert abs(float(x.mean())) < 1e-4 and abs(float(x.std()) - 1.0) < 1e-4
+    raw = load_data("digits", None, 16)
+    # the test set uses the training statistics: same affine map on both
+    scale = float(raw.train[0].std())
+    shift = float(raw.train[0].mean())
+    assert torch.allclose(d.test[0], (raw.test[0] - shift) / scale, atol=1e-5)

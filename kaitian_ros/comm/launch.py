@@ -312,6 +312,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--image-size", type=int, help="resize images to this square size")
     p.add_argument("--lr", type=float)
     p.add_argument("--lr-schedule", choices=("constant", "cosine"))
+    p.add_argument("--optimizer", choices=("sgd", "adam"))
+    p.add_argument("--standardize-inputs", action="store_true",
+                   help="standardise images with the training set's mean and std")
     p.add_argument("--warmup-steps", type=int, help="linear lr warm-up steps")
     p.add_argument("--seed", type=int)
     p.add_argument("--work-stealing", choices=("auto", "on", "off"),
@@ -353,6 +356,7 @@ def _config_from_args(a: argparse.Namespace) -> tuple[Any, int | None]:
                          ("model", "model"), ("dataset", "dataset"), ("lr", "lr"),
                          ("image_size", "image_size"), ("lr_schedule", "lr_schedule"),
                          ("warmup_steps", "warmup_steps"), ("work_stealing", "work_stealing"),
+                         ("optimizer", "optimizer"),
                          ("seed", "seed"), ("checkpoint_dir", "checkpoint_dir"),
                          ("timeout", "timeout_s")):
         v = getattr(a, k_arg)
@@ -360,6 +364,8 @@ def _config_from_args(a: argparse.Namespace) -> tuple[Any, int | None]:
             d[k_cfg] = v
     if a.resume:
         d["resume"] = True
+    if a.standardize_inputs:
+        d["standardize_inputs"] = True
     cfg = TrainingConfig.from_dict(d)
     if ranks is None:
         ranks = max(len(cfg.devices), len(cfg.emulated_slowdown))

@@ -14,7 +14,7 @@ rank *starts*; the boundaries between neighbours are settled at run time:
   is cut to what is left. So every sample of the batch is computed exactly once, and each
   rank's samples stay one contiguous range, in rank order -- the split is still a
   contiguous split, only its counts are decided late.
-* claims shrink geometrically (most of a rank's plan in its first claim, then a fraction of
+* claims shrink geometrically (half of a rank's plan in its first claim, then a fraction of
   what is left, down to ``min_fraction`` of its plan): few claims when the plan is right,
   fine-grained ones where the boundary is actually decided.
 
@@ -93,7 +93,7 @@ class StepClaims:
     """
 
     def __init__(self, store: CounterStore, key: str, counts: Sequence[int], rank: int, *,
-                 first_fraction: float = 0.7, min_fraction: float = 0.05) -> None:
+                 first_fraction: float = 0.5, min_fraction: float = 0.02) -> None:
         if not 0 < first_fraction <= 1 or not 0 < min_fraction <= 1:
             raise ValueError("first_fraction and min_fraction must be in (0, 1]")
         self.store, self.key = store, key

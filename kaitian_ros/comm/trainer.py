@@ -42,6 +42,7 @@ from kaitian_ros.comm.stealing import StepClaims, forget_step
 CHECKPOINT_NAME = "checkpoint.pt"
 LR_SCHEDULES = ("constant", "cosine")
 WORK_STEALING = ("auto", "on", "off")
+OPTIMIZERS = ("sgd", "adam")
 WARMUP_STEPS = 2  # steps per run not used as speed measurements
 
 
@@ -66,6 +67,9 @@ class TrainingConfig:
     lr: float = 0.05
     momentum: float = 0.9
     lr_schedule: str = "constant"  # or "cosine": decay to 0 over all epochs' steps
+    optimizer: str = "sgd"  # "sgd" (with ``momentum``) or "adam" (default betas, no decay)
+    # standardise inputs with the training set's pixel mean and std (after resizing)
+    standardize_inputs: bool = False
     warmup_steps: int = 0  # linear ramp of the lr over the first steps (both schedules)
     seed: int = 0
     policy: str = "adaptive"
@@ -96,6 +100,9 @@ class TrainingConfig:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, "
                              f"got {self.lr_schedule!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, "
+                             f"got {self.optimizer!r}")
         if isinstance(self.work_stealing, bool):  # YAML true/false
             object.__setattr__(self, "work_stealing", "on" if self.work_stealing else "off")
         if self.work_stealing not in WORK_STEALING:
@@ -217,6 +224,13 @@ def lr_at(cfg: TrainingConfig, step: int, steps_per_epoch: int) -> float:
     return lr
 
 
+def make_optimizer(cfg: TrainingConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer ``cfg`` names; the learning rate is set per step by :func:`set_lr`."""
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+
+
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
     for group in opt.param_groups:
         group["lr"] = lr
@@ -284,13 +298,34 @@ def resize_split(data: DataSplit, size: int | None) -> DataSplit:
     return DataSplit(one(data.train), one(data.test), data.num_classes, data.in_channels)
 
 
-def load_data(spec: str, num_classes: int | None = None, image_size: int | None = None
-              ) -> DataSplit:
+def standardize_split(data: DataSplit) -> DataSplit:
+    """Train and test images as ``(x - mean) / std`` with the training set's pixel statistics.
+
+    Only for in-memory ``(x, y)`` tensor sets (the test set uses the *training* statistics).
+    """
+    if not isinstance(data.train, tuple) or not isinstance(data.test, tuple):
+        raise ValueError("standardize_inputs needs an in-memory (x, y) tensor dataset")
+    x = data.train[0].float()
+    mean, std = float(x.mean()), float(x.std())
+    if not std > 0:
+        raise ValueError("cannot standardise: the training images are constant")
+
+    def one(ds: tuple) -> tuple:
+        return ((ds[0].float() - mean) / std, ds[1])
+
+    return DataSplit(one(data.train), one(data.test), data.num_classes, data.in_channels)
+
+
+def load_data(spec: str, num_classes: int | None = None, image_size: int | None = None,
+              *, standardize: bool = False) -> DataSplit:
     """``"digits"`` or ``"package.module:callable"`` returning a Dataset or (train, test).
 
     A single Dataset is split 75/25 deterministically. Items are ``(x, label)``. With
-    `image_size` every image is resized (bilinear) to that square size.
+    `image_size` every image is resized (bilinear) to that square size; with `standardize`
+    then standardised (:func:`standardize_split`).
     """
+    if standardize:
+        return standardize_split(load_data(spec, num_classes, image_size))
     if spec == "digits":
         return resize_split(_digits(), image_size)
     mod, _, attr = spec.partition(":")
@@ -440,7 +475,8 @@ class RankTrainer:
     def run(self) -> TrainingResult:
         cfg = self.config
         torch.manual_seed(cfg.seed)
-        data = self._data or load_data(cfg.dataset, cfg.num_classes, cfg.image_size)
+        data = self._data or load_data(cfg.dataset, cfg.num_classes, cfg.image_size,
+                                       standardize=cfg.standardize_inputs)
         self.groups = build_groups(self.group_label, timeout_s=cfg.timeout_s)
         model = _build_model(cfg, data).to(self.device).train()
         self.model = model
@@ -508,7 +544,7 @@ class RankTrainer:
                 # every rank has left the previous step (its all-reduce just completed)
                 forget_step(claims_store, str(sl.step - 1), self.world_size - 1)
             return claims.count, loss_sum
-        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+        opt = make_optimizer(cfg, model)
         sampler = AdaptiveBatchSampler(_size(data.train), cfg.global_batch, self.rank,
                                        self.world_size, seed=cfg.seed, policy=cfg.policy,
                                        rebalance_every=cfg.rebalance_every,

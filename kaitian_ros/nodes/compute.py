@@ -69,6 +69,7 @@ class ComputeNode:
         self.device = ic.check_device(self.params["device"])
         self.spec = ic.ModelSpec.from_params(self.params)
         self.graph = ic.build_graph(self.spec, self.params["device"])
+        self._trunk_flops = self.graph.trunk_flops()
         self.busy_clock = ic.busy_clock(self.device)
         self.plans: collections.OrderedDict[int, Plan] = collections.OrderedDict()
         self.requests: dict[int, RequestState] = {}
@@ -225,7 +226,11 @@ class ComputeNode:
         rows = sum(b - a for a, b in (plan.segment_rows_for(self.node_id, k) for k in range(plan.num_segments)))
         self.telemetry.publish(self._telemetry_msg(
             request_id=state.request_id, plan_version=state.plan_version, rows=rows,
-            work=float(stats["flops_planned"]), compute_ms=state.compute_s * 1e3,
+            # nominal work: this node's share of the whole trunk's cost. Not the FLOPs it
+            # actually ran: those depend on which layers its stripe covers (halos, a solo
+            # tail), and a speed in real FLOPs/ms made equal devices drift apart (docs/policy.md)
+            work=plan.shares[plan.index(self.node_id)] * self._trunk_flops,
+            compute_ms=state.compute_s * 1e3,
             # spread of this node's input arrivals: the link's share of the request's latency
             # (a burst on loopback arrives at once; through a rate-limited link it is spread out)
             transfer_ms=max(0.0, (state.last_input_s - state.first_input_s) * 1e3),

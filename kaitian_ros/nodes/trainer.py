@@ -76,6 +76,10 @@ PARAMETERS = (
     P("momentum", T.DOUBLE, 0.9, "SGD momentum", 0.0, 1.0, read_only=True),
     P("lr_schedule", T.STRING, "constant", "learning-rate schedule", read_only=True,
       choices=("constant", "cosine")),
+    P("optimizer", T.STRING, "sgd", "sgd (with momentum) or adam", read_only=True,
+      choices=("sgd", "adam")),
+    P("standardize_inputs", T.BOOL, False, "standardise images with the training set's "
+      "mean and std", read_only=True),
     P("warmup_steps", T.INTEGER, 0, "linear lr warm-up steps", 0, 2**31 - 1, read_only=True),
     P("seed", T.INTEGER, 0, "seed of weights and sample order", 0, 2**31 - 1, read_only=True),
     P("policy", T.STRING, "adaptive", "batch split policy", read_only=True, choices=_POLICIES),
@@ -96,7 +100,8 @@ PARAMETERS = (
 )
 
 _CONFIG_KEYS = ("model", "dataset", "global_batch", "epochs", "lr", "momentum", "lr_schedule",
-                "warmup_steps", "seed", "policy", "work_stealing",
+                "warmup_steps", "seed", "policy", "work_stealing", "optimizer",
+                "standardize_inputs",
                 "rebalance_every", "ewma_alpha", "hook", "timeout_s")
 
 

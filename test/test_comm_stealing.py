@@ -133,8 +133,8 @@ def _params_after(rank: int, world: int, cfg: TrainingConfig) -> dict:
 
 
 def test_stolen_steps_equal_single_process_steps() -> None:
-    base = dict(epochs=1, global_batch=256, seed=5, lr=0.05, image_size=8, max_steps=3,
-                evaluate_every_epoch=False)
+    base = {"epochs": 1, "global_batch": 256, "seed": 5, "lr": 0.05, "image_size": 8,
+            "max_steps": 3, "evaluate_every_epoch": False}
     single = run_local(_params_after, 1, TrainingConfig(**base), timeout_s=60)[0]
     # rank 1 emulates a device 4x slower; shares start equal and rebalance only after 5
     # steps, so every rank's planned slice is 128 and only stealing can move work

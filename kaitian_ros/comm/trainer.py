@@ -433,9 +433,9 @@ class RankTrainer:
         """The rendezvous store, for the per-step claim counters of work stealing."""
         try:
             store = dist.distributed_c10d._get_default_store()
-        except Exception as e:  # the process group was initialised without a store
+        except (RuntimeError, ValueError) as e:  # initialised without a store
             raise RuntimeError(f"work stealing needs the rendezvous store: {e}; set "
-                               "work_stealing: false") from None
+                               "work_stealing: off") from None
         return dist.PrefixStore("kaitian/steal", store)
 
     def _gather(self, x: float | Sequence[float]) -> list[Any]:

@@ -455,7 +455,7 @@ def main(argv: list[str]) -> int:
     """``kaitian bench training [--json PATH] [--quick]``."""
     p = BenchArgumentParser(prog="kaitian bench training")
     p.add_argument("--json", help=f"result JSON path (default {DEFAULT_DIR}/training.json)")
-    p.add_argument("--quick", action="store_true", help="short schedule (< 2 min on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="short schedule (about 5 min on 2 cores)")
     p.add_argument("--image-size", type=int, default=DEFAULT_IMAGE_SIZE,
                    help=f"digits resized to this square size (default {DEFAULT_IMAGE_SIZE}; 8 = native)")
     p.add_argument("--out-dir", default=str(DEFAULT_DIR), help="where the PNG (and JSON) go")

@@ -7,7 +7,10 @@ callback. The process group must already be initialised (see ``comm.launch``).
 One step on rank r: take this rank's contiguous slice (b_r samples) of the global batch
 (``comm.sampler``), forward/backward with the loss averaged over the local slice, the DDP
 hook scales by b_r/B and all-reduces hierarchically (``comm.hooks``), optimizer step --
-which makes every rank's update the single-process update on the union batch. If the
+which makes every rank's update the single-process update on the union batch. With work
+stealing (``work_stealing``, on for the adaptive policy) the slice is only where the rank
+starts: it claims chunks at run time (``comm.stealing``), accumulates them without
+communication and weighs the sum by 1/B, so the update stays exact. If the
 rank emulates a slower device (factor s), it sleeps (s-1) x its real compute time, and
 does so *before* each communication (for the compute since the previous one) and after the
 optimizer step (for that step): a real slow device arrives late at the all-reduce. Sleeping

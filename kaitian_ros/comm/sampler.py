@@ -135,12 +135,16 @@ class StepSlice:
 
     epoch: int
     step: int  # global step counter across epochs
-    indices: tuple[int, ...]
+    batch: tuple[int, ...]  # the whole global batch (work stealing moves the boundaries)
     offset: int  # start of this rank's slice inside the global batch
     local_batch: int
     global_batch: int
     counts: tuple[int, ...]  # slice size of every rank
-    batch: tuple[int, ...] = ()  # the whole global batch (work stealing moves boundaries)
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        """This rank's planned slice of the global batch."""
+        return self.batch[self.offset:self.offset + self.local_batch]
 
 
 class AdaptiveBatchSampler:
@@ -204,12 +208,9 @@ class AdaptiveBatchSampler:
         for k in range(start_step_in_epoch, self.steps_per_epoch()):
             batch = perm[k * self.global_batch:(k + 1) * self.global_batch]
             counts = split_counts(len(batch), self._shares_for(len(batch)))
-            off = sum(counts[:self.rank])
-            mine = batch[off:off + counts[self.rank]]
-            sl = StepSlice(epoch=epoch, step=self.step, indices=tuple(int(i) for i in mine),
-                           offset=off, local_batch=counts[self.rank],
-                           global_batch=len(batch), counts=counts,
-                           batch=tuple(int(i) for i in batch))
+            sl = StepSlice(epoch=epoch, step=self.step, batch=tuple(int(i) for i in batch),
+                           offset=sum(counts[:self.rank]), local_batch=counts[self.rank],
+                           global_batch=len(batch), counts=counts)
             self.step += 1
             yield sl
 

@@ -26,8 +26,8 @@ global batch whatever the final counts are.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 
@@ -99,20 +99,16 @@ class StepClaims:
             raise ValueError("first_fraction and min_fraction must be in (0, 1]")
         self.store, self.key = store, key
         self.first_fraction = first_fraction
-        self.sides = sides_of(counts, rank) if int(counts[rank]) > 0 else ()
         planned = int(counts[rank])
+        self.sides = sides_of(counts, rank) if planned > 0 else ()
         self.min_chunk = max(1, math.ceil(min_fraction * planned))
         self.taken = [0] * len(self.sides)  # samples this rank claimed on each side
         self.seen = [0] * len(self.sides)  # the gap's claimed total at this rank's last claim
         self.done = [s.size == 0 for s in self.sides]
-        self.claims = 0
 
     def _chunk(self, i: int) -> int:
         side = self.sides[i]
-        if side.planned <= 0:
-            frac = 0.0
-        else:
-            frac = side.planned / side.size
+        frac = max(side.planned, 0) / side.size  # open sides are never empty
         left = side.size - self.seen[i]
         want = math.ceil(self.first_fraction * frac * left)
         return max(self.min_chunk, want)
@@ -131,7 +127,6 @@ class StepClaims:
                 return None
             side, want = self.sides[i], self._chunk(i)
             total = int(self.store.add(f"{self.key}/{side.gap}", want))
-            self.claims += 1
             before = total - want
             self.seen[i] = min(total, side.size)
             got = min(want, side.size - before)

@@ -220,7 +220,6 @@ class ComputeNode:
     def _finish(self, state: RequestState, plan: Plan) -> None:
         del self.requests[state.request_id]
         self.completed += 1
-        stats = state.runner.stats()
         end = time.time()
         wall_ms = (end - state.started_s) * 1e3
         rows = sum(b - a for a, b in (plan.segment_rows_for(self.node_id, k) for k in range(plan.num_segments)))

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kaitian_ros.core.graph import (
-    PACK_MIN_WEIGHT_ELEMENTS,
     UnsplittableModelError,
     Window,
     prepacked_conv,
@@ -153,12 +152,33 @@ def test_prepacked_conv_equals_conv2d_for_any_rows_and_batch(cin: int, cout: int
             assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
-def test_prepacked_conv_declines_what_it_does_not_speed_up() -> None:
-    small = torch.randn(64, 64, 3, 3)
-    assert small.numel() < PACK_MIN_WEIGHT_ELEMENTS
-    assert prepacked_conv(small, None, (0, 1), (1, 1), (1, 1), 1, (1, 64, 10, 8)) is None
+def test_prepacked_conv_declines_what_it_cannot_run() -> None:
     big = torch.randn(256, 256, 3, 3)
     assert prepacked_conv(big.double(), None, (0, 1), (1, 1), (1, 1), 1, (1, 256, 10, 8)) is None
     grouped = torch.randn(512, 256, 3, 3)  # groups=2: stays on F.conv2d
     assert prepacked_conv(grouped, None, (0, 1), (1, 1), (1, 1), 2, (1, 512, 10, 8)) is None
+
+
+@pytest.mark.parametrize("cin,cout,k,stride", [(3, 64, 7, 2), (64, 64, 3, 1), (64, 128, 1, 2)])
+def test_prepacked_small_conv_equals_conv2d_on_channels_last_rows(cin: int, cout: int, k: int,
+                                                                  stride: int) -> None:
+    """Small convs are packed too (channels-last activations take the packed path at every
+    size): a channels-last window of any row count - a view into a row buffer - must give
+    F.conv2d's result, in channels-last layout."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN: prepacked_conv returns None by design")
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(cout, cin, k, k, generator=g), torch.randn(cout, generator=g)
+    width, pad = 16, k // 2
+    conv = prepacked_conv(w, b, (0, pad), (stride, stride), (1, 1), 1, (1, cin, 40, width))
+    assert conv is not None
+    buf = torch.randn(1, cin, 40, width, generator=g).contiguous(memory_format=torch.channels_last)
+    for out_rows in (1, 2, 5):
+        x = buf[:, :, 3:3 + (out_rows - 1) * stride + k]  # a row window: a channels-last view
+        assert x.is_contiguous(memory_format=torch.channels_last)
+        want = F.conv2d(x.contiguous(), w, b, stride, (0, pad))
+        got = conv(x)
+        assert got.shape == want.shape
+        assert got.is_contiguous(memory_format=torch.channels_last)
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 

@@ -4,6 +4,7 @@ share vector, slab size, cut choice and arrival order; malformed rows are refuse
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -125,3 +126,28 @@ def test_runner_rejects_bad_rows() -> None:
     # the runner is still usable after refusals
     r.feed(0, lo + 2, x[:, :, lo + 2:hi])
     assert r.expected_rows(0) == []
+
+
+def test_emit_hands_on_each_emission_as_its_rows_exist() -> None:
+    """With `emit`, a feed publishes its HALO rows the moment they are computed - before the
+    same feed goes on to compute the rest - and the emissions are exactly those `feed` returns
+    without it."""
+    g = _graph("resnet18", (3, 64, 64))
+    plan = make_plan(g, ["a", "b"], [0.5, 0.5], cuts=g.cut_values)
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(3))
+    lo, hi = plan.input_rows_for("a")
+    returned = StripeRunner(g, plan, "a", min_run_rows=1).feed(0, lo, x[:, :, lo:hi])
+    runner = StripeRunner(g, plan, "a", min_run_rows=1)
+    handed: list[tuple[Emission, int]] = []
+    left = runner.feed(0, lo, x[:, :, lo:hi], emit=lambda e: handed.append((e, runner.stats()["rows_computed"])))
+    assert left == [] and handed
+    assert [(e.role, e.segment, e.consumer, e.row_offset) for e, _ in handed] == \
+        [(e.role, e.segment, e.consumer, e.row_offset) for e in returned]
+    for (e, _), r in zip(handed, returned):
+        assert torch.equal(e.rows, r.rows)
+    total = runner.stats()["rows_computed"]
+    assert handed[0][1] < total  # the first HALO left while the feed still had rows to compute
+    # time spent in the callback is not the node's compute
+    slow = StripeRunner(g, plan, "a", min_run_rows=1)
+    slow.feed(0, lo, x[:, :, lo:hi], emit=lambda e: time.sleep(0.05))
+    assert slow.stats()["compute_s"] < 0.05 * len(handed)

@@ -157,6 +157,13 @@ class ModelGraph:
     device: torch.device = torch.device("cpu")  # where the ops' weights live (the model's)
 
     @property
+    def activation_format(self) -> torch.memory_format:
+        """Memory format of activations between ops: channels-last (NHWC) on a CPU, where a
+        block of rows is then one contiguous slice - a stripe's input window is a view, not a
+        copy - and oneDNN's convolutions run without reordering their input; NCHW elsewhere."""
+        return CPU_ACTIVATION_FORMAT if self.device.type == "cpu" else torch.contiguous_format
+
+    @property
     def num_values(self) -> int:
         return len(self.value_shapes)
 
@@ -177,13 +184,14 @@ class ModelGraph:
     def run_ops(self, x: Tensor, first_value: int = 0, last_value: int | None = None) -> Tensor:
         """Run the fused trunk ops on whole tensors from `first_value` (a cut) to `last_value`."""
         last = self.output_value if last_value is None else last_value
-        vals: dict[int, Tensor] = {first_value: x}
+        fmt = self.activation_format
+        vals: dict[int, Tensor] = {first_value: x.contiguous(memory_format=fmt)}
         for j in range(first_value, last):
             op = self.ops[j]
             ins = [vals[u] for u in op.inputs]
             if op.window is not None:
                 ins = [_pad_rows(ins[0], op.window, 0, op.window.out_h, op.pad_value)]
-            vals[j + 1] = op.run(ins, 0, op.out_shape[1])
+            vals[j + 1] = op.run(ins, 0, op.out_shape[1]).contiguous(memory_format=fmt)
         return vals[last]
 
     def trunk_flops(self) -> float:
@@ -218,18 +226,26 @@ def _pad_rows(x: Tensor, w: Window, lo: int, hi: int, fill: float) -> Tensor:
     return border_rows(x[:, :, ca:cb], ca - ra, rb - cb, fill)
 
 
+def memory_format_of(x: Tensor) -> torch.memory_format:
+    """channels_last for an NHWC-strided 4-D tensor, else contiguous (NCHW)."""
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
 def border_rows(x: Tensor, top: int, bottom: int, fill: float) -> Tensor:
     """Add `top`/`bottom` rows of `fill` (padding only exists at the true image border)."""
     if top <= 0 and bottom <= 0:
         return x
-    n, c, _, w = x.shape
-    parts = []
+    n, c, h, w = x.shape
+    out = torch.empty((n, c, top + h + bottom, w), dtype=x.dtype, device=x.device,
+                      memory_format=memory_format_of(x))
     if top > 0:
-        parts.append(x.new_full((n, c, top, w), fill))
-    parts.append(x)
+        out[:, :, :top].fill_(fill)
+    out[:, :, top:top + h].copy_(x)
     if bottom > 0:
-        parts.append(x.new_full((n, c, bottom, w), fill))
-    return torch.cat(parts, dim=2)
+        out[:, :, top + h:].fill_(fill)
+    return out
 
 
 # --------------------------------------------------------------------------- op tables
@@ -436,11 +452,16 @@ def _avg_divisor(m: nn.AvgPool2d, in_hw: tuple[int, int], out_hw: tuple[int, int
     return (sizes[0][:, None] * sizes[1][None, :]).view(1, 1, *out_hw).to(device)
 
 
-# The default CPU conv reorders its weights on every call; below about this many weight
-# elements that costs little and the blocked kernels are no faster - sometimes much slower
-# (a 1-row 64-channel 3x3 conv: 3.3 ms packed against 0.06 ms). From 128->256 3x3 up the
-# packed path was as fast or faster at every row count measured (session 4).
-PACK_MIN_WEIGHT_ELEMENTS = 1 << 18
+# Activations between trunk ops on a CPU (`ModelGraph.activation_format`). Measured here
+# (session 6, ResNet-18 224, one thread, interleaved medians): channels-last with every conv
+# prepacked made the whole trunk 10 % faster than NCHW (53.9 -> 48.4 ms), a streamed
+# single-node stripe 10 % and the two stripes of a 0.7/0.3 split 11-12 %.
+CPU_ACTIVATION_FORMAT = torch.channels_last
+# With NCHW input the packed kernels only pay from about this many weight elements: below it
+# they can be much slower (a 1-row 64-channel 3x3 conv: 3.3 ms packed against 0.06 ms,
+# session 4). With channels-last input they were as fast or faster at every size and row
+# count measured (session 6), so channels-last input always takes the packed path.
+NCHW_PACK_MIN_WEIGHT_ELEMENTS = 1 << 18
 
 
 def prepacked_conv(weight: Tensor, bias: Tensor | None, padding: tuple[int, int],
@@ -454,10 +475,11 @@ def prepacked_conv(weight: Tensor, bias: Tensor | None, padding: tuple[int, int]
     512-channel 3x3 conv (9.4 MB of weights) took 7.1 ms, as long as all 7 rows (7.3 ms);
     prepacked it takes 0.26 ms and 4.6 ms (docs/benchmarks.md, session 4). Row splits pay that
     fixed cost once per node and per run, so it decides whether splitting pays at all.
-    The packed op is checked against ``F.conv2d`` once here; any mismatch or error -> None.
+    The packed op is checked against ``F.conv2d`` once here (on channels-last input, as the
+    trunk runs it); any mismatch or error -> None.
     """
     if (weight.device.type != "cpu" or weight.dtype != torch.float32 or groups != 1
-            or weight.numel() < PACK_MIN_WEIGHT_ELEMENTS or not torch.backends.mkldnn.is_available()):
+            or not torch.backends.mkldnn.is_available()):
         return None
     try:
         mkldnn = torch.ops.mkldnn
@@ -469,6 +491,7 @@ def prepacked_conv(weight: Tensor, bias: Tensor | None, padding: tuple[int, int]
                 return mkldnn._convolution_pointwise(x, packed_w, bias, pad, st, dil, groups, "none", [], "")
 
             probe = torch.randn(1, *input_shape[1:3], input_shape[3], generator=torch.Generator().manual_seed(0))
+            probe = probe.contiguous(memory_format=torch.channels_last)
             want = F.conv2d(probe, weight, bias, st, pad, dil, groups)
             got = conv(probe)
         if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
@@ -513,9 +536,12 @@ def _compile(raw: _Raw, epilogue: list[Callable[[Tensor], Tensor]], gm: fx.Graph
         packed = prepacked_conv(weight, bias, padding, stride, dil, groups,
                                 (1, cin, (hout - 1) * sh + dh * (kh - 1) + 1, win + (0 if sym else pl + pr)))
 
+        packed_for_nchw = weight.numel() >= NCHW_PACK_MIN_WEIGHT_ELEMENTS
+
         def run(xs: list[Tensor], lo: int, hi: int) -> Tensor:
             x = xs[0] if sym else F.pad(xs[0], (pl, pr, 0, 0))
-            if packed is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            if packed is not None and x.dtype == torch.float32 and x.device.type == "cpu" and (
+                    packed_for_nchw or memory_format_of(x) == torch.channels_last):
                 return finish(packed(x))
             return finish(F.conv2d(x, weight, bias, stride, padding, dil, groups))
 
@@ -541,10 +567,12 @@ def _compile(raw: _Raw, epilogue: list[Callable[[Tensor], Tensor]], gm: fx.Graph
                 if p[1] or pad_r:
                     x = F.pad(x, (p[1], pad_r), value=float("-inf"))
                 span_h = (hi - lo - 1) * s[0] + 1
-                y: Tensor | None = None
-                for oy, ox in offsets:
-                    v = x[:, :, oy:oy + span_h:s[0], ox:ox + span_w:s[1]]
-                    y = v.clone() if y is None else torch.maximum(y, v, out=y)
+                views = [x[:, :, oy:oy + span_h:s[0], ox:ox + span_w:s[1]] for oy, ox in offsets]
+                y = torch.empty(views[0].shape, dtype=x.dtype, device=x.device,
+                                memory_format=memory_format_of(xs[0]))  # keep the input's layout
+                y.copy_(views[0])
+                for v in views[1:]:
+                    torch.maximum(y, v, out=y)
                 return finish(y)
 
             window = Window(k[0], s[0], p[0], d[0], hin, hout)

@@ -7,19 +7,32 @@ not-yet-computed row whose input window is now fully available - in maximal cont
 so each row of each op is computed exactly once and convs see as many rows per call as have
 arrived. Own segment-k output rows are immediately segment k+1 input; rows neighbours need are
 emitted as HALO, rows of the last segment as OUTPUT, as soon as they exist.
+
+With an `emit` callback each emission is handed on the moment its rows exist, not at the end
+of the feed: a HALO computed early in a feed travels while the node computes the rest.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from .graph import EMPTY, Interval, ModelGraph, border_rows, hull, intersect, iv_add, \
-    iv_intersect, iv_sub
+from .graph import (
+    EMPTY,
+    Interval,
+    ModelGraph,
+    border_rows,
+    hull,
+    intersect,
+    iv_add,
+    iv_intersect,
+    iv_sub,
+)
 from .plan import Plan
 
 COORDINATOR = "coordinator"
@@ -71,6 +84,8 @@ class StripeRunner:
             if k > 0:
                 self._targets[seg.in_value] = [(h.dst, k, (h.lo, h.hi))
                                                for h in plan.halo_targets(node_id, k)]
+        self._emit_now: Callable[[Emission], None] | None = None
+        self._emit_s = 0.0
         self._final = graph.output_value
         self._last_seg = last
         for v in range(1, nv):
@@ -98,7 +113,11 @@ class StripeRunner:
     def stats(self) -> dict:
         return dict(self._stats)
 
-    def feed(self, segment: int, row_offset: int, rows: Tensor) -> list[Emission]:
+    def feed(self, segment: int, row_offset: int, rows: Tensor,
+             emit: Callable[[Emission], None] | None = None) -> list[Emission]:
+        """Take `rows` of `segment`'s input at `row_offset`, compute what they complete and
+        return the resulting emissions - or, with `emit`, hand each one to it as soon as its
+        rows exist (and return [])."""
         if not 0 <= segment < len(self._seg_in):
             raise ValueError(f"segment {segment} out of range 0..{len(self._seg_in) - 1}")
         v = self._seg_in[segment]
@@ -122,6 +141,7 @@ class StripeRunner:
         if self._n is None:
             self._allocate(n, rows.dtype)
         t0 = time.perf_counter()
+        self._emit_now, self._emit_s = emit, 0.0
         buf = self._bufs[v]
         off = self._buf_rng[v][0]
         buf[:, :, lo - off:hi - off].copy_(rows)  # also host -> device when the graph is there
@@ -129,8 +149,11 @@ class StripeRunner:
         self._avail[v] = iv_add(self._avail[v], (lo, hi))
         self._stats["rows_in" if segment == 0 else "halo_rows_in"] += r
         self._stats["feeds"] += 1
-        out = self._advance({v})
-        self._stats["compute_s"] += time.perf_counter() - t0
+        try:
+            out = self._advance({v})
+        finally:
+            self._emit_now = None
+        self._stats["compute_s"] += time.perf_counter() - t0 - self._emit_s
         return out
 
     # ------------------------------------------------------------------ internals
@@ -140,7 +163,8 @@ class StripeRunner:
             if hi > lo:
                 c, _, w = self.graph.value_shapes[v]
                 self._bufs[v] = torch.empty((n, c, hi - lo, w), dtype=dtype,
-                                            device=self.graph.device)
+                                            device=self.graph.device,
+                                            memory_format=self.graph.activation_format)
 
     def _advance(self, changed: set[int]) -> list[Emission]:
         out: list[Emission] = []
@@ -165,7 +189,13 @@ class StripeRunner:
                     continue  # more rows next to this run are coming: compute them together
                 self._compute(j, a, b)
                 changed.add(v)
-                out.extend(self._emit(v, a, b))
+                for e in self._emit(v, a, b):
+                    if self._emit_now is None:
+                        out.append(e)
+                    else:
+                        t0 = time.perf_counter()
+                        self._emit_now(e)
+                        self._emit_s += time.perf_counter() - t0  # not this node's compute
         return out
 
     def _compute(self, j: int, a: int, b: int) -> None:

@@ -175,11 +175,7 @@ class ComputeNode:
                                      StripeRunner(self.graph, plan, self.node_id,
                                                   min_run_rows=self.params["min_run_rows"]),
                                      started_s=now, frame_id=msg.header.frame_id)
-            t0 = self.busy_clock()
-            emissions = state.runner.feed(int(msg.segment), int(msg.row_offset), rows)
-            if self.device.type == "cuda":  # kernels run asynchronously: time them whole
-                torch.cuda.synchronize(self.device)
-            spent = self.busy_clock() - t0
+            spent = self._feed(state, plan, msg, rows)
         except (ValueError, interfaces.DecodeError) as exc:
             self.rt.rejected.count(f"bad chunk: request {msg.request_id}: {exc}")
             return
@@ -189,14 +185,35 @@ class ComputeNode:
             state.first_input_s = min(state.first_input_s or arrived, arrived)
             state.last_input_s = max(state.last_input_s, arrived)
         state.bytes_in += len(msg.data)
-        slowdown = self.params["emulated_slowdown"]
-        if slowdown > 1.0 and spent > 0:
-            time.sleep((slowdown - 1.0) * spent)  # emulated: this device is s times slower
-            spent *= slowdown
         state.compute_s += spent
-        self._publish(state, plan, emissions)
         if state.runner.done:
             self._finish(state, plan)
+
+    def _feed(self, state: RequestState, plan: Plan, msg: Any, rows: torch.Tensor) -> float:
+        """Feed rows to the request's runner, publishing every emission the moment its rows
+        exist; returns the device time spent (EMULATED: times the slowdown)."""
+        slowdown = self.params["emulated_slowdown"]
+        t0, wall0 = self.busy_clock(), time.perf_counter()
+        publishing = 0.0  # device time spent handing rows to the middleware, not computing
+
+        def emit(e: Any) -> None:
+            nonlocal publishing
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            if slowdown > 1.0:  # EMULATED: a device s times slower has these rows only now
+                _sleep_until(wall0 + slowdown * (self.busy_clock() - t0 - publishing))
+            p0 = self.busy_clock()
+            self._publish(state, plan, [e])
+            publishing += self.busy_clock() - p0
+
+        state.runner.feed(int(msg.segment), int(msg.row_offset), rows, emit=emit)
+        if self.device.type == "cuda":  # kernels run asynchronously: time them whole
+            torch.cuda.synchronize(self.device)
+        spent = self.busy_clock() - t0 - publishing
+        if slowdown > 1.0 and spent > 0:
+            _sleep_until(wall0 + slowdown * spent)  # emulated: this device is s times slower
+            spent *= slowdown
+        return spent
 
     def _publish(self, state: RequestState, plan: Plan, emissions: list) -> None:
         for e in emissions:
@@ -270,6 +287,13 @@ class ComputeNode:
             "emulated_slowdown": self.params["emulated_slowdown"], "in_flight": len(self.requests),
             "plans": ",".join(map(str, self.plans)), "rejected": rejected.total,
             "last_reject_reason": rejected.last_reason} | {f"rejected.{k}": v for k, v in rejected.counts.items()})
+
+
+def _sleep_until(deadline: float) -> None:
+    """Sleep until perf_counter() reaches `deadline` (at once if it has passed)."""
+    left = deadline - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -735,9 +735,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--size", type=int, default=224, help="input height = width")
     p.add_argument("--frames", type=int, default=None, help="measured frames per variant (default 30, quick 6)")
     p.add_argument("--rounds", type=int, default=None, help="variants interleaved in this many rounds")
-    p.add_argument("--slab-rows", type=int, default=32, help="streamed slab rows (ours, equal, single)")
-    p.add_argument("--min-run-rows", type=int, default=16,
-                   help="compute nodes' min_run_rows for the streamed variants (product default 16)")
+    p.add_argument("--slab-rows", type=int, default=64,
+                   help="streamed slab rows (ours, equal, single); default 64 as in hetero_inference.yaml")
+    p.add_argument("--min-run-rows", type=int, default=32,
+                   help="compute nodes' min_run_rows for the streamed variants (hetero_inference.yaml: 32)")
     p.add_argument("--startup-timeout", type=float, default=180.0)
     p.add_argument("--balance-passes", type=int, default=None,
                    help="passes over the share candidates before measuring (default 2, quick 1)")

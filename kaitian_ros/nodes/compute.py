@@ -33,7 +33,7 @@ PARAMETERS = ic.MODEL_PARAMETERS + (
       read_only=True),
     P("threads", T.INTEGER, 1, "torch CPU threads for this node", 1, 256),
     P("emulated_slowdown", T.DOUBLE, 1.0,
-      "emulate a slower device: after each compute sleep (s-1)x its compute time (1.0 = real speed)", 1.0, 100.0),
+      "emulate a slower device: rows are released at s x their compute time (1.0 = real speed)", 1.0, 100.0),
     P("min_run_rows", T.INTEGER, 16, "defer conv runs shorter than this while more rows are coming", 1, 4096),
     P("heartbeat_hz", T.DOUBLE, 4.0, "heartbeat telemetry rate", 2.0, 100.0),
     P("request_timeout_s", T.DOUBLE, 10.0, "forget an unfinished request after this long", 0.1, 3600.0),

@@ -14,7 +14,8 @@ same parameters. Split in two:
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from kaitian_ros.scenario import Scenario, load_scenario
 
@@ -82,9 +83,10 @@ def generate_nodes(scenario_name: str, overrides: Sequence[str] | Sequence[tuple
 
 def launch_description(scenario_name: str) -> Any:
     """LaunchDescription: the scenario's launch arguments + an OpaqueFunction building the nodes."""
-    from launch import LaunchDescription
     from launch.actions import DeclareLaunchArgument, OpaqueFunction
     from launch.substitutions import LaunchConfiguration
+
+    from launch import LaunchDescription
 
     arguments = LAUNCH_ARGUMENTS.get(scenario_name, {})
 

@@ -21,8 +21,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 HELPERS = Path(__file__).resolve()
@@ -34,7 +35,7 @@ if str(REPO) not in sys.path:
 
 # --- ports, routers, environments ---------------------------------------------------------
 
-from kaitian_ros.launcher import free_port  # noqa: E402  (one definition, shared with the benches)
+from kaitian_ros.launcher import free_port  # one definition, shared with the benches
 
 
 def child_env(router: str, **extra: str) -> dict[str, str]:

@@ -12,14 +12,15 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import yaml
-
 from helpers import Collector, wait_until
+
 from kaitian_ros.core.tensors import image_to_array, preprocess, relative_error
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.runtime import interfaces
@@ -189,10 +190,10 @@ class InferenceGraph:
         if self.launcher is not None:
             self.launcher.stop()
 
-    def __enter__(self) -> "InferenceGraph":
+    def __enter__(self) -> InferenceGraph:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # --- frames ---------------------------------------------------------------------------
@@ -305,5 +306,13 @@ class InferenceGraph:
         return [t for t in self.telemetry.snapshot() if t.node_id == node]
 
 
-__all__ = ["Collector", "InferenceGraph", "TOLERANCE", "image_msg", "scenario_dict",
-           "stamp_key", "synthetic_image", "wait_until"]
+__all__ = [
+    "TOLERANCE",
+    "Collector",
+    "InferenceGraph",
+    "image_msg",
+    "scenario_dict",
+    "stamp_key",
+    "synthetic_image",
+    "wait_until",
+]

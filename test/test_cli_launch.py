@@ -13,7 +13,6 @@ import textwrap
 
 import pytest
 import yaml
-
 from helpers import (  # noqa: F401  (router is a fixture)
     Probe,
     Proc,
@@ -25,6 +24,7 @@ from helpers import (  # noqa: F401  (router is a fixture)
     run_cli,
     wait_until,
 )
+
 from kaitian_ros.runtime.api import QoS
 
 STARTED = r"\[launch\] started (\S+) \((\S+)\) pid (\d+)"

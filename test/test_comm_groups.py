@@ -6,8 +6,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kaitian_ros.comm.groups import (backend_for_device, build_groups, device_backends,
-                                     parse_device, plan_topology, register_device_backend)
+from kaitian_ros.comm.groups import (
+    backend_for_device,
+    build_groups,
+    device_backends,
+    parse_device,
+    plan_topology,
+    register_device_backend,
+)
 from kaitian_ros.comm.launch import run_local
 
 

@@ -6,8 +6,6 @@ labels (cpu:a, cpu:b) so two groups of different sizes exist on one CPU host.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,8 +13,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kaitian_ros.comm.groups import build_groups
-from kaitian_ros.comm.hooks import (HookState, flat_all_reduce, flat_hook,
-                                    hierarchical_all_reduce, hierarchical_hook)
+from kaitian_ros.comm.hooks import (
+    HookState,
+    flat_all_reduce,
+    flat_hook,
+    hierarchical_all_reduce,
+    hierarchical_hook,
+)
 from kaitian_ros.comm.launch import run_local
 
 BATCHES = (5, 17, 42)

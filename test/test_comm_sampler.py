@@ -6,8 +6,13 @@ import math
 
 import pytest
 
-from kaitian_ros.comm.sampler import (AdaptiveBatchSampler, epoch_permutation,
-                                      shares_from_model, shares_from_times, split_counts)
+from kaitian_ros.comm.sampler import (
+    AdaptiveBatchSampler,
+    epoch_permutation,
+    shares_from_model,
+    shares_from_times,
+    split_counts,
+)
 
 
 def _ranks(n: int, world: int, B: int, **kw) -> list[AdaptiveBatchSampler]:

@@ -59,7 +59,7 @@ def test_gathered_stripes_equal_trunk(name: str, shape: tuple[int, int, int]) ->
 
 
 def test_exotic_ops_through_stripes() -> None:
-    from test_core_graph import _Exotic  # noqa: PLC0415 - shared test model
+    from test_core_graph import _Exotic  # shared test model
 
     torch.manual_seed(0)
     g = split_model(_Exotic(), (3, 21, 19))

@@ -74,7 +74,7 @@ def fast_decode(payload):
         return "error", None
 
 
-u = lambda bits: st.integers(0, 2**bits - 1)  # noqa: E731
+u = lambda bits: st.integers(0, 2**bits - 1)
 text = st.text(max_size=24)  # any unicode (surrogates excluded: not UTF-8 encodable)
 
 chunks = st.builds(

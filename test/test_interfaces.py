@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import struct
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
 from helpers import REPO, raw_session, router, spawn_helper, wait_until  # noqa: F401  (fixture)
+
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime import zenoh_session as zs
 
@@ -67,7 +66,7 @@ def sample_messages() -> dict[str, object]:
 
 def fresh_store():
     """A rosbags type store built here from the .msg files, independent of interfaces.typestore()."""
-    from rosbags.typesys import Stores, get_typestore, get_types_from_msg
+    from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 
     store = get_typestore(Stores.ROS2_JAZZY)
     types = {}

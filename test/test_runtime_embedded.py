@@ -7,8 +7,8 @@ import random
 
 import numpy as np
 import pytest
-
 from helpers import Probe, raw_session, router, spawn_helper, spawn_node, wait_until  # noqa: F401
+
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime import zenoh_session as zs
 from kaitian_ros.runtime.api import QoS

@@ -33,7 +33,6 @@ from kaitian_ros.runtime.api import ParameterDescriptor as P
 from kaitian_ros.runtime.api import ParameterType as T
 from kaitian_ros.runtime.api import QoS, SetParametersResult
 
-
 # --- the test double ------------------------------------------------------------------------
 
 class FakeRclpy:

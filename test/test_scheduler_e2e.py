@@ -19,7 +19,11 @@ import time
 
 import pytest
 
-from kaitian_ros.bench.adaptivity import AdaptivityGraph, check_requests, scenario_config
+from kaitian_ros.bench.adaptivity import (
+    AdaptivityGraph,
+    check_requests,
+    scenario_config,
+)
 
 MODEL = dict(model="resnet18", height=128, width=128, num_classes=10, slab_rows=8)
 ADAPT_WITHIN = 15  # requests after the first slowed one until a plan shrinks the slowed node (measured 6-10)

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import yaml
-
 from helpers import child_env, free_port
 
 pytest.importorskip("kaitian_ros.core.models")

@@ -31,11 +31,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
+
 from kaitian_ros.bench import BenchArgumentParser
 
 DEFAULT_JSON = Path("bench/results/adaptivity.json")
@@ -194,10 +196,10 @@ class AdaptivityGraph:
             self.launcher = None
         self._tmp.cleanup()
 
-    def __enter__(self) -> "AdaptivityGraph":
+    def __enter__(self) -> AdaptivityGraph:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # --- observation ---------------------------------------------------------------------
@@ -431,7 +433,7 @@ def phase_slices(run: PolicyRun) -> dict[str, list[float]]:
 
 
 def _rolling_median(xs: Sequence[float], w: int) -> list[float]:
-    return [statistics.median(xs[i:i + w]) for i in range(0, max(0, len(xs) - w + 1))]
+    return [statistics.median(xs[i:i + w]) for i in range(max(0, len(xs) - w + 1))]
 
 
 def steady_state(latencies: Sequence[float]) -> float | None:

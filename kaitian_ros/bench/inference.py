@@ -34,11 +34,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
+
 from kaitian_ros.bench import BenchArgumentParser
 
 DEFAULT_JSON = Path("bench/results/inference.json")
@@ -393,7 +395,7 @@ class Driver:
                 "node_compute_ms": {w: (t.compute_ms if t is not None else None) for w, t in comp.items()}}
 
 
-def _wait_for(replies: "queue.Queue", wanted: Callable[[Any], bool], deadline: float) -> tuple[float, Any] | None:
+def _wait_for(replies: queue.Queue, wanted: Callable[[Any], bool], deadline: float) -> tuple[float, Any] | None:
     """The first (arrival time, message) from ``replies`` that ``wanted`` accepts, None at
     ``deadline`` (perf_counter); older replies (earlier, timed-out frames) are skipped."""
     while True:

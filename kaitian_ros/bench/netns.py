@@ -69,7 +69,7 @@ class Links:
         """Prefix a command with this to run it inside device i's namespace."""
         return ["ip", "netns", "exec", self.netns(i)]
 
-    def __enter__(self) -> "Links":
+    def __enter__(self) -> Links:
         self.open()
         return self
 

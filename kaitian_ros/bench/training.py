@@ -36,9 +36,11 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
+
 from kaitian_ros.bench import BenchArgumentParser
 
 DEFAULT_DIR = Path("bench/results")
@@ -201,8 +203,16 @@ def split_train(cfg: Any, *, shares: Sequence[float] | None = None,
     from torch import nn
 
     from kaitian_ros.comm.sampler import AdaptiveBatchSampler, split_counts
-    from kaitian_ros.comm.trainer import _batch, _build_model, _size, evaluate, load_data, lr_at, \
-        make_optimizer, set_lr
+    from kaitian_ros.comm.trainer import (
+        _batch,
+        _build_model,
+        _size,
+        evaluate,
+        load_data,
+        lr_at,
+        make_optimizer,
+        set_lr,
+    )
 
     torch.set_num_threads(1)  # as every rank: kernels (and their summation order) match
     torch.manual_seed(cfg.seed)

@@ -29,6 +29,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
 from kaitian_ros.bench import BenchArgumentParser
 
 BIG = 4 * 1024 * 1024
@@ -49,7 +50,7 @@ def _emit(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def _commands() -> "queue.SimpleQueue[dict[str, Any]]":
+def _commands() -> queue.SimpleQueue[dict[str, Any]]:
     """stdin lines (JSON commands from the orchestrator) on a queue."""
     q: queue.SimpleQueue = queue.SimpleQueue()
 

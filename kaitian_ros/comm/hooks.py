@@ -17,8 +17,9 @@ cost.
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

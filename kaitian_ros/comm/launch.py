@@ -29,10 +29,11 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,7 +67,7 @@ class DistEnv:
     master_port: int
 
     @staticmethod
-    def from_environ(environ: dict[str, str] | None = None) -> "DistEnv":
+    def from_environ(environ: dict[str, str] | None = None) -> DistEnv:
         e = os.environ if environ is None else environ
         try:
             return DistEnv(rank=int(e["RANK"]), world_size=int(e["WORLD_SIZE"]),

@@ -27,8 +27,8 @@ after the first ``rebalance_every`` steps, then frozen, like KAITIAN's profiling
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
 
 import numpy as np
 

@@ -27,9 +27,10 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -155,7 +156,7 @@ class TrainingConfig:
         return s[rank]
 
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> "TrainingConfig":
+    def from_dict(d: dict[str, Any]) -> TrainingConfig:
         names = {f.name for f in fields(TrainingConfig)}
         unknown = set(d) - names
         if unknown:

@@ -16,26 +16,27 @@ with W the model cost of a whole request, B its bytes, k_i = max(W/speed_i, B/li
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Mapping, Sequence, Union
+from typing import Union
 
 __all__ = [
-    "POLICIES",
     "PARAMETERS",
+    "POLICIES",
+    "Assignment",
+    "NodeEstimate",
     "ParamDescriptor",
     "PolicyConfig",
-    "TelemetrySample",
-    "NodeEstimate",
-    "Assignment",
     "PolicyState",
+    "TelemetrySample",
     "config_from_params",
+    "decide",
     "equalise_finish_time",
-    "predicted_makespan",
+    "heartbeat",
     "initial_state",
     "observe",
-    "heartbeat",
-    "decide",
+    "predicted_makespan",
 ]
 
 POLICIES: tuple[str, ...] = ("adaptive", "static", "equal", "profile_once")

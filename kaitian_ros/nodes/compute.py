@@ -23,9 +23,9 @@ from kaitian_ros.core.stripe import StripeRunner
 from kaitian_ros.core.tensors import normalise_input
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.runtime import interfaces, run_node
+from kaitian_ros.runtime.api import MessageInfo, QoS, Runtime, SetParametersResult
 from kaitian_ros.runtime.api import ParameterDescriptor as P
 from kaitian_ros.runtime.api import ParameterType as T
-from kaitian_ros.runtime.api import MessageInfo, QoS, Runtime, SetParametersResult
 from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher, Level
 
 PARAMETERS = ic.MODEL_PARAMETERS + (

@@ -63,7 +63,7 @@ class ModelSpec:
     weights: str
 
     @classmethod
-    def from_params(cls, params: dict[str, Any]) -> "ModelSpec":
+    def from_params(cls, params: dict[str, Any]) -> ModelSpec:
         return cls(params["model"], (params["input_channels"], params["input_height"], params["input_width"]),
                    params["num_classes"], params["seed"], params["weights"])
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from kaitian_ros.core import policy as pol
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.runtime import run_node

@@ -210,7 +210,11 @@ class TrainerNode:
         import torch
         import torch.distributed as dist
 
-        from kaitian_ros.comm.launch import DistEnv, init_distributed, shutdown_distributed
+        from kaitian_ros.comm.launch import (
+            DistEnv,
+            init_distributed,
+            shutdown_distributed,
+        )
         from kaitian_ros.comm.trainer import RankTrainer
 
         torch.set_num_threads(int(self.params["threads"]))

@@ -10,7 +10,8 @@ import importlib.util
 import os
 import signal
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kaitian_ros.runtime.api import Runtime
 from kaitian_ros.runtime.node_args import NodeArgsError, parse_node_args

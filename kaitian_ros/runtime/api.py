@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 ParameterValue = Any  # bool | int | float | str | list[float] | list[int] | list[str]
 

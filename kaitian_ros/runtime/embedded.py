@@ -16,7 +16,8 @@ import queue
 import sys
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kaitian_ros.runtime import fast_cdr, interfaces
 from kaitian_ros.runtime import zenoh_session as zs
@@ -88,7 +89,7 @@ def make_logger(name: str) -> logging.Logger:
 
 
 class EmbeddedPublisher:
-    def __init__(self, rt: "EmbeddedRuntime", topic: str, msg_type: str, qos: QoS) -> None:
+    def __init__(self, rt: EmbeddedRuntime, topic: str, msg_type: str, qos: QoS) -> None:
         self.topic = topic
         self.msg_type = interfaces.full_type_name(msg_type)
         self.qos = qos
@@ -135,7 +136,7 @@ class EmbeddedPublisher:
 
 
 class EmbeddedSubscription:
-    def __init__(self, rt: "EmbeddedRuntime", topic: str, msg_type: str,
+    def __init__(self, rt: EmbeddedRuntime, topic: str, msg_type: str,
                  callback: Callable[..., None], qos: QoS, with_info: bool = False) -> None:
         self.topic = topic
         self.with_info = with_info

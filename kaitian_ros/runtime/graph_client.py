@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime import zenoh_session as zs
@@ -41,10 +42,10 @@ class GraphClient:
     def close(self) -> None:
         self.session.close()
 
-    def __enter__(self) -> "GraphClient":
+    def __enter__(self) -> GraphClient:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def liveliness(self) -> list[zs.LivelinessEntry]:

@@ -61,7 +61,7 @@ def find_share_file(kind: str, name: str) -> Path:
 @functools.lru_cache(maxsize=1)
 def typestore() -> Any:
     """The process-wide rosbags type store (Jazzy + kaitian_ros interfaces)."""
-    from rosbags.typesys import Stores, get_typestore, get_types_from_msg
+    from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 
     store = get_typestore(Stores.ROS2_JAZZY)
     types: dict = {}
@@ -91,7 +91,7 @@ def dds_type_name(name: str) -> str:
     return f"{pkg}::{kind}::dds_::{short}_"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def type_hash(name: str) -> str:
     """RIHS01 type hash as rosidl computes it."""
     return typestore().hash_rihs01(full_type_name(name))

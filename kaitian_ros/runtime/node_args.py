@@ -6,9 +6,10 @@ Accepted (the subset launch_ros passes): ``--ros-args``, ``-r __node:=NAME``, ``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import yaml
 

@@ -36,9 +36,10 @@ import array
 import importlib
 import sys
 import threading
-import traceback
 import time
-from typing import Any, Callable, Sequence
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime.api import (
@@ -139,7 +140,7 @@ class RosLogger:
 class RosPublisher:
     """Publishes rosbags messages as their CDR bytes through an rclpy publisher."""
 
-    def __init__(self, rt: "RosRuntime", topic: str, msg_type: str, qos: QoS) -> None:
+    def __init__(self, rt: RosRuntime, topic: str, msg_type: str, qos: QoS) -> None:
         self.msg_type = interfaces.full_type_name(msg_type)
         self.qos = qos
         self._pub = rt.node.create_publisher(message_class(self.msg_type), topic, rt.qos_profile(qos))
@@ -156,7 +157,7 @@ class RosPublisher:
 class RosSubscription:
     """rclpy raw subscription: CDR bytes -> interfaces.decode -> node callback; bad input counted."""
 
-    def __init__(self, rt: "RosRuntime", topic: str, msg_type: str,
+    def __init__(self, rt: RosRuntime, topic: str, msg_type: str,
                  callback: Callable[..., None], qos: QoS, with_info: bool = False) -> None:
         self.with_info = with_info
         self.msg_type = interfaces.full_type_name(msg_type)
@@ -183,7 +184,7 @@ class RosSubscription:
 
 
 class RosTimer:
-    def __init__(self, rt: "RosRuntime", period_s: float, callback: Callable[[], None]) -> None:
+    def __init__(self, rt: RosRuntime, period_s: float, callback: Callable[[], None]) -> None:
         if period_s <= 0:
             raise ValueError(f"timer period must be > 0, got {period_s}")
         self.period_s = period_s
@@ -227,8 +228,13 @@ class RosRuntime:
 
     # --- QoS ----------------------------------------------------------------------------
     def qos_profile(self, qos: QoS) -> Any:
-        from rclpy.qos import (DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy,
-                               qos_profile_sensor_data)
+        from rclpy.qos import (
+            DurabilityPolicy,
+            HistoryPolicy,
+            QoSProfile,
+            ReliabilityPolicy,
+            qos_profile_sensor_data,
+        )
 
         if qos is QoS.BEST_EFFORT:
             return qos_profile_sensor_data

@@ -143,7 +143,7 @@ class AttachmentWriter:
     ``put`` copies the attachment, so one bytearray serves every message of the publisher.
     """
 
-    __slots__ = ("_buf", "_pack_into", "_gid_len")
+    __slots__ = ("_buf", "_gid_len", "_pack_into")
 
     def __init__(self, gid: bytes) -> None:
         self._buf = bytearray(_ATTACHMENT_HEAD.size + len(gid))

@@ -634,7 +634,7 @@ def split_model(model: nn.Module, input_shape: tuple[int, int, int]) -> ModelGra
     device = _model_device(model)
     try:
         gm = fx.symbolic_trace(model)
-    except Exception as e:
+    except Exception as e:  # any tracing failure means we cannot split
         raise UnsplittableModelError(f"torch.fx cannot trace the model: {e}") from e
     gm.graph.eliminate_dead_code()
     gm.recompile()

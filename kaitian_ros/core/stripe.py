@@ -84,8 +84,6 @@ class StripeRunner:
             if k > 0:
                 self._targets[seg.in_value] = [(h.dst, k, (h.lo, h.hi))
                                                for h in plan.halo_targets(node_id, k)]
-        self._emit_now: Callable[[Emission], None] | None = None
-        self._emit_s = 0.0
         self._final = graph.output_value
         self._last_seg = last
         for v in range(1, nv):
@@ -141,7 +139,15 @@ class StripeRunner:
         if self._n is None:
             self._allocate(n, rows.dtype)
         t0 = time.perf_counter()
-        self._emit_now, self._emit_s = emit, 0.0
+        out: list[Emission] = []
+        handed_s = 0.0  # time inside `emit`: the caller's, not this node's compute
+
+        def hand_on(e: Emission) -> None:
+            nonlocal handed_s
+            h0 = time.perf_counter()
+            emit(e)
+            handed_s += time.perf_counter() - h0
+
         buf = self._bufs[v]
         off = self._buf_rng[v][0]
         buf[:, :, lo - off:hi - off].copy_(rows)  # also host -> device when the graph is there
@@ -149,11 +155,8 @@ class StripeRunner:
         self._avail[v] = iv_add(self._avail[v], (lo, hi))
         self._stats["rows_in" if segment == 0 else "halo_rows_in"] += r
         self._stats["feeds"] += 1
-        try:
-            out = self._advance({v})
-        finally:
-            self._emit_now = None
-        self._stats["compute_s"] += time.perf_counter() - t0 - self._emit_s
+        self._advance({v}, out.append if emit is None else hand_on)
+        self._stats["compute_s"] += time.perf_counter() - t0 - handed_s
         return out
 
     # ------------------------------------------------------------------ internals
@@ -166,8 +169,7 @@ class StripeRunner:
                                             device=self.graph.device,
                                             memory_format=self.graph.activation_format)
 
-    def _advance(self, changed: set[int]) -> list[Emission]:
-        out: list[Emission] = []
+    def _advance(self, changed: set[int], sink: Callable[[Emission], None]) -> None:
         ops = self.graph.ops
         for j in self._ops:
             v = j + 1
@@ -190,13 +192,7 @@ class StripeRunner:
                 self._compute(j, a, b)
                 changed.add(v)
                 for e in self._emit(v, a, b):
-                    if self._emit_now is None:
-                        out.append(e)
-                    else:
-                        t0 = time.perf_counter()
-                        self._emit_now(e)
-                        self._emit_s += time.perf_counter() - t0  # not this node's compute
-        return out
+                    sink(e)
 
     def _compute(self, j: int, a: int, b: int) -> None:
         op = self.graph.ops[j]

@@ -194,22 +194,24 @@ class ComputeNode:
         exist; returns the device time spent (EMULATED: times the slowdown)."""
         slowdown = self.params["emulated_slowdown"]
         t0, wall0 = self.busy_clock(), time.perf_counter()
-        publishing = 0.0  # device time spent handing rows to the middleware, not computing
+        # device-clock time inside `emit` - the EMULATED wait and publishing - is not compute
+        # (on a wall-clock device such as CUDA the wait would otherwise count as compute)
+        outside = 0.0
 
         def emit(e: Any) -> None:
-            nonlocal publishing
+            nonlocal outside
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+            e0 = self.busy_clock()
             if slowdown > 1.0:  # EMULATED: a device s times slower has these rows only now
-                _sleep_until(wall0 + slowdown * (self.busy_clock() - t0 - publishing))
-            p0 = self.busy_clock()
+                _sleep_until(wall0 + slowdown * (e0 - t0 - outside))
             self._publish(state, plan, [e])
-            publishing += self.busy_clock() - p0
+            outside += self.busy_clock() - e0
 
         state.runner.feed(int(msg.segment), int(msg.row_offset), rows, emit=emit)
         if self.device.type == "cuda":  # kernels run asynchronously: time them whole
             torch.cuda.synchronize(self.device)
-        spent = self.busy_clock() - t0 - publishing
+        spent = self.busy_clock() - t0 - outside
         if slowdown > 1.0 and spent > 0:
             _sleep_until(wall0 + slowdown * spent)  # emulated: this device is s times slower
             spent *= slowdown

@@ -27,6 +27,8 @@ def main() -> None:
     p.add_argument("--slow", type=float, default=2.0, help="EMULATED slowdown of node b")
     p.add_argument("--reps", type=int, default=6)
     p.add_argument("--link-mbit", type=float, default=200.0, help="link rate the planner assumes")
+    p.add_argument("--shares", default="0.78,0.67,0.6",
+                   help="node a's shares to try, comma-separated (node b gets the rest)")
     args = p.parse_args()
     torch.set_num_threads(1)
     g = ic.build_graph(ic.ModelSpec(args.model, (3, args.size, args.size), 1000, 0, ""))
@@ -55,7 +57,9 @@ def main() -> None:
         print(f"{args.model} {args.size}x{args.size}: cut values {g.cut_values}; node b EMULATED "
               f"{args.slow}x slower; trunk = whole trunk in one call, interleaved with the plan's runs")
         cuts = g.cut_values
-        for shares in ((0.78, 0.22), (0.67, 0.33), (0.6, 0.4)):
+        best = (0.0, "")
+        for share_a in (float(v) for v in args.shares.split(",")):
+            shares = (share_a, round(1.0 - share_a, 6))
             variants = {"planner": {"cost": cost},
                         "no solo tail": {"cost": cost, "solo_tail": False},
                         "every cut": {"cuts": cuts, "solo_tail": False},
@@ -65,9 +69,11 @@ def main() -> None:
                 t, trunk = per_node(plan)
                 fa, fb = (sum(s.flops[i] for s in plan.segments) / 1e6 for i in (0, 1))
                 worst = max(t.get("a", 0.0), args.slow * t.get("b", 0.0))
+                best = max(best, (trunk / worst, f"{shares} {name}"))
                 print(f"  {shares} {name:22s} cuts {plan.cut_values}  flops a {fa:.0f}M b {fb:.0f}M  "
                       f"a {t.get('a', 0.0):.1f} ms  {args.slow:g} x b {args.slow * t.get('b', 0.0):.1f} ms  "
                       f"trunk {trunk:.1f} ms -> at most {trunk / worst:.2f}x")
+        print(f"best: at most {best[0]:.2f}x ({best[1]})")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kaitian_ros.core import graph as graph_module
 from kaitian_ros.core.graph import (
     UnsplittableModelError,
     Window,
@@ -150,6 +151,34 @@ def test_prepacked_conv_equals_conv2d_for_any_rows_and_batch(cin: int, cout: int
             got = conv(x)
             assert got.shape == want.shape
             assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@pytest.mark.parametrize("factor,repacks", [(0.0, True), (float("inf"), False)])
+def test_prepacked_conv_packs_again_for_a_shape_that_stays_slow(
+        monkeypatch: pytest.MonkeyPatch, factor: float, repacks: bool) -> None:
+    """A (batch, rows) shape whose calls stay slower than its share of the whole map gets
+    weights packed for itself (oneDNN may want another layout there); results stay
+    F.conv2d's either way. The factor forces the verdict: 0 (no slack) = every new shape is
+    slow, inf = none is, so this checks the mechanism, not this CPU's timings."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN: prepacked_conv returns None by design")
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(64, 32, 3, 3, generator=g), torch.randn(64, generator=g)
+    width = 12
+    conv = prepacked_conv(w, b, (0, 1), (1, 1), (1, 1), 1, (1, 32, 14, width))
+    assert conv is not None
+    monkeypatch.setattr(graph_module, "SLOW_PACK_FACTOR", factor)
+    monkeypatch.setattr(graph_module, "SLOW_PACK_SLACK_S", -1.0)
+    shapes = [(1, 5), (2, 5), (1, 9), (1, 14)]
+    for _ in range(2):  # the second pass takes the layouts chosen in the first
+        for n, rows in shapes:
+            x = torch.randn(n, 32, rows, width, generator=g).contiguous(memory_format=torch.channels_last)
+            want = F.conv2d(x, w, b, 1, (0, 1))
+            got = conv(x)
+            assert got.shape == want.shape
+            assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    # the whole-map shape keeps the layout packed for it
+    assert set(conv.repacked_shapes) == ({(1, 5), (2, 5), (1, 9)} if repacks else set())
 
 
 def test_prepacked_conv_declines_what_it_cannot_run() -> None:

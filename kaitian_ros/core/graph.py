@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -464,20 +465,84 @@ CPU_ACTIVATION_FORMAT = torch.channels_last
 NCHW_PACK_MIN_WEIGHT_ELEMENTS = 1 << 18
 
 
-def prepacked_conv(weight: Tensor, bias: Tensor | None, padding: tuple[int, int],
-                   stride: Sequence[int], dilation: Sequence[int], groups: int,
-                   input_shape: tuple[int, int, int, int]) -> Callable[[Tensor], Tensor] | None:
-    """A CPU float32 conv with its weights reordered once into oneDNN's blocked layout, or
-    None where that path does not apply or is unavailable.
+# A first call at an input shape that stays this many times slower than its share of the
+# whole-map call (plus the slack) gets weights packed for that shape (see `PrepackedConv`).
+SLOW_PACK_FACTOR = 3.0
+SLOW_PACK_SLACK_S = 0.5e-3
+
+
+class PrepackedConv:
+    """A CPU float32 conv with its weights reordered into oneDNN's blocked layout once, not
+    on every call.
 
     Why: the default CPU conv reorders the whole weight tensor on every call. For a stripe of
     a few rows of a weight-heavy layer that reorder is most of the cost - a 1-row call of a
     512-channel 3x3 conv (9.4 MB of weights) took 7.1 ms, as long as all 7 rows (7.3 ms);
     prepacked it takes 0.26 ms and 4.6 ms (docs/benchmarks.md, session 4). Row splits pay that
     fixed cost once per node and per run, so it decides whether splitting pays at all.
-    The packed op is checked against ``F.conv2d`` once here (on channels-last input, as the
-    trunk runs it); any mismatch or error -> None.
+
+    oneDNN chooses the blocked layout by input shape. The one packed for the whole map suits
+    nearly every row count, but for a few shapes oneDNN wants another and converts between
+    the two on every call, 4-40x slower (session 7: ResNet-18 at 448, a layer4 conv on 12 of
+    its 14 rows took 155 ms instead of 9; MobileNetV2 at 224, 1x1 convs on 2-3 of 7 rows took
+    10-25 ms instead of 0.1-0.3). So the first call at each (batch, rows) shape is timed
+    against the whole-map call; a shape that is still far slower on a second call gets weights
+    packed for itself, used once they give the same result as the whole-map layout.
     """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, padding: Sequence[int],
+                 stride: Sequence[int], dilation: Sequence[int], groups: int,
+                 input_shape: tuple[int, int, int, int], whole_map_s: float, whole_map_rows: int,
+                 packed: Tensor) -> None:
+        self._weight, self._bias = weight, bias
+        self._args = (list(padding), list(stride), list(dilation), groups)
+        self._s_per_row = whole_map_s / max(1, whole_map_rows)  # per output row of one image
+        self._default = packed
+        self._by_shape: dict[tuple[int, int], Tensor] = {(1, input_shape[2]): packed}
+
+    def __call__(self, x: Tensor) -> Tensor:
+        key = (x.shape[0], x.shape[2])
+        packed = self._by_shape.get(key)
+        if packed is not None:
+            return self._run(x, packed)
+        y, slow = self._timed(x)
+        if slow:
+            y, slow = self._timed(x)  # the first call at a shape also builds oneDNN's kernel
+        self._by_shape[key] = self._default
+        if slow:
+            try:
+                own = torch.ops.mkldnn._reorder_convolution_weight(self._weight, *self._args, list(x.shape))
+                mine = self._run(x, own)
+            except RuntimeError:  # refused for this shape: keep the (slow but right) layout
+                return y
+            if mine.shape == y.shape and torch.allclose(mine, y, rtol=1e-4,
+                                                        atol=1e-4 * float(y.abs().max())):
+                self._by_shape[key] = own
+        return y
+
+    @property
+    def repacked_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(batch, input rows) shapes that got weights packed for themselves."""
+        return tuple(k for k, p in self._by_shape.items() if p is not self._default)
+
+    def _timed(self, x: Tensor) -> tuple[Tensor, bool]:
+        t0 = time.perf_counter()
+        y = self._run(x, self._default)
+        took = time.perf_counter() - t0
+        expected = self._s_per_row * y.shape[0] * y.shape[2]
+        return y, took > SLOW_PACK_FACTOR * expected + SLOW_PACK_SLACK_S
+
+    def _run(self, x: Tensor, packed: Tensor) -> Tensor:
+        return torch.ops.mkldnn._convolution_pointwise(x, packed, self._bias, *self._args, "none", [], "")
+
+
+def prepacked_conv(weight: Tensor, bias: Tensor | None, padding: tuple[int, int],
+                   stride: Sequence[int], dilation: Sequence[int], groups: int,
+                   input_shape: tuple[int, int, int, int]) -> PrepackedConv | None:
+    """The conv with prepacked weights (`PrepackedConv`), or None where that path does not
+    apply or is unavailable. The packed op is checked against ``F.conv2d`` once here (on
+    channels-last input, as the trunk runs it) and timed on the whole map; any mismatch or
+    error -> None."""
     if (weight.device.type != "cpu" or weight.dtype != torch.float32 or groups != 1
             or not torch.backends.mkldnn.is_available()):
         return None
@@ -494,11 +559,14 @@ def prepacked_conv(weight: Tensor, bias: Tensor | None, padding: tuple[int, int]
             probe = probe.contiguous(memory_format=torch.channels_last)
             want = F.conv2d(probe, weight, bias, st, pad, dil, groups)
             got = conv(probe)
+            t0 = time.perf_counter()
+            conv(probe)  # the first call built oneDNN's kernel: time the second
+            whole_map_s = time.perf_counter() - t0
         if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
             return None
     except (RuntimeError, AttributeError, TypeError):  # op missing or refused by this build
         return None
-    return conv
+    return PrepackedConv(weight, bias, pad, st, dil, groups, input_shape, whole_map_s, got.shape[2], packed_w)
 
 
 def _compile(raw: _Raw, epilogue: list[Callable[[Tensor], Tensor]], gm: fx.GraphModule,

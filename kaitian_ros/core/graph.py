@@ -458,11 +458,6 @@ def _avg_divisor(m: nn.AvgPool2d, in_hw: tuple[int, int], out_hw: tuple[int, int
 # prepacked made the whole trunk 10 % faster than NCHW (53.9 -> 48.4 ms), a streamed
 # single-node stripe 10 % and the two stripes of a 0.7/0.3 split 11-12 %.
 CPU_ACTIVATION_FORMAT = torch.channels_last
-# With NCHW input the packed kernels only pay from about this many weight elements: below it
-# they can be much slower (a 1-row 64-channel 3x3 conv: 3.3 ms packed against 0.06 ms,
-# session 4). With channels-last input they were as fast or faster at every size and row
-# count measured (session 6), so channels-last input always takes the packed path.
-NCHW_PACK_MIN_WEIGHT_ELEMENTS = 1 << 18
 
 
 # A first call at an input shape that stays this many times slower than its share of the
@@ -604,12 +599,9 @@ def _compile(raw: _Raw, epilogue: list[Callable[[Tensor], Tensor]], gm: fx.Graph
         packed = prepacked_conv(weight, bias, padding, stride, dil, groups,
                                 (1, cin, (hout - 1) * sh + dh * (kh - 1) + 1, win + (0 if sym else pl + pr)))
 
-        packed_for_nchw = weight.numel() >= NCHW_PACK_MIN_WEIGHT_ELEMENTS
-
         def run(xs: list[Tensor], lo: int, hi: int) -> Tensor:
             x = xs[0] if sym else F.pad(xs[0], (pl, pr, 0, 0))
-            if packed is not None and x.dtype == torch.float32 and x.device.type == "cpu" and (
-                    packed_for_nchw or memory_format_of(x) == torch.channels_last):
+            if packed is not None and x.dtype == torch.float32 and x.device.type == "cpu":
                 return finish(packed(x))
             return finish(F.conv2d(x, weight, bias, stride, padding, dil, groups))
 

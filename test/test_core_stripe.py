@@ -73,6 +73,34 @@ def test_exotic_ops_through_stripes() -> None:
                 _close(run_plan_locally(g, plan, x, slab_rows=slab, seed=slab), ref)
 
 
+class _Pools(torch.nn.Module):
+    """Max pools with dilation, ceil mode, unequal kernel/stride/padding and an odd floor-mode
+    edge: the stripes pool exact row windows (H padding materialised) with F.max_pool2d."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 5, 3, padding=1)
+        self.dilated = torch.nn.MaxPool2d(3, stride=2, padding=1, dilation=2, ceil_mode=True)
+        self.uneven = torch.nn.MaxPool2d((2, 3), stride=(1, 2), padding=(1, 1))
+        self.floor = torch.nn.MaxPool2d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.floor(self.uneven(self.dilated(torch.relu(self.conv(x)))))
+
+
+def test_max_pools_through_stripes() -> None:
+    torch.manual_seed(1)
+    g = split_model(_Pools(), (3, 29, 17))
+    x = torch.randn(1, 3, 29, 17)
+    ref = g.run_trunk(x)
+    for shares in ([0.5, 0.5], [0.2, 0.3, 0.5], [0.1, 0.8, 0.1]):
+        ids = [f"n{i}" for i in range(len(shares))]
+        for cuts in (None, g.cut_values):
+            plan = make_plan(g, ids, shares, cuts=cuts)
+            for slab in (1, 4):
+                _close(run_plan_locally(g, plan, x, slab_rows=slab, seed=slab, min_run_rows=1), ref)
+
+
 def test_batch_of_two() -> None:
     g = _graph("digits_cnn", (3, 32, 32))
     x = torch.randn(2, 3, 32, 32)

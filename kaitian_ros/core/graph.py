@@ -616,24 +616,14 @@ def _compile(raw: _Raw, epilogue: list[Callable[[Tensor], Tensor]], gm: fx.Graph
             if m.return_indices:
                 raise UnsplittableModelError(f"op {_describe(node, gm)} returns indices")
             d = _pair(m.dilation)
-            # Max of k*k strided views: ~3x faster than F.max_pool2d (NCHW, one thread) and
-            # exact (max is order-independent; NaN propagates like max_pool2d).
-            span_w = (wout - 1) * s[1] + 1
-            pad_r = max(0, (wout - 1) * s[1] + d[1] * (k[1] - 1) + 1 - win - p[1])
-            offsets = [(dy * d[0], dx * d[1]) for dy in range(k[0]) for dx in range(k[1])]
+            pad_w, ceil = (0, p[1]), m.ceil_mode
 
             def run(xs: list[Tensor], lo: int, hi: int) -> Tensor:
-                x = xs[0]
-                if p[1] or pad_r:
-                    x = F.pad(x, (p[1], pad_r), value=float("-inf"))
-                span_h = (hi - lo - 1) * s[0] + 1
-                views = [x[:, :, oy:oy + span_h:s[0], ox:ox + span_w:s[1]] for oy, ox in offsets]
-                y = torch.empty(views[0].shape, dtype=x.dtype, device=x.device,
-                                memory_format=memory_format_of(xs[0]))  # keep the input's layout
-                y.copy_(views[0])
-                for v in views[1:]:
-                    torch.maximum(y, v, out=y)
-                return finish(y)
+                # The rows hold the H padding already (`border_rows`), so the pool pads only W;
+                # an exact row window gives hi - lo rows in floor and ceil mode alike. On
+                # channels-last rows 4-6x faster than a max over k*k strided views (session 7:
+                # ResNet-18's maxpool at 224, 2.3 -> 0.4 ms; at 448, 9.7 -> 2.7 ms).
+                return finish(F.max_pool2d(xs[0], k, s, pad_w, d, ceil))
 
             window = Window(k[0], s[0], p[0], d[0], hin, hout)
             pad_value = float("-inf")

@@ -1,6 +1,6 @@
 """Shared test utilities: free ports, a router per test, child processes, an in-process probe node.
 
-Tests import fixtures from here (``from helpers import router``). Run as a script, this file is
+The ``router`` fixtures built on `Router` are in conftest.py. Run as a script, this file is
 also the small "other process" the transport tests talk to::
 
     python test/helpers.py echo TYPE [TYPE ...]      # re-encode /rt_in/<T> onto /rt_out/<T>
@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,22 +66,6 @@ class Router:
         self.session.close()
 
 
-try:
-    import pytest
-
-    @pytest.fixture
-    def router() -> Iterator[Router]:
-        r = Router()
-        yield r
-        r.close()
-
-    @pytest.fixture(scope="module")
-    def module_router() -> Iterator[Router]:
-        r = Router()
-        yield r
-        r.close()
-except ImportError:  # children do not need pytest
-    pass
 
 
 def wait_until(predicate: Callable[[], Any], what: str, timeout_s: float = DEADLINE_S,

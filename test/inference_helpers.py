@@ -198,7 +198,7 @@ class InferenceGraph:
 
     # --- frames ---------------------------------------------------------------------------
     def frames(self, count: int, first: int = 0) -> list[tuple[np.ndarray, Any]]:
-        c, h, w = self.spec.input_shape
+        _, h, w = self.spec.input_shape
         # the camera sends a different size than the model input: the coordinator resizes
         out = []
         for i in range(first, first + count):
@@ -216,7 +216,7 @@ class InferenceGraph:
         already = len(self.fused)
         for i, (_, msg) in enumerate(frames):
             try:
-                wait_until(lambda: len(self.fused) - already >= i + 1 - window,
+                wait_until(lambda i=i: len(self.fused) - already >= i + 1 - window,
                            f"answers to {i + 1 - window} frame(s)", timeout_s, interval_s=0.01)
             except AssertionError as exc:
                 raise AssertionError(f"{exc}\n--- launcher output ---\n{self.out.text()}") from None

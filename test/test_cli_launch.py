@@ -13,14 +13,13 @@ import textwrap
 
 import pytest
 import yaml
-from helpers import (  # noqa: F401  (router is a fixture)
+from helpers import (
     Probe,
     Proc,
     child_env,
     free_port,
     pid_running,
     pids_with_env,
-    router,
     run_cli,
     wait_until,
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -370,7 +371,7 @@ def test_min_interval_respected():
             if sim.step() is not None:
                 times.append(sim.now)
     assert len(times) >= 2
-    assert all(t2 - t1 >= 1.0 - 1e-9 for t1, t2 in zip(times, times[1:]))
+    assert all(t2 - t1 >= 1.0 - 1e-9 for t1, t2 in itertools.pairwise(times))
 
 
 def test_step_change_is_followed_at_once_despite_min_interval():
@@ -598,6 +599,6 @@ def test_random_event_streams_keep_invariants_and_are_deterministic(events, poli
         assert abs(sum(a.shares) - 1.0) <= 1e-9
         assert a.reason
         assert math.isfinite(a.predicted_makespan_ms) and a.predicted_makespan_ms >= 0
-    for a1, a2 in zip(pubs, pubs[1:]):
+    for a1, a2 in itertools.pairwise(pubs):
         assert a2.version == a1.version + 1
         assert a2.effective_from_request > a1.effective_from_request

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from helpers import child_env, router  # noqa: F401  (router is a fixture)
+from helpers import child_env
 
 from kaitian_ros.core.plan import make_plan
 from kaitian_ros.core.stripe import StripeRunner, run_plan_locally
@@ -79,7 +79,7 @@ def test_split_on_cuda_equals_cpu_trunk() -> None:
     assert float((out - ref).abs().max()) <= 1e-3 * float(ref.abs().max())
 
 
-def test_compute_node_refuses_an_unusable_device_with_one_line(router) -> None:  # noqa: F811
+def test_compute_node_refuses_an_unusable_device_with_one_line(router) -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here: cuda:0 is usable")
     p = subprocess.run([sys.executable, "-m", "kaitian_ros.nodes.compute", "--ros-args",

@@ -91,7 +91,7 @@ def test_node_whose_share_rounds_to_zero_rows(tmp_path):
         for node in pv.node_ids:
             served = [t for t in g.heartbeats_of(node) if t.request_id]
             if node in active:
-                wait_until(lambda: len([t for t in g.heartbeats_of(node) if t.request_id]) >= len(frames),
+                wait_until(lambda node=node: len([t for t in g.heartbeats_of(node) if t.request_id]) >= len(frames),
                            f"{node} telemetry for every request")
             else:
                 assert not served, f"{node} has no rows in plan v{pv.version} but got work"

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, raw_session, router, spawn_helper, wait_until  # noqa: F401  (fixture)
+from helpers import REPO, raw_session, spawn_helper, wait_until
 
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime import zenoh_session as zs
@@ -205,7 +205,7 @@ def test_every_type_round_trips_byte_exact_between_processes(router):
 
         wait_until(all_back, "every type echoed back", interval_s=0.2)
         for name in ALL_TYPES:
-            key, payload, attachment = received[out_keys[name]]
+            _, payload, attachment = received[out_keys[name]]
             assert payload == sent[name], f"{name}: bytes changed on the round trip"
             # rmw_zenoh attachment: int64 seq LE, int64 source timestamp ns LE, GID length 16 + 16 bytes
             assert len(attachment) == 8 + 8 + 1 + 16, name

@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 import pytest
-from helpers import Probe, raw_session, router, spawn_helper, spawn_node, wait_until  # noqa: F401
+from helpers import Probe, raw_session, spawn_helper, spawn_node, wait_until
 
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime import zenoh_session as zs

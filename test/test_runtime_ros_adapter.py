@@ -18,6 +18,7 @@ build on Humble/Jazzy (see README.md).
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import sys
 import types
@@ -26,7 +27,6 @@ from typing import Any
 
 import pytest
 import yaml
-from helpers import router  # noqa: F401  (pytest fixture)
 
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime.api import ParameterDescriptor as P
@@ -177,7 +177,7 @@ class FakeRclpy:
                 args = fake.init_args or []
                 self._name, self._ns = node_name, namespace or "/"
                 self._parameter_overrides: dict[str, Parameter] = {}
-                for flag, value in zip(args, args[1:]):
+                for flag, value in itertools.pairwise(args):
                     if flag == "-r" and value.startswith("__node:="):
                         self._name = value.split(":=", 1)[1]
                     if flag == "-p":

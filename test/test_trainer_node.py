@@ -117,7 +117,7 @@ def test_two_trainer_nodes_via_kaitian_launch(tmp_path: Path) -> None:
             by_step.setdefault(int(m.step), {})[int(m.rank)] = m
     both = {s: v for s, v in by_step.items() if len(v) == 2}
     assert len(both) >= 10
-    for step, per_rank in both.items():
+    for per_rank in both.values():
         # the two slices of a step partition the global batch
         assert per_rank[0].local_batch + per_rank[1].local_batch == per_rank[0].global_batch
         assert per_rank[0].global_batch == per_rank[1].global_batch <= 64

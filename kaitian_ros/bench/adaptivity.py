@@ -239,7 +239,7 @@ class AdaptivityGraph:
 
         i = self._frame_index
         self._frame_index += 1
-        c, h, w = self.input_shape
+        _, h, w = self.input_shape
         rng = np.random.default_rng(i)
         pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
         stamp = interfaces.msg_class("Time")(sec=1_000 + i, nanosec=7)

@@ -347,7 +347,7 @@ def load_data(spec: str, num_classes: int | None = None, image_size: int | None 
     else:
         n = len(got)
         perm = np.random.default_rng(0).permutation(n)
-        cut = int(round(n * 0.75))
+        cut = round(n * 0.75)
         train = torch.utils.data.Subset(got, perm[:cut].tolist())
         test = torch.utils.data.Subset(got, perm[cut:].tolist())
     x0, _ = train[0]

@@ -148,7 +148,7 @@ def split_rows(h: int, shares: Sequence[float]) -> tuple[Interval, ...]:
     cum, prev = 0.0, 0
     for i, s in enumerate(shares):
         cum += s
-        b = h if i == len(shares) - 1 else min(h, int(math.floor(h * cum + 0.5)))
+        b = h if i == len(shares) - 1 else min(h, math.floor(h * cum + 0.5))
         b = max(b, prev)
         out.append((prev, b) if b > prev else EMPTY)
         prev = b
@@ -270,7 +270,7 @@ def make_plan(
         bad = [c for c in cuts if c not in graph.cut_values]
         if bad:
             raise ValueError(f"cuts {bad} are not cut points; valid: {graph.cut_values}")
-        chosen = sorted(set(int(c) for c in cuts))
+        chosen = sorted({int(c) for c in cuts})
     bounds = [0, *chosen, graph.output_value]
     allow_solo = (cuts is None) if solo_tail is None else bool(solo_tail)
     if not allow_solo or sum(1 for s in norm if s > 0) < 2 or len(bounds) < 3:

@@ -19,7 +19,6 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Union
 
 __all__ = [
     "PARAMETERS",
@@ -45,7 +44,7 @@ POLICIES: tuple[str, ...] = ("adaptive", "static", "equal", "profile_once")
 # (telemetry arrives for requests that ran under an older plan while a newer one is announced).
 _HISTORY = 8
 
-StaticShares = Union[tuple[float, ...], Mapping[str, float]]
+StaticShares = tuple[float, ...] | Mapping[str, float]
 
 
 # --------------------------------------------------------------------------------------------

@@ -487,13 +487,24 @@ class PrepackedConv:
 
     def __init__(self, weight: Tensor, bias: Tensor | None, padding: Sequence[int],
                  stride: Sequence[int], dilation: Sequence[int], groups: int,
-                 input_shape: tuple[int, int, int, int], whole_map_s: float, whole_map_rows: int,
-                 packed: Tensor) -> None:
+                 input_shape: tuple[int, int, int, int]) -> None:
+        """Packs for `input_shape` (the whole map), checks the packed op against ``F.conv2d``
+        on channels-last input, as the trunk runs it (ValueError on a mismatch), and times it.
+        """
         self._weight, self._bias = weight, bias
         self._args = (list(padding), list(stride), list(dilation), groups)
-        self._s_per_row = whole_map_s / max(1, whole_map_rows)  # per output row of one image
-        self._default = packed
-        self._by_shape: dict[tuple[int, int], Tensor] = {(1, input_shape[2]): packed}
+        with torch.no_grad():
+            self._default = self._pack(input_shape)
+            probe = torch.randn(input_shape, generator=torch.Generator().manual_seed(0))
+            probe = probe.contiguous(memory_format=torch.channels_last)
+            want = F.conv2d(probe, weight, bias, stride, padding, dilation, groups)
+            got = self._run(probe, self._default)
+            if got.shape != want.shape or not _close(got, want):
+                raise ValueError("packed conv differs from F.conv2d")
+            t0 = time.perf_counter()
+            self._run(probe, self._default)  # the first call built oneDNN's kernel: time the second
+            self._s_per_row = (time.perf_counter() - t0) / got.shape[2]  # per output row, one image
+        self._by_shape: dict[tuple[int, int], Tensor] = {(input_shape[0], input_shape[2]): self._default}
 
     def __call__(self, x: Tensor) -> Tensor:
         key = (x.shape[0], x.shape[2])
@@ -506,12 +517,11 @@ class PrepackedConv:
         self._by_shape[key] = self._default
         if slow:
             try:
-                own = torch.ops.mkldnn._reorder_convolution_weight(self._weight, *self._args, list(x.shape))
+                own = self._pack(tuple(x.shape))
                 mine = self._run(x, own)
             except RuntimeError:  # refused for this shape: keep the (slow but right) layout
                 return y
-            if mine.shape == y.shape and torch.allclose(mine, y, rtol=1e-4,
-                                                        atol=1e-4 * float(y.abs().max())):
+            if mine.shape == y.shape and _close(mine, y):
                 self._by_shape[key] = own
         return y
 
@@ -527,41 +537,29 @@ class PrepackedConv:
         expected = self._s_per_row * y.shape[0] * y.shape[2]
         return y, took > SLOW_PACK_FACTOR * expected + SLOW_PACK_SLACK_S
 
+    def _pack(self, input_shape: Sequence[int]) -> Tensor:
+        return torch.ops.mkldnn._reorder_convolution_weight(self._weight, *self._args, list(input_shape))
+
     def _run(self, x: Tensor, packed: Tensor) -> Tensor:
         return torch.ops.mkldnn._convolution_pointwise(x, packed, self._bias, *self._args, "none", [], "")
+
+
+def _close(got: Tensor, want: Tensor) -> bool:
+    return torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
 def prepacked_conv(weight: Tensor, bias: Tensor | None, padding: tuple[int, int],
                    stride: Sequence[int], dilation: Sequence[int], groups: int,
                    input_shape: tuple[int, int, int, int]) -> PrepackedConv | None:
     """The conv with prepacked weights (`PrepackedConv`), or None where that path does not
-    apply or is unavailable. The packed op is checked against ``F.conv2d`` once here (on
-    channels-last input, as the trunk runs it) and timed on the whole map; any mismatch or
-    error -> None."""
+    apply, is unavailable in this torch build, or differs from ``F.conv2d``."""
     if (weight.device.type != "cpu" or weight.dtype != torch.float32 or groups != 1
             or not torch.backends.mkldnn.is_available()):
         return None
     try:
-        mkldnn = torch.ops.mkldnn
-        pad, st, dil = list(padding), list(stride), list(dilation)
-        with torch.no_grad():
-            packed_w = mkldnn._reorder_convolution_weight(weight, pad, st, dil, groups, list(input_shape))
-
-            def conv(x: Tensor) -> Tensor:
-                return mkldnn._convolution_pointwise(x, packed_w, bias, pad, st, dil, groups, "none", [], "")
-
-            probe = torch.randn(1, *input_shape[1:3], input_shape[3], generator=torch.Generator().manual_seed(0))
-            probe = probe.contiguous(memory_format=torch.channels_last)
-            want = F.conv2d(probe, weight, bias, st, pad, dil, groups)
-            got = conv(probe)
-            t0 = time.perf_counter()
-            conv(probe)  # the first call built oneDNN's kernel: time the second
-            whole_map_s = time.perf_counter() - t0
-        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
-            return None
-    except (RuntimeError, AttributeError, TypeError):  # op missing or refused by this build
+        return PrepackedConv(weight, bias, padding, stride, dilation, groups, input_shape)
+    except (RuntimeError, AttributeError, TypeError, ValueError):  # op missing, refused or wrong
         return None
-    return PrepackedConv(weight, bias, pad, st, dil, groups, input_shape, whole_map_s, got.shape[2], packed_w)
 
 
 def _compile(raw: _Raw, epilogue: list[Callable[[Tensor], Tensor]], gm: fx.GraphModule,
@@ -621,8 +619,8 @@ def _compile(raw: _Raw, epilogue: list[Callable[[Tensor], Tensor]], gm: fx.Graph
             def run(xs: list[Tensor], lo: int, hi: int) -> Tensor:
                 # The rows hold the H padding already (`border_rows`), so the pool pads only W;
                 # an exact row window gives hi - lo rows in floor and ceil mode alike. On
-                # channels-last rows 4-6x faster than a max over k*k strided views (session 7:
-                # ResNet-18's maxpool at 224, 2.3 -> 0.4 ms; at 448, 9.7 -> 2.7 ms).
+                # channels-last rows 3-4x faster than a max over k*k strided views (session 7:
+                # ResNet-18's maxpool over the whole map at 224, 1.18 -> 0.40 ms).
                 return finish(F.max_pool2d(xs[0], k, s, pad_w, d, ceil))
 
             window = Window(k[0], s[0], p[0], d[0], hin, hout)

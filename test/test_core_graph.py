@@ -158,8 +158,9 @@ def test_prepacked_conv_packs_again_for_a_shape_that_stays_slow(
         monkeypatch: pytest.MonkeyPatch, factor: float, repacks: bool) -> None:
     """A (batch, rows) shape whose calls stay slower than its share of the whole map gets
     weights packed for itself (oneDNN may want another layout there); results stay
-    F.conv2d's either way. The factor forces the verdict: 0 (no slack) = every new shape is
-    slow, inf = none is, so this checks the mechanism, not this CPU's timings."""
+    F.conv2d's either way. The constants force the verdict: factor 0 with no slack and no
+    speed-up required = every new shape is slow and its own packing kept, factor inf = no shape
+    is slow; so this checks the mechanism, not this CPU's timings."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch build has no oneDNN: prepacked_conv returns None by design")
     g = torch.Generator().manual_seed(3)
@@ -169,6 +170,7 @@ def test_prepacked_conv_packs_again_for_a_shape_that_stays_slow(
     assert conv is not None
     monkeypatch.setattr(graph_module, "SLOW_PACK_FACTOR", factor)
     monkeypatch.setattr(graph_module, "SLOW_PACK_SLACK_S", -1.0)
+    monkeypatch.setattr(graph_module, "REPACK_MIN_SPEEDUP", 0.0)
     shapes = [(1, 5), (2, 5), (1, 9), (1, 14)]
     for _ in range(2):  # the second pass takes the layouts chosen in the first
         for n, rows in shapes:

@@ -464,6 +464,7 @@ CPU_ACTIVATION_FORMAT = torch.channels_last
 # whole-map call (plus the slack) gets weights packed for that shape (see `PrepackedConv`).
 SLOW_PACK_FACTOR = 3.0
 SLOW_PACK_SLACK_S = 0.5e-3
+REPACK_MIN_SPEEDUP = 2.0  # ... and keeps them only if they are at least this much faster
 
 
 class PrepackedConv:
@@ -482,7 +483,7 @@ class PrepackedConv:
     its 14 rows took 155 ms instead of 9; MobileNetV2 at 224, 1x1 convs on 2-3 of 7 rows took
     10-25 ms instead of 0.1-0.3). So the first call at each (batch, rows) shape is timed
     against the whole-map call; a shape that is still far slower on a second call gets weights
-    packed for itself, used once they give the same result as the whole-map layout.
+    packed for itself, kept if they give the same result at least twice as fast.
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None, padding: Sequence[int],
@@ -511,18 +512,23 @@ class PrepackedConv:
         packed = self._by_shape.get(key)
         if packed is not None:
             return self._run(x, packed)
-        y, slow = self._timed(x)
-        if slow:
-            y, slow = self._timed(x)  # the first call at a shape also builds oneDNN's kernel
         self._by_shape[key] = self._default
-        if slow:
-            try:
-                own = self._pack(tuple(x.shape))
-                mine = self._run(x, own)
-            except RuntimeError:  # refused for this shape: keep the (slow but right) layout
-                return y
-            if mine.shape == y.shape and _close(mine, y):
-                self._by_shape[key] = own
+        y, took = self._timed(x, self._default)
+        if not self._slow(y, took):
+            return y
+        y, took = self._timed(x, self._default)  # the first call at a shape also builds a kernel
+        if not self._slow(y, took):
+            return y
+        try:
+            own = self._pack(tuple(x.shape))
+            self._run(x, own)  # builds the kernel for this layout
+            mine, took_own = self._timed(x, own)
+        except RuntimeError:  # refused for this shape: keep the (slow but right) layout
+            return y
+        # kept only where it is right and clearly faster: a call that was merely descheduled
+        # must not leave a second copy of the weights behind
+        if mine.shape == y.shape and _close(mine, y) and took_own * REPACK_MIN_SPEEDUP < took:
+            self._by_shape[key] = own
         return y
 
     @property
@@ -530,12 +536,14 @@ class PrepackedConv:
         """(batch, input rows) shapes that got weights packed for themselves."""
         return tuple(k for k, p in self._by_shape.items() if p is not self._default)
 
-    def _timed(self, x: Tensor) -> tuple[Tensor, bool]:
+    def _timed(self, x: Tensor, packed: Tensor) -> tuple[Tensor, float]:
         t0 = time.perf_counter()
-        y = self._run(x, self._default)
-        took = time.perf_counter() - t0
-        expected = self._s_per_row * y.shape[0] * y.shape[2]
-        return y, took > SLOW_PACK_FACTOR * expected + SLOW_PACK_SLACK_S
+        y = self._run(x, packed)
+        return y, time.perf_counter() - t0
+
+    def _slow(self, y: Tensor, took: float) -> bool:
+        """Far slower than this many output rows' share of the whole-map call."""
+        return took > SLOW_PACK_FACTOR * self._s_per_row * y.shape[0] * y.shape[2] + SLOW_PACK_SLACK_S
 
     def _pack(self, input_shape: Sequence[int]) -> Tensor:
         return torch.ops.mkldnn._reorder_convolution_weight(self._weight, *self._args, list(input_shape))

@@ -479,7 +479,7 @@ class PrepackedConv:
 
     oneDNN chooses the blocked layout by input shape. The one packed for the whole map suits
     nearly every row count, but for a few shapes oneDNN wants another and converts between
-    the two on every call, 4-40x slower (session 7: ResNet-18 at 448, a layer4 conv on 12 of
+    the two on every call, 4-150x slower (session 7: ResNet-18 at 448, a layer4 conv on 12 of
     its 14 rows took 155 ms instead of 9; MobileNetV2 at 224, 1x1 convs on 2-3 of 7 rows took
     10-25 ms instead of 0.1-0.3). So the first call at each (batch, rows) shape is timed
     against the whole-map call; a shape that is still far slower on a second call gets weights

@@ -48,7 +48,7 @@ def main() -> None:
     with torch.no_grad():
         for j, op in enumerate(g.ops):
             if op.window is None or op.pad_value != 0.0:
-                continue  # pointwise ops and max pools: no weights
+                continue  # pointwise ops and max pools (avg pools are timed too: cheap)
             c, _, w = in_shape = g.value_shapes[op.inputs[0]]
             rows = op.out_shape[1]
             whole = best_ms(op, in_shape, rows, g.activation_format)

@@ -57,7 +57,7 @@ def main() -> None:
         print(f"{args.model} {args.size}x{args.size}: cut values {g.cut_values}; node b EMULATED "
               f"{args.slow}x slower; trunk = whole trunk in one call, interleaved with the plan's runs")
         cuts = g.cut_values
-        best = (0.0, "")
+        best_plan = (0.0, "")  # (at most x, which plan)
         for share_a in (float(v) for v in args.shares.split(",")):
             shares = (share_a, round(1.0 - share_a, 6))
             variants = {"planner": {"cost": cost},
@@ -69,11 +69,11 @@ def main() -> None:
                 t, trunk = per_node(plan)
                 fa, fb = (sum(s.flops[i] for s in plan.segments) / 1e6 for i in (0, 1))
                 worst = max(t.get("a", 0.0), args.slow * t.get("b", 0.0))
-                best = max(best, (trunk / worst, f"{shares} {name}"))
+                best_plan = max(best_plan, (trunk / worst, f"{shares} {name}"))
                 print(f"  {shares} {name:22s} cuts {plan.cut_values}  flops a {fa:.0f}M b {fb:.0f}M  "
                       f"a {t.get('a', 0.0):.1f} ms  {args.slow:g} x b {args.slow * t.get('b', 0.0):.1f} ms  "
                       f"trunk {trunk:.1f} ms -> at most {trunk / worst:.2f}x")
-        print(f"best: at most {best[0]:.2f}x ({best[1]})")
+        print(f"best: at most {best_plan[0]:.2f}x ({best_plan[1]})")
 
 
 if __name__ == "__main__":

@@ -66,8 +66,6 @@ class Router:
         self.session.close()
 
 
-
-
 def wait_until(predicate: Callable[[], Any], what: str, timeout_s: float = DEADLINE_S,
                interval_s: float = 0.02) -> Any:
     """Poll until ``predicate()`` is truthy; fail naming ``what`` if it never becomes so."""

@@ -1,6 +1,18 @@
-"""Row-stripe plan: who computes which rows of which segment, and which halo rows flow where.
+"""Execution plans: who computes which rows of which segment, and which halo rows flow where.
 
-Pure and deterministic: `make_plan(graph, node_ids, shares, ...)` depends on nothing else.
+A `PlanSpec` says everything a plan version executes - strategy, nodes, segment cuts and the
+row shares of every segment - and `build_plan(graph, spec)` derives the rows, halos and input
+windows from it, purely and deterministically, so every node builds the same `Plan` from the
+spec the coordinator publishes. The three strategies are one shape:
+
+* ``stripes``: every segment split by the same shares (optionally a *solo tail*: the last
+  segments whole on one node);
+* ``single``: one segment, one node;
+* ``layerwise``: segments whole on one node each, handed on at cuts (device X runs the trunk
+  up to a cut, streams the activation rows to device Y, which runs the rest).
+
+`make_plan(graph, node_ids, shares, ...)` chooses a stripes plan's cuts and solo tail with a
+cost model (`CostModel`, flop-based priors; `PlanCosts` for measured per-node costs).
 
 * Stripes. Per segment, the segment-output rows are split by cumulative share boundaries
   (round(H * cumsum(shares))), so every row is owned exactly once, stripes are contiguous in
@@ -17,39 +29,135 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from typing import Protocol
 
 from .graph import EMPTY, Interval, ModelGraph, intersect, iv_sub
+
+STRATEGIES = ("stripes", "single", "layerwise")
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """What a plan executes: `segment_shares[k][i]` is node i's share of segment k's output rows
+    (segment k ends at `cuts[k]`, the last at the trunk output). Shares need not be normalised."""
+
+    strategy: str
+    node_ids: tuple[str, ...]
+    cuts: tuple[int, ...]
+    segment_shares: tuple[tuple[float, ...], ...]
+
+    @classmethod
+    def single(cls, node_id: str) -> PlanSpec:
+        return cls("single", (str(node_id),), (), ((1.0,),))
+
+    @classmethod
+    def layerwise(cls, first: str, second: str, cut: int) -> PlanSpec:
+        return cls("layerwise", (str(first), str(second)), (int(cut),), ((1.0, 0.0), (0.0, 1.0)))
+
+    @classmethod
+    def stripes(cls, node_ids: Sequence[str], shares: Sequence[float], cuts: Sequence[int] = (),
+                solo_from: int | None = None, solo_node: int | None = None) -> PlanSpec:
+        """Stripes by `shares` in every segment; with `solo_from`, segments from that index on
+        run whole on node `solo_node` (default: the largest share)."""
+        ids = tuple(str(n) for n in node_ids)
+        norm = normalise_shares(shares, len(ids))
+        segs = len(tuple(cuts)) + 1
+        if solo_from is None or solo_from >= segs:
+            rows = (norm,) * segs
+        else:
+            who = max(range(len(norm)), key=lambda i: (norm[i], -i)) if solo_node is None else solo_node
+            solo = tuple(1.0 if i == who else 0.0 for i in range(len(norm)))
+            rows = (norm,) * solo_from + (solo,) * (segs - solo_from)
+        return cls("stripes", ids, tuple(int(c) for c in cuts), rows)
+
+    def describe(self, graph: ModelGraph | None = None) -> str:
+        """Short human-readable form, e.g. for a plan's `reason`."""
+        def at(v: int) -> str:
+            return f"value {v}" + (f" {graph.value_shapes[v]}" if graph is not None else "")
+
+        if self.strategy == "single":
+            return f"single {self.node_ids[0]}"
+        if self.strategy == "layerwise":
+            return " -> ".join(
+                f"{self.node_ids[max(range(len(self.node_ids)), key=lambda i: row[i])]}"
+                + (f" [{at(self.cuts[k])}]" if k < len(self.cuts) else "")
+                for k, row in enumerate(self.segment_shares))
+        first = self.segment_shares[0]
+        total = sum(first) or 1.0
+        text = "stripes " + "/".join(f"{n} {x / total:.2f}" for n, x in zip(self.node_ids, first))
+        if self.cuts:
+            text += f", cuts {','.join(map(str, self.cuts))}"
+        tail = [k for k, row in enumerate(self.segment_shares) if row != first]
+        if tail:
+            who = self.node_ids[max(range(len(first)), key=lambda i: self.segment_shares[-1][i])]
+            text += f", solo tail on {who} from segment {tail[0]}"
+        return text
+
+
+class PlanCosts(Protocol):
+    """Per-node costs a planner prices plans with (node = index into the plan's node ids)."""
+
+    def op_ms(self, node: int, op: int, rows: int) -> float:
+        """Time node `node` takes for `rows` rows of trunk op `op`, in executor-sized runs."""
+
+    def transfer_ms(self, src: int, dst: int, nbytes: float) -> float:
+        """Time `nbytes` take from node `src` to node `dst` (latency included)."""
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Latency model used to choose segment cuts.
+    """Flop-based prior cost model, used until nodes have published measured costs.
 
     Node i computes at `flops_per_ms * n_active * share_i` (the scheduler sets shares in
-    proportion to speed, so the mean node runs at `flops_per_ms`). A segment costs the slowest
-    node's compute; each cut adds `exchange_ms` plus the largest per-node halo transfer at
-    `link_bytes_per_ms` (transfers to different nodes proceed in parallel).
+    proportion to speed, so the mean node runs at `flops_per_ms`). Each cut adds `exchange_ms`
+    plus the halo bytes at `link_bytes_per_ms`. `bind(shares)` gives the `PlanCosts` view.
+    Every constant is a prior, replaced by measurements as soon as they exist; where each came
+    from is said next to it.
     """
 
-    flops_per_ms: float = 4.5e7  # ~ one CPU thread here: ResNet-18 trunk 3.6 GFLOP in ~80 ms
-    # per cut: message latency + synchronisation with neighbours. 0.5 since session 4: at 1.0
-    # the planner preferred one segment for shares like 0.43/0.14/0.43 at 128x128 (the slow
-    # node rounds to no rows, the other two compute 95 % of the trunk each); at 0.5 it cuts 5
-    # times and the two compute 60 %. Adaptivity benchmark: 15 (7/30/15) -> 7 (5/7/7).
+    # one CPU thread of the development VM: ResNet-18 trunk, 3.6 GFLOP, in ~80 ms
+    flops_per_ms: float = 4.5e7
+    # per cut: message latency + synchronisation with neighbours; 0.5 ms let the planner cut the
+    # adaptivity benchmark's 128x128 ResNet-18 at every block instead of not at all (docs)
     exchange_ms: float = 0.5
-    link_bytes_per_ms: float = 1.0e5  # 100 MB/s (~ gigabit link)
+    link_bytes_per_ms: float = 1.0e5  # 100 MB/s, a gigabit link
     bytes_per_element: int = 4  # float32
-    # Per-call costs the flop count misses (measured here, ResNet-18, one thread): every conv
-    # call reads its whole weight tensor - with the weights prepacked once
-    # (`graph.prepacked_conv`) at memory speed; before that the default CPU conv also reordered
-    # them on every call, and a 1-row call of a layer4 conv cost as much as all 7 rows. Each
-    # call also has a fixed Python/dispatch cost. Runs are about `run_rows` rows (the stripe
-    # executor's min_run_rows). These terms decide whether the low-resolution, weight-heavy
-    # tail is split at all (see `make_plan(solo_tail=...)`).
+    # Per-call costs the flop count misses, measured on the development VM (ResNet-18, one
+    # thread): every conv call reads its whole (prepacked) weight tensor at memory speed, and
+    # every call has a fixed Python/dispatch cost; runs are about `run_rows` rows.
     call_ms: float = 0.05
-    weight_bytes_per_ms: float = 2.0e7  # ~20 GB/s: prepacked weights (graph.prepacked_conv)
+    weight_bytes_per_ms: float = 2.0e7  # ~20 GB/s
     run_rows: int = 8
+
+    def bind(self, graph: ModelGraph, shares: Sequence[float]) -> PlanCosts:
+        return _PriorCosts(self, graph, tuple(shares))
+
+
+@dataclass(frozen=True)
+class _PriorCosts:
+    model: CostModel
+    graph: ModelGraph
+    shares: tuple[float, ...]
+
+    def op_ms(self, node: int, op: int, rows: int) -> float:
+        m, o = self.model, self.graph.ops[op]
+        share = self.shares[node]
+        if rows <= 0 or share <= 0:
+            return 0.0 if rows <= 0 else math.inf
+        n_active = sum(1 for s in self.shares if s > 0)
+        flops_ms = rows * o.flops_per_row / m.flops_per_ms
+        calls = -(-rows // max(1, m.run_rows))
+        extra = calls * m.call_ms
+        if o.window is not None and m.weight_bytes_per_ms > 0:
+            # conv weights ~ flops_per_row / (2 * W_out) elements (tiny for pools)
+            wbytes = o.flops_per_row / (2.0 * o.out_shape[2]) * m.bytes_per_element
+            extra += max(0.0, calls * wbytes / m.weight_bytes_per_ms - flops_ms)
+        return (flops_ms + extra) / (n_active * share)
+
+    def transfer_ms(self, src: int, dst: int, nbytes: float) -> float:
+        return self.model.exchange_ms + nbytes / self.model.link_bytes_per_ms
 
 
 @dataclass(frozen=True)
@@ -74,12 +182,19 @@ class SegmentPlan:
 @dataclass(frozen=True)
 class Plan:
     node_ids: tuple[str, ...]
-    shares: tuple[float, ...]  # normalised, sum 1
+    # each node's share of the trunk's work: its segment shares weighted by segment FLOPs
+    # (= the stripe shares when every segment is split alike); sums to 1
+    shares: tuple[float, ...]
     slab_rows: int
     segments: tuple[SegmentPlan, ...]
     input_shape: tuple[int, int, int]
     output_shape: tuple[int, int, int]
     estimated_ms: float  # cost-model latency of this plan
+    spec: PlanSpec
+
+    @property
+    def strategy(self) -> str:
+        return self.spec.strategy
 
     @property
     def num_segments(self) -> int:
@@ -160,13 +275,12 @@ def _len(iv: Interval) -> int:
 
 
 def _segment_costs(graph: ModelGraph, cands: list[int], b: int, shares: tuple[float, ...],
-                   cost: CostModel) -> dict[int, float]:
+                   costs: PlanCosts) -> dict[int, float]:
     """Predicted ms of segment (a, b] (+ the exchange at a if a > 0) for every candidate a < b,
     from one backward sweep of row requirements starting at value b."""
-    n_active = sum(1 for s in shares if s > 0)
     stripes = split_rows(graph.value_shapes[b][1], shares)
     need = [{b: st} for st in stripes]
-    flops = [0.0] * len(shares)
+    busy = [0.0] * len(shares)
     cand_set = set(cands)
     out: dict[int, float] = {}
     for j in range(b - 1, -1, -1):
@@ -175,7 +289,7 @@ def _segment_costs(graph: ModelGraph, cands: list[int], b: int, shares: tuple[fl
             rng = nd.get(j + 1, EMPTY)
             if rng[0] >= rng[1]:
                 continue
-            flops[i] += _len(rng) * op.flops_per_row
+            busy[i] += costs.op_ms(i, j, _len(rng))
             w = op.needs(rng)
             for u in op.inputs:
                 old = nd.get(u, EMPTY)
@@ -183,21 +297,19 @@ def _segment_costs(graph: ModelGraph, cands: list[int], b: int, shares: tuple[fl
         a = j
         if a not in cand_set:
             continue
-        seg_ms = max((f / (cost.flops_per_ms * n_active * s) for f, s in zip(flops, shares)
-                      if f > 0), default=0.0)
+        seg_ms = max(busy, default=0.0)
         if a > 0:
             c, h, w_ = graph.value_shapes[a]
             own = split_rows(h, shares)
-            halo = max(_len(nd.get(a, EMPTY)) - _len(intersect(nd.get(a, EMPTY), own[i]))
-                       for i, nd in enumerate(need))
-            if halo > 0:
-                seg_ms += cost.exchange_ms + halo * c * w_ * cost.bytes_per_element / \
-                    cost.link_bytes_per_ms
+            row_bytes = c * w_ * 4
+            seg_ms += max((costs.transfer_ms(src, dst, _len(intersect(nd.get(a, EMPTY), own[src])) * row_bytes)
+                           for dst, nd in enumerate(need) for src in range(len(shares))
+                           if src != dst and _len(intersect(nd.get(a, EMPTY), own[src])) > 0), default=0.0)
         out[a] = seg_ms
     return out
 
 
-def _choose_cuts(graph: ModelGraph, shares: tuple[float, ...], cost: CostModel,
+def _choose_cuts(graph: ModelGraph, shares: tuple[float, ...], costs: PlanCosts,
                  max_segments: int | None) -> tuple[list[int], float]:
     cands = [0, *graph.cut_values, graph.output_value]
     nc = len(cands)
@@ -208,7 +320,7 @@ def _choose_cuts(graph: ModelGraph, shares: tuple[float, ...], cost: CostModel,
     arg = [[-1] * (kmax + 1) for _ in range(nc)]
     best[0][0] = 0.0
     for bi in range(1, nc):
-        seg = _segment_costs(graph, cands[:bi], cands[bi], shares, cost)
+        seg = _segment_costs(graph, cands[:bi], cands[bi], shares, costs)
         for ai in range(bi):
             c = seg[cands[ai]]
             for k in range(1, kmax + 1):
@@ -229,78 +341,110 @@ def _choose_cuts(graph: ModelGraph, shares: tuple[float, ...], cost: CostModel,
     return sorted(c for c in cuts if c > 0), total
 
 
-# --------------------------------------------------------------------------- make_plan
+# --------------------------------------------------------------------------- plans
+def build_plan(graph: ModelGraph, spec: PlanSpec, *, slab_rows: int = 8, estimated_ms: float = 0.0) -> Plan:
+    """The plan `spec` describes (ValueError saying what is wrong with a spec that does not fit
+    `graph`). Pure: every node derives the same plan from the same spec."""
+    if spec.strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {spec.strategy!r} (one of {', '.join(STRATEGIES)})")
+    ids = tuple(str(n) for n in spec.node_ids)
+    if not ids or any(not n for n in ids):
+        raise ValueError("a plan needs non-empty node ids")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"duplicate node ids in {ids}")
+    if "coordinator" in ids:
+        raise ValueError("'coordinator' is reserved for the OUTPUT consumer")
+    if int(slab_rows) < 1:
+        raise ValueError(f"slab_rows must be >= 1, got {slab_rows}")
+    cuts = tuple(int(c) for c in spec.cuts)
+    bad = [c for c in cuts if c not in graph.cut_values]
+    if bad:
+        raise ValueError(f"cuts {bad} are not cut points; valid: {graph.cut_values}")
+    if list(cuts) != sorted(set(cuts)):
+        raise ValueError(f"cuts {list(cuts)} must be strictly increasing")
+    if len(spec.segment_shares) != len(cuts) + 1:
+        raise ValueError(f"{len(cuts)} cuts make {len(cuts) + 1} segments, got shares for "
+                         f"{len(spec.segment_shares)}")
+    norms = tuple(normalise_shares(row, len(ids)) for row in spec.segment_shares)
+    bounds = [0, *cuts, graph.output_value]
+    segments = _build_segments(graph, ids, norms, bounds)
+    seg_flops = [sum(graph.ops[j].flops_per_row * graph.ops[j].out_shape[1] for j in range(a, b))
+                 for a, b in zip(bounds, bounds[1:])]
+    total = math.fsum(seg_flops)
+    if total > 0:
+        work = [math.fsum(n[i] * f for n, f in zip(norms, seg_flops)) / total for i in range(len(ids))]
+    else:
+        work = list(norms[0])
+    norm_spec = PlanSpec(spec.strategy, ids, cuts, norms)
+    return Plan(ids, tuple(work), int(slab_rows), tuple(segments), graph.input_shape,
+                graph.trunk_output_shape, float(estimated_ms), norm_spec)
+
+
 def make_plan(
     graph: ModelGraph,
     node_ids: Sequence[str],
     shares: Sequence[float],
     *,
     slab_rows: int = 8,
-    cost: CostModel = CostModel(),
+    cost: CostModel | PlanCosts = CostModel(),
     max_segments: int | None = None,
     cuts: Sequence[int] | None = None,
     solo_tail: bool | None = None,
 ) -> Plan:
-    """Plan for splitting `graph`'s trunk over `node_ids` by `shares` (>= 0, normalised).
+    """Stripes plan for splitting `graph`'s trunk over `node_ids` by `shares` (>= 0, normalised).
 
-    `cuts` (graph value indices from `graph.cut_values`) overrides the cost model's choice;
-    `max_segments` bounds the number of segments it may choose.
+    `cost`: a `CostModel` prior (node speeds taken from the shares) or measured `PlanCosts`
+    (node index = position in `node_ids`). `cuts` (graph value indices from `graph.cut_values`)
+    overrides the cost model's choice; `max_segments` bounds the number of segments it may choose.
 
-    `solo_tail`: the segments from some cut on may run whole on the node with the largest
-    share (a layer-wise split after the row stripes: late, low-resolution layers are
-    weight-bound, so splitting their few rows saves little compute and costs an exchange).
-    None (default): the cost model picks the cut, or none, when `cuts` is not given; True: it
-    may do so even with explicit `cuts`; False: never.
+    `solo_tail`: the segments from some cut on may run whole on the fastest node (a layer-wise
+    split after the row stripes: late, low-resolution layers are weight-bound, so splitting their
+    few rows saves little compute and costs an exchange). None (default): the cost model picks
+    the cut, or none, when `cuts` is not given; True: it may do so even with explicit `cuts`;
+    False: never.
     """
     ids = tuple(str(n) for n in node_ids)
     if not ids:
         raise ValueError("no nodes")
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"duplicate node ids in {ids}")
-    if "coordinator" in ids:
-        raise ValueError("'coordinator' is reserved for the OUTPUT consumer")
     norm = normalise_shares(shares, len(ids))
-    if int(slab_rows) < 1:
-        raise ValueError(f"slab_rows must be >= 1, got {slab_rows}")
     if max_segments is not None and max_segments < 1:
         raise ValueError(f"max_segments must be >= 1, got {max_segments}")
+    costs = cost.bind(graph, norm) if isinstance(cost, CostModel) else cost
     if cuts is None:
-        chosen, _ = _choose_cuts(graph, norm, cost, max_segments)
+        chosen, _ = _choose_cuts(graph, norm, costs, max_segments)
     else:
         bad = [c for c in cuts if c not in graph.cut_values]
         if bad:
             raise ValueError(f"cuts {bad} are not cut points; valid: {graph.cut_values}")
         chosen = sorted({int(c) for c in cuts})
-    bounds = [0, *chosen, graph.output_value]
     allow_solo = (cuts is None) if solo_tail is None else bool(solo_tail)
-    if not allow_solo or sum(1 for s in norm if s > 0) < 2 or len(bounds) < 3:
-        segments = _build_segments(graph, ids, norm, bounds, len(bounds) - 1)
-        est = _estimate(graph, segments, norm, cost)
-    else:
-        # try "segments from t on run whole on the fastest node" for every t (t = #segments: no
-        # solo tail; the solo segments merge into one), keep the cheapest; ties -> no solo tail
-        best = None
-        for t in range(len(bounds) - 1, 0, -1):
-            bt = bounds[:t + 1] + ([graph.output_value] if t < len(bounds) - 1 else [])
-            segs = _build_segments(graph, ids, norm, bt, t)
-            e = _estimate(graph, segs, norm, cost)
-            if best is None or e < best[0] - 1e-9 * (1.0 + abs(e)):
-                best = (e, segs)
-        est, segments = best
-    return Plan(ids, norm, int(slab_rows), tuple(segments), graph.input_shape,
-                graph.trunk_output_shape, est)
+    active = [i for i, s in enumerate(norm) if s > 0]
+    specs = [PlanSpec.stripes(ids, norm, chosen)]
+    if allow_solo and len(active) >= 2 and chosen:
+        # "segments from t on run whole on the fastest node" for every t; the solo segments
+        # merge into one
+        fastest = min(active, key=lambda i: (sum(costs.op_ms(i, j, op.out_shape[1])
+                                                 for j, op in enumerate(graph.ops)), -norm[i], i))
+        for t in range(len(chosen), 0, -1):
+            specs.append(PlanSpec.stripes(ids, norm, chosen[:t], solo_from=t, solo_node=fastest))
+    best: tuple[float, Plan] | None = None
+    for spec in specs:  # ties keep the earlier: no solo tail, then the longer split front
+        plan = build_plan(graph, spec, slab_rows=slab_rows)
+        e = estimate_ms(graph, plan, costs)
+        if best is None or e < best[0] - 1e-9 * (1.0 + abs(e)):
+            best = (e, plan)
+    e, plan = best
+    return replace(plan, estimated_ms=e)
 
 
-def _build_segments(graph: ModelGraph, ids: tuple[str, ...], norm: tuple[float, ...],
-                    bounds: list[int], solo_from: int) -> list[SegmentPlan]:
-    """Segments between `bounds`; from segment `solo_from` on all rows go to the fastest node."""
-    fastest = max(range(len(norm)), key=lambda i: (norm[i], -i))
-    solo = tuple(1.0 if i == fastest else 0.0 for i in range(len(norm)))
+def _build_segments(graph: ModelGraph, ids: tuple[str, ...], norms: tuple[tuple[float, ...], ...],
+                    bounds: list[int]) -> list[SegmentPlan]:
+    """Segments between `bounds`, segment k's rows split by `norms[k]`."""
     segments: list[SegmentPlan] = []
     prev_out: tuple[Interval, ...] = ()
     for k in range(len(bounds) - 1):
         a, b = bounds[k], bounds[k + 1]
-        out_rows = split_rows(graph.value_shapes[b][1], norm if k < solo_from else solo)
+        out_rows = split_rows(graph.value_shapes[b][1], norms[k])
         in_rows, flops = [], []
         for st in out_rows:
             comp, need = graph.required_rows(a, b, st)
@@ -323,43 +467,25 @@ def _build_segments(graph: ModelGraph, ids: tuple[str, ...], norm: tuple[float, 
     return segments
 
 
-def _call_overhead(graph: ModelGraph, seg: SegmentPlan, i: int, cost: CostModel) -> float:
-    """Flop-equivalent of node i's per-call costs in `seg`: fixed cost per run plus the weight
-    bytes each run of a conv reads beyond what its flops already take."""
-    if cost.call_ms <= 0 and cost.weight_bytes_per_ms <= 0:
-        return 0.0
-    rows = seg.out_rows[i]
-    if rows[0] >= rows[1]:
-        return 0.0
-    comp, _ = graph.required_rows(seg.in_value, seg.out_value, rows)
-    extra_ms = 0.0
-    for v, r in comp.items():
-        n = _len(r)
-        if n <= 0:
-            continue
-        op = graph.ops[v - 1]
-        calls = -(-n // max(1, cost.run_rows))
-        ms = calls * cost.call_ms
-        if op.window is not None and cost.weight_bytes_per_ms > 0:
-            # conv weights ~ flops_per_row / (2 * W_out) elements (tiny for pools)
-            wbytes = op.flops_per_row / (2.0 * op.out_shape[2]) * cost.bytes_per_element
-            ms += max(0.0, calls * wbytes / cost.weight_bytes_per_ms - n * op.flops_per_row / cost.flops_per_ms)
-        extra_ms += ms
-    return extra_ms * cost.flops_per_ms
-
-
-def _estimate(graph: ModelGraph, segments: list[SegmentPlan], shares: tuple[float, ...],
-              cost: CostModel) -> float:
-    n_active = sum(1 for s in shares if s > 0)
+def estimate_ms(graph: ModelGraph, plan: Plan, costs: PlanCosts) -> float:
+    """Cost-model latency of `plan`: per segment the busiest node's compute, plus the slowest
+    halo transfer at each cut (no overlap assumed; the simulator models the streaming)."""
     total = 0.0
-    for k, seg in enumerate(segments):
-        total += max(((f + _call_overhead(graph, seg, i, cost)) / (cost.flops_per_ms * n_active * s)
-                      for i, (f, s) in enumerate(zip(seg.flops, shares)) if f > 0), default=0.0)
+    for k, seg in enumerate(plan.segments):
+        busy = 0.0
+        for i in range(len(plan.node_ids)):
+            rows = seg.out_rows[i]
+            if rows[0] >= rows[1]:
+                continue
+            comp, _ = graph.required_rows(seg.in_value, seg.out_value, rows)
+            busy = max(busy, sum(costs.op_ms(i, v - 1, _len(r)) for v, r in comp.items() if _len(r) > 0))
+        total += busy
         if k > 0 and seg.halos:
             c, _, w = graph.value_shapes[seg.in_value]
-            per_dst: dict[str, int] = {}
+            idx = {n: i for i, n in enumerate(plan.node_ids)}
+            pair: dict[tuple[int, int], int] = {}
             for h in seg.halos:
-                per_dst[h.dst] = per_dst.get(h.dst, 0) + h.hi - h.lo
-            total += cost.exchange_ms + max(per_dst.values()) * c * w * \
-                cost.bytes_per_element / cost.link_bytes_per_ms
+                key = (idx[h.src], idx[h.dst])
+                pair[key] = pair.get(key, 0) + h.hi - h.lo
+            total += max(costs.transfer_ms(s, d, r * c * w * 4) for (s, d), r in pair.items())
     return total

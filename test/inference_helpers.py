@@ -35,7 +35,11 @@ def scenario_dict(*, model: str, height: int, width: int, channels: int = 3, num
                   slowdowns: Sequence[float], shares: Sequence[float], slab_rows: int = 4,
                   coordinator: dict[str, Any] | None = None,
                   compute: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A hetero_inference-like graph (coordinator + compute_i), no image_source, no scheduler."""
+    """A hetero_inference-like graph (coordinator + compute_i), no image_source, no scheduler.
+
+    The coordinator splits into stripes (``coordinator={"strategy": "auto"}`` lets it choose)
+    and keeps its first plan unless another is predicted twice as fast (``min_plan_gain`` 1.0):
+    these tests check results against the plan that ran, not the planner's taste."""
     model_params = {"model": model, "input_height": height, "input_width": width,
                     "input_channels": channels, "num_classes": num_classes, "seed": 0, "weights": "",
                     "slab_rows": slab_rows}
@@ -43,7 +47,8 @@ def scenario_dict(*, model: str, height: int, width: int, channels: int = 3, num
     graph: dict[str, Any] = {"coordinator": {"ros__parameters": {
         "executable": "coordinator", "input_topic": CAMERA_TOPIC, "compute_nodes": names,
         "static_shares": [float(s) for s in shares], "use_scheduler": False, "max_in_flight": 4,
-        "request_timeout_s": 30.0, "dead_after_s": 1.5, **model_params, **(coordinator or {})}}}
+        "request_timeout_s": 30.0, "dead_after_s": 1.5, "strategy": "stripes", "min_plan_gain": 1.0,
+        **model_params, **(coordinator or {})}}}
     for name, slowdown in zip(names, slowdowns):
         graph[name] = {"ros__parameters": {
             "executable": "compute", "device": "cpu", "threads": 1,
@@ -284,7 +289,7 @@ class InferenceGraph:
         pv = next((p for p in self.plans.snapshot() if int(p.version) == int(version)), None)
         assert pv is not None, f"plan v{version} was never announced on {ic.PLAN_TOPIC}"
         slab = self.config["coordinator"]["ros__parameters"]["slab_rows"]
-        return ic.plan_for(self.graph, tuple(pv.node_ids), tuple(float(s) for s in pv.shares), slab)
+        return ic.plan_from_msg(self.graph, pv, slab)
 
     def expected_rows(self, version: int) -> tuple[list[str], list[int]]:
         """(active nodes, trunk-output rows of each) under plan ``version``."""

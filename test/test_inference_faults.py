@@ -61,7 +61,7 @@ def test_malformed_chunks_are_dropped_counted_and_the_node_keeps_serving(graph):
     before = int(latest_values(g, node).get("rejected", "0"))
     assert before == 0, latest_values(g, node)
     pv = g.latest_plan()
-    plan = ic.plan_for(g.graph, tuple(pv.node_ids), tuple(pv.shares), 4)
+    plan = ic.plan_from_msg(g.graph, pv, 4)
     lo, hi = plan.input_rows_for(node)
     c, height, width = g.spec.input_shape
     assert hi < height, "compute_0 must not read the whole image for the out-of-range case"

@@ -62,8 +62,10 @@ class StripeRunner:
     """
 
     def __init__(self, graph: ModelGraph, plan: Plan, node_id: str, *,
-                 min_run_rows: int = DEFAULT_MIN_RUN_ROWS) -> None:
+                 min_run_rows: int = DEFAULT_MIN_RUN_ROWS,
+                 on_run: Callable[[int, int, float], None] | None = None) -> None:
         self.graph, self.plan, self.node_id = graph, plan, node_id
+        self.on_run = on_run  # (op, rows, seconds) of every run: live cost measurements
         self.min_run_rows = max(1, int(min_run_rows))
         me = plan.index(node_id)
         nv = graph.num_values
@@ -130,10 +132,7 @@ class StripeRunner:
         if self._n is not None and n != self._n:
             raise ValueError(f"batch size {n} differs from earlier rows ({self._n})")
         lo, hi = int(row_offset), int(row_offset) + r
-        exp = self._expect[v]
-        if not any(a <= lo and hi <= b for a, b in exp):
-            raise ValueError(f"node {self.node_id}: rows [{lo},{hi}) of segment {segment} not "
-                             f"expected (still expecting {exp})")
+        self._check_expected(segment, lo, hi)
         if not rows.is_floating_point():
             raise ValueError(f"rows must be floating point, got {rows.dtype}")
         if self._n is None:
@@ -151,13 +150,23 @@ class StripeRunner:
         buf = self._bufs[v]
         off = self._buf_rng[v][0]
         buf[:, :, lo - off:hi - off].copy_(rows)  # also host -> device when the graph is there
-        self._expect[v] = iv_sub(exp, (lo, hi))
-        self._avail[v] = iv_add(self._avail[v], (lo, hi))
-        self._stats["rows_in" if segment == 0 else "halo_rows_in"] += r
-        self._stats["feeds"] += 1
+        self._arrive(segment, lo, hi)
         self._advance({v}, out.append if emit is None else hand_on)
         self._stats["compute_s"] += time.perf_counter() - t0 - handed_s
         return out
+
+    def _check_expected(self, segment: int, lo: int, hi: int) -> None:
+        exp = self._expect[self._seg_in[segment]]
+        if not any(a <= lo and hi <= b for a, b in exp):
+            raise ValueError(f"node {self.node_id}: rows [{lo},{hi}) of segment {segment} not "
+                             f"expected (still expecting {exp})")
+
+    def _arrive(self, segment: int, lo: int, hi: int) -> None:
+        v = self._seg_in[segment]
+        self._expect[v] = iv_sub(self._expect[v], (lo, hi))
+        self._avail[v] = iv_add(self._avail[v], (lo, hi))
+        self._stats["rows_in" if segment == 0 else "halo_rows_in"] += hi - lo
+        self._stats["feeds"] += 1
 
     # ------------------------------------------------------------------ internals
     def _allocate(self, n: int, dtype: torch.dtype) -> None:
@@ -195,6 +204,7 @@ class StripeRunner:
                     sink(e)
 
     def _compute(self, j: int, a: int, b: int) -> None:
+        t0 = time.perf_counter() if self.on_run is not None else 0.0
         op = self.graph.ops[j]
         bufs, rngs = self._bufs, self._buf_rng
         if op.window is not None:
@@ -210,6 +220,10 @@ class StripeRunner:
         v = j + 1
         off = rngs[v][0]
         bufs[v][:, :, a - off:b - off].copy_(y)
+        if self.on_run is not None:
+            if self.graph.device.type == "cuda":  # kernels run asynchronously: time them whole
+                torch.cuda.synchronize(self.graph.device)
+            self.on_run(j, b - a, time.perf_counter() - t0)
         self._avail[v] = iv_add(self._avail[v], (a, b))
         self._remaining[v] = iv_sub(self._remaining[v], (a, b))
         self._stats["rows_computed"] += b - a

@@ -5,8 +5,16 @@ Receives INPUT (image rows from the coordinator) and HALO (rows from neighbours)
 whose receptive field has arrived is computed at once), publishes HALO rows to neighbours and
 OUTPUT rows to the coordinator as soon as they exist, then NodeTelemetry for the request
 (compute time is device time: ``inference_common.busy_clock``).
-Plans come from the coordinator's latched ``/kaitian/plan`` topic by version; a chunk of an
-unknown, retired or mismatched plan is dropped and counted, never a crash.
+Plans come from the coordinator's latched ``/kaitian/plan`` topic by version (the full spec:
+strategy, cuts, per-segment shares); a chunk of an unknown, retired or mismatched plan is
+dropped and counted, never a crash.
+
+Costs: at start-up the node times every trunk op at several row counts (bounded by
+``profile_budget_s``) and publishes the result on the latched ``/kaitian/profiles`` topic. It
+keeps refining it from the runs it really computes (per op and row count, wall time, the
+emulated slowdown applied) and, while it has nothing to compute, from a short timed probe every
+``probe_period_s``; it measures its incoming links from the chunks it receives. A new profile
+version goes out when the costs moved by ``profile_change`` or more.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ from typing import Any
 
 import torch
 
+from kaitian_ros.core import profiling
+from kaitian_ros.core.costs import CostRefiner, DeviceProfile, LinkMeter
 from kaitian_ros.core.plan import Plan
 from kaitian_ros.core.stripe import StripeRunner
 from kaitian_ros.core.tensors import normalise_input
@@ -39,6 +49,11 @@ PARAMETERS = ic.MODEL_PARAMETERS + (
     P("request_timeout_s", T.DOUBLE, 10.0, "forget an unfinished request after this long", 0.1, 3600.0),
     P("max_plans", T.INTEGER, 8, "plan versions kept for requests still in flight", 2, 1000),
     P("pending_timeout_s", T.DOUBLE, 2.0, "hold chunks of a not-yet-known plan this long", 0.0, 60.0),
+    P("profile_budget_s", T.DOUBLE, 10.0, "time limit of the start-up cost measurement", 0.5, 120.0,
+      read_only=True),
+    P("probe_period_s", T.DOUBLE, 0.5, "while idle, time a probe op this often (0 = never)", 0.0, 60.0),
+    P("profile_change", T.DOUBLE, 0.1,
+      "publish a new cost profile when the costs moved by this fraction (trunk time or a link)", 0.01, 10.0),
 )
 
 
@@ -79,10 +94,14 @@ class ComputeNode:
         self.pubs: dict[str, Any] = {}
         self.telemetry = rt.create_publisher(ic.TELEMETRY_TOPIC, "NodeTelemetry")
         self.diagnostics = DiagnosticsPublisher(rt, hardware_id=self.params["device"])
+        self._measure_costs()
+        self.profile_pub = rt.create_publisher(ic.PROFILES_TOPIC, "CostProfile", QoS.LATCHED)
+        self._publish_profile("start-up measurement")
         rt.create_subscription(ic.PLAN_TOPIC, "LoadAssignment", self._on_plan, QoS.LATCHED)
         rt.create_subscription(ic.chunk_topic(self.node_id), "TensorChunk", self._on_chunk, with_info=True)
         rt.add_on_set_parameters_callback(self._on_set)
         self.hb_timer = rt.create_timer(1.0 / self.params["heartbeat_hz"], self._heartbeat)
+        self.probe_timer = self._probe_timer()
         rt.create_timer(1.0, self._housekeeping)
         rt.logger.info(f"{self.spec.name} {self.spec.input_shape} on {self.params['device']}, "
                        f"slowdown {self.params['emulated_slowdown']}"
@@ -99,7 +118,89 @@ class ComputeNode:
             self.hb_timer.cancel()
             self.hb_timer = self.rt.create_timer(1.0 / changes["heartbeat_hz"], self._heartbeat)
         self.params = self.params | changes
+        if "probe_period_s" in changes:
+            if self.probe_timer is not None:
+                self.probe_timer.cancel()
+            self.probe_timer = self._probe_timer()
+        if "min_run_rows" in changes:  # the planner simulates this node's deferral
+            self._publish_profile("min_run_rows changed")
         return SetParametersResult(True)
+
+    # --- costs --------------------------------------------------------------------------
+    def _measure_costs(self) -> None:
+        slowdown = self.params["emulated_slowdown"]
+        # device time (on a CPU this thread's CPU time: nodes start together and share cores);
+        # live runs, in wall time, then scale it to what a request really waits for
+        self.measured, self.probe_inputs = profiling.measure_profile(
+            self.graph, self.busy_clock, slowdown=slowdown, budget_s=self.params["profile_budget_s"])
+        self.refiner = CostRefiner(self.measured.op_costs)
+        self.meters: dict[str, LinkMeter] = {}
+        self.message_ms = 0.05  # prior until measured: decode + bookkeeping of one chunk here
+        self.profile_version = 0
+        self.published: DeviceProfile | None = None
+        self.last_run_s = 0.0
+        self.rt.logger.info(f"costs measured in {self.measured.elapsed_s:.1f} s: trunk "
+                            f"{self.measured.trunk_ms:.1f} ms" + (" (EMULATED)" if self.emulated else ""))
+
+    def _profile(self) -> DeviceProfile:
+        ops = self.refiner.current()
+        trunk = self.measured.trunk_ms * self.refiner.device_ratio
+        links = {src: est for src, m in self.meters.items() if (est := m.estimate()) is not None}
+        return DeviceProfile(self.node_id, self.profile_version, self.spec.key, self.params["device"],
+                             self.params["emulated_slowdown"], ops, trunk, self.message_ms,
+                             self.params["min_run_rows"], self.refiner.samples, links)
+
+    def _publish_profile(self, why: str) -> None:
+        self.profile_version += 1
+        p = self._profile()
+        self.profile_pub.publish(ic.profile_msg(p))
+        self.published = p
+        self.rt.logger.debug(f"profile v{p.version} ({why}): trunk {p.trunk_ms:.1f} ms")
+
+    def _maybe_publish_profile(self) -> None:
+        if self.published is None:
+            return
+        now = self._profile()
+        old = self.published
+        limit = self.params["profile_change"]
+
+        def moved(a: float, b: float) -> bool:
+            return abs(a - b) > limit * max(abs(b), 1e-9)
+
+        why = ""
+        if moved(sum(c.ms(op.out_shape[1]) for c, op in zip(now.op_costs, self.graph.ops)),
+                 sum(c.ms(op.out_shape[1]) for c, op in zip(old.op_costs, self.graph.ops))):
+            why = "compute costs moved"
+        for src, est in now.links.items():
+            was = old.links.get(src)
+            if was is None or moved(est.bytes_per_ms, was.bytes_per_ms) or \
+                    abs(est.latency_ms - was.latency_ms) > max(1.0, limit * was.latency_ms):
+                why = why or f"link from {src} measured"
+        if why:
+            self._publish_profile(why)
+
+    def _on_run(self, op: int, rows: int, seconds: float) -> None:
+        # what the run took as the node releases rows: the wall time, or for an EMULATED device
+        # s x its device time if that is later (`_feed`)
+        now = self.busy_clock()
+        device_s, self._run_clock = now - self._run_clock, now
+        if self.completed == 0:
+            return  # the first request's calls build kernels and pack weights for every shape
+        slowdown = self.params["emulated_slowdown"]
+        self.refiner.observe_run(op, rows, max(seconds, slowdown * device_s) * 1e3)
+
+    def _probe_timer(self) -> Any:
+        period = self.params["probe_period_s"]
+        return self.rt.create_timer(period, self._probe) if period > 0 else None
+
+    def _probe(self) -> None:
+        """Idle: time the probe op, so that a device with no rows still shows a speed change."""
+        if self.requests or time.monotonic() - self.last_run_s < self.params["probe_period_s"]:
+            return
+        ms = profiling.probe(self.graph, self.measured, self.busy_clock, self.params["emulated_slowdown"],
+                             self.probe_inputs)
+        self.refiner.observe_probe(ms, self.measured.probe_base_ms)
+        self._maybe_publish_profile()
 
     # --- plans --------------------------------------------------------------------------
     def _on_plan(self, msg: Any) -> None:
@@ -111,8 +212,7 @@ class ComputeNode:
         if pv.version in self.plans or pv.version < self.retired_below:
             return
         try:
-            plan = ic.plan_for(self.graph, pv.node_ids, pv.shares, self.params["slab_rows"],
-                               self.params["plan_link_mbit"])
+            plan = ic.plan_from_msg(self.graph, msg, self.params["slab_rows"])
         except ValueError as exc:
             self.rt.rejected.count(f"bad plan: v{pv.version}: {exc}")
             return
@@ -134,9 +234,16 @@ class ComputeNode:
 
     def _on_chunk(self, msg: Any, info: MessageInfo | None = None) -> None:
         now = time.time()
+        t_in = time.perf_counter()
         # arrival as the middleware saw it, not when this (maybe busy) node got to it
         arrived = info.received_s if info is not None else now
         sent = info.source_timestamp_s if info is not None and info.source_timestamp_s else arrived
+        if info is not None and info.source_timestamp_s and msg.producer:
+            meter = self.meters.get(msg.producer)
+            if meter is None and len(self.meters) < 64:  # bounded: forged producer names
+                meter = self.meters[msg.producer] = LinkMeter()
+            if meter is not None:
+                meter.observe(len(msg.data), info.source_timestamp_s, info.received_s)
         if msg.consumer != self.node_id:
             self.rt.rejected.count(f"misaddressed: chunk for {msg.consumer!r}")
             return
@@ -173,12 +280,16 @@ class ComputeNode:
             if state is None:
                 state = RequestState(int(msg.request_id), version,
                                      StripeRunner(self.graph, plan, self.node_id,
-                                                  min_run_rows=self.params["min_run_rows"]),
+                                                  min_run_rows=self.params["min_run_rows"], on_run=self._on_run),
                                      started_s=now, frame_id=msg.header.frame_id)
-            spent = self._feed(state, plan, msg, rows)
+            spent, wall = self._feed(state, plan, msg, rows)
         except (ValueError, interfaces.DecodeError) as exc:
             self.rt.rejected.count(f"bad chunk: request {msg.request_id}: {exc}")
             return
+        self.last_run_s = time.monotonic()
+        # this chunk's handling outside compute: decode was on the middleware thread, the rest here
+        outside = max(0.0, (time.perf_counter() - t_in - wall) * 1e3)
+        self.message_ms += 0.1 * (outside - self.message_ms)
         self.requests[state.request_id] = state
         if msg.role == ic.ROLE_INPUT:
             state.first_sent_s = min(state.first_sent_s or sent, sent)
@@ -189,11 +300,13 @@ class ComputeNode:
         if state.runner.done:
             self._finish(state, plan)
 
-    def _feed(self, state: RequestState, plan: Plan, msg: Any, rows: torch.Tensor) -> float:
+    def _feed(self, state: RequestState, plan: Plan, msg: Any, rows: torch.Tensor) -> tuple[float, float]:
         """Feed rows to the request's runner, publishing every emission the moment its rows
-        exist; returns the device time spent (EMULATED: times the slowdown)."""
+        exist; returns the device time spent (EMULATED: times the slowdown) and the wall time
+        of the feed."""
         slowdown = self.params["emulated_slowdown"]
         t0, wall0 = self.busy_clock(), time.perf_counter()
+        self._run_clock = t0
         # device-clock time inside `emit` - the EMULATED wait and publishing - is not compute
         # (on a wall-clock device such as CUDA the wait would otherwise count as compute)
         outside = 0.0
@@ -206,7 +319,8 @@ class ComputeNode:
             if slowdown > 1.0:  # EMULATED: a device s times slower has these rows only now
                 _sleep_until(wall0 + slowdown * (e0 - t0 - outside))
             self._publish(state, plan, [e])
-            outside += self.busy_clock() - e0
+            self._run_clock = self.busy_clock()
+            outside += self._run_clock - e0
 
         state.runner.feed(int(msg.segment), int(msg.row_offset), rows, emit=emit)
         if self.device.type == "cuda":  # kernels run asynchronously: time them whole
@@ -215,7 +329,7 @@ class ComputeNode:
         if slowdown > 1.0 and spent > 0:
             _sleep_until(wall0 + slowdown * spent)  # emulated: this device is s times slower
             spent *= slowdown
-        return spent
+        return spent, time.perf_counter() - wall0
 
     def _publish(self, state: RequestState, plan: Plan, emissions: list) -> None:
         for e in emissions:
@@ -248,6 +362,7 @@ class ComputeNode:
             # actually ran: those depend on which layers its stripe covers (halos, a solo
             # tail), and a speed in real FLOPs/ms made equal devices drift apart (docs/policy.md)
             work=plan.shares[plan.index(self.node_id)] * self._trunk_flops,
+            share=plan.shares[plan.index(self.node_id)],
             compute_ms=state.compute_s * 1e3,
             # spread of this node's input arrivals: the link's share of the request's latency
             # (a burst on loopback arrives at once; through a rate-limited link it is spread out)
@@ -267,6 +382,7 @@ class ComputeNode:
         self.telemetry.publish(self._telemetry_msg(request_id=0))
 
     def _housekeeping(self) -> None:
+        self._maybe_publish_profile()
         now = time.time()
         timeout = self.params["request_timeout_s"]
         for rid in [r for r, s in self.requests.items() if now - s.started_s > timeout]:

@@ -4,10 +4,15 @@ For every sensor_msgs/Image on ``input_topic`` it preprocesses the frame, opens 
 under the current plan version, streams each compute node its input rows in slabs, gathers
 the OUTPUT rows, runs the head and publishes FusedOutput on ``/kaitian/fused``.
 
-It is the single authority on plan versions (``/kaitian/plan``, latched): it adopts the
-scheduler's LoadAssignment proposals, or uses its static shares when no scheduler runs, and
-removes a compute node that stops sending heartbeats, re-dispatching that node's in-flight
-requests to the survivors under a new version so no frame is lost.
+It is the single authority on plan versions (``/kaitian/plan``, latched). Its planner
+(`core.planner`) predicts every candidate - the whole trunk on each node, every layer-wise
+cut and order, row stripes with the scheduler's shares and with shares by measured speed -
+from the cost profiles the compute nodes publish (``/kaitian/profiles``) and the links it and
+they measured, and runs the fastest (``strategy`` forces one). It replans when the scheduler
+proposes shares, when a node joins or leaves, when a profile changes and every
+``replan_period_s``, switching only for a predicted gain of ``min_plan_gain``. A compute node
+that stops sending heartbeats leaves the plan; its in-flight requests are re-dispatched to the
+survivors under a new version so no frame is lost.
 """
 
 from __future__ import annotations
@@ -24,14 +29,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from kaitian_ros.core.plan import Plan
+from kaitian_ros.core import planner
+from kaitian_ros.core.costs import COORDINATOR, Costs, DeviceProfile, LinkEstimate, LinkMeter, profile_problem
+from kaitian_ros.core.plan import CostModel, Plan, PlanSpec, build_plan
 from kaitian_ros.core.policy import Assignment
 from kaitian_ros.core.tensors import ImageFormatError, image_to_array, resize_pixels
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.runtime import interfaces, run_node
 from kaitian_ros.runtime.api import ParameterDescriptor as P
 from kaitian_ros.runtime.api import ParameterType as T
-from kaitian_ros.runtime.api import QoS, Runtime, SetParametersResult
+from kaitian_ros.runtime.api import MessageInfo, QoS, Runtime, SetParametersResult
 from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher, Level
 
 PARAMETERS = ic.MODEL_PARAMETERS + (
@@ -47,7 +54,19 @@ PARAMETERS = ic.MODEL_PARAMETERS + (
     P("input_pacing_ms", T.DOUBLE, 0.0,
       "EMULATED slow input link: pause between input slabs (0 = send at once)", 0.0, 10000.0),
     P("threads", T.INTEGER, 1, "torch CPU threads for preprocessing and the head", 1, 256),
+    P("strategy", T.STRING, "auto", "plan strategy: auto (fastest predicted) | single | layerwise | stripes",
+      choices=planner.STRATEGY_CHOICES),
+    P("min_plan_gain", T.DOUBLE, 0.05,
+      "switch plans for a predicted latency gain of at least this fraction", 0.0, 1.0),
+    P("replan_period_s", T.DOUBLE, 2.0, "re-predict the candidates this often with the newest measurements",
+      0.1, 3600.0),
+    P("plan_link_mbit", T.DOUBLE, 1000.0,
+      "prior rate of a link nobody has measured yet (Mbit/s); measured rates replace it", 1.0, 1e6,
+      read_only=True),
 )
+
+# Prior latency of an unmeasured link: the cost model's per-exchange latency (CostModel).
+LINK_PRIOR_LATENCY_MS = CostModel().exchange_ms
 
 
 @dataclass
@@ -84,6 +103,14 @@ class Coordinator:
         self.current: Assignment | None = None
         self.pending: Assignment | None = None  # adopted, effective from a later request
         self.plans: dict[int, Plan] = {}
+        self.profiles: dict[str, DeviceProfile] = {}
+        self.meters: dict[str, LinkMeter] = {}  # compute node -> coordinator links (OUTPUT chunks)
+        self.pre_ms = 0.0  # image received -> preprocessed, ready to send (EWMA)
+        self.post_ms = 0.0  # last OUTPUT chunk -> result published (EWMA)
+        self.send_ms_per_mb = 0.0  # publishing cost of chunk payload (EWMA)
+        self.choice: planner.Choice | None = None  # the planner's newest choice
+        self.predicted_ms = 0.0  # the newest plan's latency as last predicted
+        self.last_replan = 0.0
         self.requests: dict[int, Request] = {}
         self.waiting: Any = None  # newest image waiting for an in-flight slot
         self.next_request = 1
@@ -96,7 +123,8 @@ class Coordinator:
         self._sendq: queue.SimpleQueue | None = None
         rt.create_subscription(ic.TELEMETRY_TOPIC, "NodeTelemetry", self._on_telemetry)
         rt.create_subscription(ic.ASSIGNMENT_TOPIC, "LoadAssignment", self._on_assignment, QoS.LATCHED)
-        rt.create_subscription(ic.chunk_topic(ic.COORDINATOR), "TensorChunk", self._on_chunk)
+        rt.create_subscription(ic.PROFILES_TOPIC, "CostProfile", self._on_profile, QoS.LATCHED)
+        rt.create_subscription(ic.chunk_topic(ic.COORDINATOR), "TensorChunk", self._on_chunk, with_info=True)
         rt.create_subscription(self.params["input_topic"], "Image", self._on_image, QoS.BEST_EFFORT)
         rt.add_on_set_parameters_callback(self._on_set)
         rt.create_timer(0.05, self._check)
@@ -121,9 +149,9 @@ class Coordinator:
         if "threads" in changes:
             torch.set_num_threads(changes["threads"])
         self.params = self.params | changes
-        if "static_shares" in changes or "use_scheduler" in changes:
+        if {"static_shares", "use_scheduler", "strategy", "slab_rows"} & set(changes):
             # self.params already holds the new values; the runtime applies them after we return
-            self._replan("parameters changed")
+            self._replan(f"{', '.join(sorted(changes))} set", force=True)
         return SetParametersResult(True)
 
     # --- membership and plans -----------------------------------------------------------
@@ -135,7 +163,25 @@ class Coordinator:
         if first:
             self.alive = tuple(n for n in self.nodes if n in self.last_seen and
                                time.monotonic() - self.last_seen[n] < self.params["dead_after_s"])
-            self._replan(f"{msg.node_id} joined")
+            self._replan(f"{msg.node_id} joined", force=True)
+
+    def _on_profile(self, msg: Any) -> None:
+        try:
+            profile = ic.profile_from_msg(msg)
+        except ValueError as exc:
+            self.rt.rejected.count(f"bad profile: {exc}")
+            return
+        problem = profile_problem(profile, n_ops=len(self.graph.ops), model=self.spec.key,
+                                  known_nodes=self.nodes)
+        if problem:
+            self.rt.rejected.count(f"bad profile: {problem}")  # the last good one stays
+            return
+        old = self.profiles.get(profile.node_id)
+        if old is not None and profile.version == old.version:
+            return  # the same profile again (a latched re-delivery)
+        self.profiles[profile.node_id] = profile
+        if profile.node_id in self.alive:
+            self._replan(f"{profile.node_id} profile v{profile.version}")
 
     def _on_assignment(self, msg: Any) -> None:
         if not self.params["use_scheduler"]:
@@ -150,42 +196,85 @@ class Coordinator:
         self.assignment = proposal
         self._replan(f"scheduler v{proposal.version}: {proposal.reason}", effective=proposal.effective_from_request)
 
-    def _shares_for(self, alive: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[float, ...], str]:
+    def _shares_for(self, alive: tuple[str, ...]) -> tuple[tuple[float, ...], str]:
+        """The proposed shares of the alive nodes (aligned with `alive`) and their policy."""
         if self.params["use_scheduler"] and self.assignment is not None:
             table = dict(zip(self.assignment.node_ids, self.assignment.shares))
-            nodes = tuple(n for n in alive if table.get(n, 0.0) > 0)
-            if nodes:
-                return nodes, tuple(table[n] for n in nodes), self.assignment.policy
+            if any(table.get(n, 0.0) > 0 for n in alive):
+                return tuple(table.get(n, 0.0) for n in alive), self.assignment.policy
         table = dict(zip(self.nodes, self.params["static_shares"]))
-        nodes = tuple(n for n in alive if table[n] > 0)
-        return nodes, tuple(table[n] for n in nodes), "static"
+        return tuple(table[n] for n in alive), "static"
 
-    def _replan(self, reason: str, effective: int = 0) -> None:
-        nodes, shares, policy = self._shares_for(self.alive)
-        if not nodes:
+    def _costs(self, nodes: tuple[str, ...], shares: tuple[float, ...]) -> tuple[Costs, list[str]]:
+        """What the planner prices plans with: the measured profiles and links; a node without
+        a profile yet gets the flop-based prior (`CostModel`), faster in proportion to its share."""
+        profiles = {n: p for n, p in self.profiles.items() if n in nodes}
+        missing = [n for n in nodes if n not in profiles]
+        if missing:
+            prior = CostModel()
+            active = [s for s in shares if s > 0] or [1.0]
+            mean = sum(active) / len(active)
+            for n, share in zip(nodes, shares):
+                if n in missing:
+                    scale = mean / share if share > 0 else 10.0
+                    ops = tuple(planner_prior_op(op, prior, scale) for op in self.graph.ops)
+                    profiles[n] = DeviceProfile(n, 0, self.spec.key, "?", 1.0, ops,
+                                                sum(c.ms(op.out_shape[1]) for c, op in zip(ops, self.graph.ops)),
+                                                0.05)
+        links = {(n, COORDINATOR): est for n, m in self.meters.items() if (est := m.estimate()) is not None}
+        prior = LinkEstimate(self.params["plan_link_mbit"] * 1e3 / 8, LINK_PRIOR_LATENCY_MS)
+        costs = Costs(profiles, links, prior, slab_rows=self.params["slab_rows"], pre_ms=self.pre_ms,
+                      post_ms=self.post_ms, send_ms_per_mb=self.send_ms_per_mb)
+        return costs.with_links_from_profiles(), missing
+
+    def _replan(self, reason: str, effective: int = 0, force: bool = False) -> None:
+        """Choose the plan for the alive nodes; publish it as a new version if it differs from
+        the newest one (`force`: a structural change) or is predicted `min_plan_gain` faster."""
+        self.last_replan = time.monotonic()
+        alive = tuple(n for n in self.nodes if n in self.alive)
+        shares, policy = self._shares_for(alive)
+        if not alive or sum(shares) <= 0:
             if self.current is not None:
                 self.rt.logger.warning(f"no compute node available ({reason})")
             return
-        total = sum(shares)
-        shares = tuple(s / total for s in shares)
+        costs, missing = self._costs(alive, shares)
+        slab = self.params["slab_rows"]
+        strategy = self.params["strategy"]
         try:
-            shares, plan = self._plan_with_rows(nodes, shares)
-        except ValueError as exc:
-            self.rt.logger.error(f"cannot plan {nodes} {shares}: {exc}")
+            choice = planner.choose_plan(self.graph, alive, costs, slab_rows=slab, strategy=strategy,
+                                         shares=shares, adapt_shares=policy == "adaptive")
+        except (ValueError, RuntimeError) as exc:
+            self.rt.logger.error(f"cannot plan over {alive}: {exc}")
             return
+        self.choice = choice
+        if self.pending is not None and self.current is not None and any(
+                n not in self.alive for n in self.plans[self.current.version].active_nodes()):
+            # the running plan sends rows to a lost node while the next one waits for its
+            # effective request: switch now (the caller then re-dispatches in-flight requests)
+            self._activate(dataclasses.replace(self.pending, effective_from_request=self.next_request))
         latest = self.pending or self.current
-        if latest is not None and latest.node_ids == nodes and all(
-                math.isclose(a, b, abs_tol=1e-9) for a, b in zip(latest.shares, shares)):
-            if latest is self.pending and self.current is not None and any(
-                    n not in self.alive for n in self.current.node_ids):
-                # the scheduler saw the loss first: its proposal without the lost node is still
-                # waiting for its effective_from_request, but the running plan sends rows to a
-                # dead node, so switch now (the caller then re-dispatches in-flight requests)
-                self._activate(dataclasses.replace(self.pending, effective_from_request=self.next_request))
+        spec = choice.best.spec
+        old = self.plans.get(latest.version) if latest is not None else None
+        if old is not None and _same_spec(old.spec, spec):
+            self.predicted_ms = choice.best.predicted_ms
             return
+        if old is not None and strategy != "auto" and old.spec.strategy != strategy:
+            force = True  # the running plan is a fallback (too few nodes for the strategy asked)
+        if old is not None and not force and set(old.active_nodes()) <= set(alive):
+            # the running plan can go on: switch only for a clear predicted gain (no flapping
+            # between near-equal plans on measurement noise)
+            was = planner.predict(self.graph, old.spec, costs, slab_rows=slab)
+            if was <= choice.best.predicted_ms * (1.0 + self.params["min_plan_gain"]):
+                self.predicted_ms = was
+                return
+        self.predicted_ms = choice.best.predicted_ms
+        plan = build_plan(self.graph, spec, slab_rows=slab, estimated_ms=choice.best.predicted_ms)
+        text = f"{reason}: {choice.summary()}"
+        if missing:
+            text += f" (no cost profile yet from {', '.join(missing)}: priors)"
         version = (latest.version + 1) if latest else 1
-        pv = Assignment(version, max(self.next_request, effective), nodes, shares, policy, reason,
-                        plan.estimated_ms)
+        pv = Assignment(version, max(self.next_request, effective), plan.node_ids, plan.shares,
+                        policy, text, choice.best.predicted_ms)
         self.plans[version] = plan
         if effective > self.next_request:
             # the scheduler asked for a switch at a later request: hold it until then
@@ -193,33 +282,14 @@ class Coordinator:
             return
         self._activate(pv)
 
-    def _plan_with_rows(self, nodes: tuple[str, ...], shares: tuple[float, ...]) -> tuple[tuple[float, ...], Plan]:
-        """The plan for ``shares``, where every node with a positive share owns rows.
-
-        Rows are whole, so a share below the row granularity (a newcomer's probe share, a very
-        slow node) can round to nothing: that node would get no work, send no telemetry, and the
-        scheduler would never see it warm up or speed up again. Such a share is doubled (then
-        all renormalised) until the node owns at least one row; the plan message carries the
-        shares actually executed."""
-        slab = self.params["slab_rows"]
-        plan = ic.plan_for(self.graph, nodes, shares, slab, self.params["plan_link_mbit"])
-        for _ in range(10):
-            starved = [i for i, n in enumerate(nodes) if shares[i] > 0 and n not in plan.active_nodes()]
-            if not starved:
-                break
-            raised = [s * 2 if i in starved else s for i, s in enumerate(shares)]
-            shares = tuple(s / sum(raised) for s in raised)
-            plan = ic.plan_for(self.graph, nodes, shares, slab, self.params["plan_link_mbit"])
-        return shares, plan
-
     def _activate(self, pv: Assignment) -> None:
         version = pv.version
         self.pending = None
         self.current = pv
-        nodes, shares, reason = pv.node_ids, pv.shares, pv.reason
-        self.plan_pub.publish(ic.assignment_msg(pv))
-        self.rt.logger.info(f"plan v{version}: " + ", ".join(f"{n} {s:.2f}" for n, s in zip(nodes, shares))
-                            + f" ({reason})")
+        plan = self.plans[version]
+        ru = self.choice.runner_up if self.choice is not None else None
+        self.plan_pub.publish(ic.assignment_msg(pv, plan, ru.label if ru else "", ru.predicted_ms if ru else 0.0))
+        self.rt.logger.info(f"plan v{version}: {pv.reason}")
         in_use = {r.version for r in self.requests.values()} | {version} | (
             {self.pending.version} if self.pending else set())
         self.plans = {v: p for v, p in self.plans.items() if v in in_use}
@@ -234,6 +304,7 @@ class Coordinator:
         except ImageFormatError as exc:
             self.rt.rejected.count(f"bad image: {exc}")
             return
+        self.pre_ms += 0.1 * ((time.time() - received) * 1e3 - self.pre_ms)
         if self.current is None:
             self.counts["dropped_no_plan"] += 1
             return
@@ -257,6 +328,14 @@ class Coordinator:
         self._send_inputs(req)
 
     def _send_inputs(self, req: Request) -> None:
+        t0 = time.perf_counter()
+        sent = self._send_input_slabs(req)
+        if sent:
+            mb = sent / 1e6
+            self.send_ms_per_mb += 0.1 * ((time.perf_counter() - t0) * 1e3 / mb - self.send_ms_per_mb)
+
+    def _send_input_slabs(self, req: Request) -> int:
+        """Publish (or queue, when paced) every active node's input slabs; the bytes published."""
         plan, slab = req.plan, self.params["slab_rows"]
         total = self.spec.input_shape[1]
         batches = []
@@ -276,12 +355,13 @@ class Coordinator:
         if pacing <= 0:
             for node, m in messages:
                 self.chunk_pubs[node].publish(m)
-            return
+            return sum(len(m.data) for _, m in messages)
         if self._sendq is None:  # emulated slow link: pace on a sender thread, keep the executor free
             self._sendq = queue.SimpleQueue()
             threading.Thread(target=self._paced_sender, daemon=True).start()
         for item in messages:
             self._sendq.put(item)
+        return 0
 
     def _paced_sender(self) -> None:
         while self.rt.ok():
@@ -289,7 +369,10 @@ class Coordinator:
             self.chunk_pubs[node].publish(m)
             time.sleep(self.params["input_pacing_ms"] / 1e3)
 
-    def _on_chunk(self, msg: Any) -> None:
+    def _on_chunk(self, msg: Any, info: MessageInfo | None = None) -> None:
+        if info is not None and info.source_timestamp_s and msg.producer in self.nodes:
+            meter = self.meters.setdefault(msg.producer, LinkMeter())
+            meter.observe(len(msg.data), info.source_timestamp_s, info.received_s)
         if msg.role != ic.ROLE_OUTPUT or msg.consumer != ic.COORDINATOR:
             self.rt.rejected.count(f"bad role: coordinator only takes OUTPUT chunks, got role {msg.role}")
             return
@@ -323,10 +406,12 @@ class Coordinator:
             self._complete(req)
 
     def _complete(self, req: Request) -> None:
+        t0 = time.perf_counter()
         del self.requests[req.request_id]
         with torch.no_grad():
             result = self.graph.run_head(req.out)
         self._publish_fused(req, result, True, "ok")
+        self.post_ms += 0.1 * ((time.perf_counter() - t0) * 1e3 - self.post_ms)
         self.counts["completed"] += 1
         self._start_waiting()
 
@@ -364,8 +449,10 @@ class Coordinator:
             self.alive = tuple(n for n in self.alive if n not in dead)
             self.rt.logger.warning(f"compute node(s) {dead} silent > {self.params['dead_after_s']} s: "
                                    f"leaving the plan")
-            self._replan(f"{', '.join(dead)} lost")
+            self._replan(f"{', '.join(dead)} lost", force=True)
             self._redispatch(set(dead))
+        elif self.alive and time.monotonic() - self.last_replan >= self.params["replan_period_s"]:
+            self._replan("periodic re-prediction")
         now = time.time()
         for req in [r for r in self.requests.values() if now - r.dispatched_s > self.params["request_timeout_s"]]:
             missing = np.flatnonzero(~req.got)
@@ -401,14 +488,39 @@ class Coordinator:
         level = Level.OK if self.current and self.alive else Level.WARN
         text = (f"{self.counts['completed']} frames, p50 {p50:.1f} ms" if self.current
                 else "waiting for compute nodes")
+        plan = self.plans.get(self.current.version) if self.current else None
+        if plan is not None:
+            text += f", {plan.spec.describe(self.graph)} (predicted {self.predicted_ms:.1f} ms)"
         if self.counts["timeouts"]:
             level, text = Level.WARN, text + f", {self.counts['timeouts']} timed out"
+        ru = self.choice.runner_up if self.choice is not None else None
+        rejected = self.rt.rejected
         self.diagnostics.publish(level, text, {
             "plan_version": self.current.version if self.current else 0,
+            "strategy": plan.strategy if plan is not None else "",
+            "plan": plan.spec.describe(self.graph) if plan is not None else "",
+            "predicted_ms": f"{self.predicted_ms:.1f}",
+            "runner_up": ru.label if ru is not None else "",
+            "runner_up_ms": f"{ru.predicted_ms:.1f}" if ru is not None else "",
+            "profiles": ",".join(f"{n}:v{p.version}" for n, p in sorted(self.profiles.items())),
             "alive": ",".join(self.alive), "in_flight": len(self.requests),
             "latency_p50_ms": f"{p50:.1f}", "latency_p95_ms": f"{p95:.1f}",
-            "rejected": self.rt.rejected.total, "last_reject_reason": self.rt.rejected.last_reason}
-            | {k: v for k, v in self.counts.items()})
+            "rejected": rejected.total, "last_reject_reason": rejected.last_reason}
+            | {k: v for k, v in self.counts.items()} | {f"rejected.{k}": v for k, v in rejected.counts.items()})
+
+
+def _same_spec(a: PlanSpec, b: PlanSpec) -> bool:
+    return (a.strategy == b.strategy and a.node_ids == b.node_ids and a.cuts == b.cuts
+            and all(math.isclose(x, y, abs_tol=1e-9) for ra, rb in zip(a.segment_shares, b.segment_shares)
+                    for x, y in zip(ra, rb)))
+
+
+def planner_prior_op(op: Any, prior: CostModel, scale: float) -> Any:
+    """An op's prior cost before its node measured it: flops at the prior speed, plus the prior
+    per-call cost; `scale` > 1 for a slower node."""
+    from kaitian_ros.core.costs import OpCost
+
+    return OpCost(prior.call_ms * scale, op.flops_per_row / prior.flops_per_ms * scale)
 
 
 def main(argv: list[str] | None = None) -> int:

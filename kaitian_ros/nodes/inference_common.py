@@ -1,8 +1,9 @@
-"""What the coordinator and compute nodes share: model parameters, topics, chunk messages.
+"""What the coordinator and compute nodes share: model parameters, topics, messages.
 
 Both sides build the same model from the same parameters (the scenario file gives every
-inference node the same ``model``/``input_*``/``seed``/``weights``) and derive the same plan
-from a plan version's node list and shares, so a chunk only needs to carry its plan version.
+inference node the same ``model``/``input_*``/``seed``/``weights``) and the same plan from a plan
+version's spec (strategy, nodes, cuts, per-segment shares), so a chunk only needs to carry its
+plan version.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
+from kaitian_ros.core.costs import DeviceProfile, LinkEstimate, OpCost, model_key
 from kaitian_ros.core.graph import ModelGraph, split_model
 from kaitian_ros.core.models import build_model
-from kaitian_ros.core.plan import CostModel, Plan, make_plan
+from kaitian_ros.core.plan import STRATEGIES, Plan, PlanSpec, build_plan
 from kaitian_ros.core.policy import Assignment
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime.api import ParameterDescriptor as P
@@ -28,6 +31,7 @@ CHUNK_TOPIC_PREFIX = "/kaitian/chunks/"
 TELEMETRY_TOPIC = "/kaitian/telemetry"
 PLAN_TOPIC = "/kaitian/plan"              # the plan versions actually executed (coordinator, latched)
 ASSIGNMENT_TOPIC = "/kaitian/assignment"  # the scheduler's proposals (latched)
+PROFILES_TOPIC = "/kaitian/profiles"      # compute nodes' measured costs (latched)
 FUSED_TOPIC = "/kaitian/fused"
 ROLE_INPUT, ROLE_HALO, ROLE_OUTPUT = 0, 1, 2
 ROLE_NAMES = {ROLE_INPUT: "INPUT", ROLE_HALO: "HALO", ROLE_OUTPUT: "OUTPUT"}
@@ -44,9 +48,6 @@ MODEL_PARAMETERS = (
     P("slab_rows", T.INTEGER, 8, "rows per streamed slab (image rows from the coordinator)", 1, 4096),
     P("normalise", T.BOOL, True, "ImageNet mean/std normalisation of the input (on the compute nodes)",
       read_only=True),
-    P("plan_link_mbit", T.DOUBLE, 1000.0,
-      "link rate the planner assumes between nodes (every node must agree: same plan from same shares)",
-      1.0, 1e6, read_only=True),
 )
 
 
@@ -61,6 +62,11 @@ class ModelSpec:
     num_classes: int
     seed: int
     weights: str
+
+    @property
+    def key(self) -> str:
+        """What a cost profile must have been measured on to be used for this model."""
+        return model_key(self.name, self.input_shape)
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> ModelSpec:
@@ -102,36 +108,38 @@ def check_device(name: str) -> torch.device:
 def busy_clock(device: torch.device) -> Callable[[], float]:
     """A clock of this node's device work, in seconds, for compute times in telemetry.
 
-    On a CPU device it is this process's CPU time per torch thread, not wall time: co-located
-    nodes (the emulated devices here, the coordinator) share cores, and in wall time a node's
-    measured speed would include the time it waited for a core - which depends on the other
-    nodes' shares. A node with the larger share runs alone at the end of a request, looks
-    faster, gets more rows: positive feedback that pulled equal nodes apart to 0.16/0.77
-    (docs/policy.md "Compute time"). Accelerators are timed in wall time (the caller
-    synchronises).
+    On a CPU device it is CPU time, not wall time: co-located nodes (the emulated devices here,
+    the coordinator) share cores, and in wall time a node's measured speed would include the
+    time it waited for a core - which depends on the other nodes' shares. A node with the
+    larger share runs alone at the end of a request, looks faster, gets more rows: positive
+    feedback that pulled equal nodes apart to 0.16/0.77 (docs/policy.md "Compute time"). With
+    one torch thread the ops run on the calling thread, so it is that thread's CPU time (the
+    middleware's threads do not count); with more, the process's per torch thread.
+    Accelerators are timed in wall time (the caller synchronises).
     """
     if device.type == "cpu":
-        return lambda: time.process_time() / torch.get_num_threads()
+        def cpu_clock() -> float:
+            n = torch.get_num_threads()
+            return time.thread_time() if n == 1 else time.process_time() / n
+        return cpu_clock
     return time.perf_counter
 
 
-def cost_model(link_mbit: float) -> CostModel:
-    """The planner's cost model with the configured link rate (Mbit/s -> bytes/ms)."""
-    return CostModel(link_bytes_per_ms=link_mbit * 1e6 / 8 / 1e3)
-
-
-def plan_for(graph: ModelGraph, node_ids: tuple[str, ...], shares: tuple[float, ...], slab_rows: int,
-             link_mbit: float = 1000.0) -> Plan:
-    return make_plan(graph, list(node_ids), list(shares), slab_rows=slab_rows, cost=cost_model(link_mbit))
-
-
-def assignment_msg(a: Assignment) -> Any:
-    """LoadAssignment message of an assignment (the scheduler's proposal or an executed plan)."""
-    import numpy as np
-
+def assignment_msg(a: Assignment, plan: Plan | None = None, runner_up: str = "",
+                   runner_up_ms: float = 0.0) -> Any:
+    """LoadAssignment message of a scheduler proposal, or with `plan` of an executed plan."""
+    fields: dict[str, Any] = {}
+    if plan is not None:
+        spec = plan.spec
+        uniform = all(row == spec.segment_shares[0] for row in spec.segment_shares)
+        fields = {"strategy": spec.strategy, "cut_values": np.asarray(spec.cuts, np.uint16),
+                  "segment_shares": np.asarray([] if uniform and spec.strategy == "stripes" else
+                                               [x for row in spec.segment_shares for x in row], np.float64),
+                  "runner_up": runner_up, "runner_up_ms": float(runner_up_ms)}
     return interfaces.make("LoadAssignment", version=a.version, effective_from_request=a.effective_from_request,
                            node_ids=list(a.node_ids), shares=np.asarray(a.shares, np.float64),
-                           policy=a.policy, reason=a.reason, predicted_makespan_ms=a.predicted_makespan_ms)
+                           policy=a.policy, reason=a.reason, predicted_makespan_ms=a.predicted_makespan_ms,
+                           **fields)
 
 
 def assignment_from_msg(msg: Any) -> Assignment:
@@ -144,6 +152,65 @@ def assignment_from_msg(msg: Any) -> Assignment:
         raise ValueError(f"assignment v{msg.version}: invalid shares {shares}")
     return Assignment(int(msg.version), int(msg.effective_from_request), node_ids, shares, msg.policy,
                       msg.reason, float(msg.predicted_makespan_ms))
+
+
+def spec_from_msg(msg: Any) -> PlanSpec:
+    """The plan spec a /kaitian/plan message carries (ValueError with the reason).
+
+    An empty ``segment_shares`` means ``shares`` in every segment; an empty ``strategy``
+    means stripes."""
+    a = assignment_from_msg(msg)
+    strategy = msg.strategy or "stripes"
+    if strategy not in STRATEGIES:
+        raise ValueError(f"plan v{a.version}: unknown strategy {strategy!r}")
+    cuts = tuple(int(c) for c in msg.cut_values)
+    n, segs = len(a.node_ids), len(cuts) + 1
+    flat = [float(x) for x in msg.segment_shares]
+    if not flat:
+        rows = (a.shares,) * segs
+    elif len(flat) != n * segs:
+        raise ValueError(f"plan v{a.version}: {len(flat)} segment shares for {segs} segments x {n} nodes")
+    else:
+        rows = tuple(tuple(flat[k * n:(k + 1) * n]) for k in range(segs))
+    for row in rows:
+        if any(not math.isfinite(x) or x < 0 for x in row) or sum(row) <= 0:
+            raise ValueError(f"plan v{a.version}: invalid segment shares {row}")
+    return PlanSpec(strategy, a.node_ids, cuts, rows)
+
+
+def plan_from_msg(graph: ModelGraph, msg: Any, slab_rows: int) -> Plan:
+    """The plan a /kaitian/plan message describes (ValueError with the reason)."""
+    return build_plan(graph, spec_from_msg(msg), slab_rows=slab_rows,
+                      estimated_ms=float(msg.predicted_makespan_ms))
+
+
+def profile_msg(p: DeviceProfile) -> Any:
+    links = sorted(p.links.items())
+    return interfaces.make(
+        "CostProfile", node_id=p.node_id, version=p.version, model=p.model, device=p.device,
+        emulated=p.emulated, emulated_slowdown=p.emulated_slowdown, trunk_ms=p.trunk_ms,
+        op_call_ms=np.asarray([c.call_ms for c in p.op_costs], np.float64),
+        op_row_ms=np.asarray([c.row_ms for c in p.op_costs], np.float64), message_ms=p.message_ms,
+        min_run_rows=p.min_run_rows,
+        run_samples=p.run_samples, link_sources=[s for s, _ in links],
+        link_bytes_per_ms=np.asarray([e.bytes_per_ms for _, e in links], np.float64),
+        link_latency_ms=np.asarray([e.latency_ms for _, e in links], np.float64),
+        link_samples=np.asarray([e.samples for _, e in links], np.uint32))
+
+
+def profile_from_msg(msg: Any) -> DeviceProfile:
+    """The profile a CostProfile message carries (ValueError when its arrays disagree)."""
+    calls, rows = list(msg.op_call_ms), list(msg.op_row_ms)
+    if len(calls) != len(rows):
+        raise ValueError(f"profile of {msg.node_id}: {len(calls)} call times but {len(rows)} row times")
+    srcs = list(msg.link_sources)
+    if not (len(srcs) == len(msg.link_bytes_per_ms) == len(msg.link_latency_ms) == len(msg.link_samples)):
+        raise ValueError(f"profile of {msg.node_id}: link arrays of different lengths")
+    links = {s: LinkEstimate(float(r), float(lat), int(n)) for s, r, lat, n in
+             zip(srcs, msg.link_bytes_per_ms, msg.link_latency_ms, msg.link_samples)}
+    return DeviceProfile(msg.node_id, int(msg.version), msg.model, msg.device, float(msg.emulated_slowdown),
+                         tuple(OpCost(float(c), float(r)) for c, r in zip(calls, rows)), float(msg.trunk_ms),
+                         float(msg.message_ms), int(msg.min_run_rows), int(msg.run_samples), links)
 
 
 def chunk_message(*, request_id: int, plan_version: int, producer: str, consumer: str, segment: int,

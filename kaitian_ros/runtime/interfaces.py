@@ -20,7 +20,7 @@ import numpy as np
 from kaitian_ros.runtime import fast_cdr
 
 PACKAGE = "kaitian_ros"
-OWN_TYPES = ("TensorChunk", "LoadAssignment", "NodeTelemetry", "FusedOutput", "TrainingTelemetry")
+OWN_TYPES = ("TensorChunk", "LoadAssignment", "NodeTelemetry", "FusedOutput", "TrainingTelemetry", "CostProfile")
 
 # Short names nodes use; the full rosidl names are what goes on the wire.
 TYPE_ALIASES = {name: f"{PACKAGE}/msg/{name}" for name in OWN_TYPES} | {

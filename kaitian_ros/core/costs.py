@@ -1,0 +1,369 @@
+"""Measured costs: what each device takes per trunk op, and what each link takes per byte.
+
+Pure values and estimators (time comes in as arguments; nothing here reads a clock):
+
+* `OpCost` - one op's time as ``call_ms + row_ms * rows`` per call, fitted from timed calls;
+* `DeviceProfile` - a compute node's costs for one model and input size, emulated slowdown
+  included (what it publishes on ``/kaitian/profiles``), checked by `profile_problem`;
+* `CostRefiner` - folds the times of live runs (and idle probes) into a profile: per op and for
+  the device as a whole, the ratio of measured to predicted time;
+* `LinkMeter` / `LinkEstimate` - a link's rate and latency from the chunks it really delivered;
+* `Costs` - the planner's view of all of it (`plan.PlanCosts` for a node order).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+# Plausibility limits of a published profile: beyond them a message is corrupt or forged, not
+# a slow device (a whole trunk in over 10 minutes could not serve a camera anyway).
+MAX_TRUNK_MS = 600_000.0
+MAX_OP_MS = 600_000.0
+MAX_LINK_BYTES_PER_MS = 1e9  # 1 TB/s
+MAX_LINK_LATENCY_MS = 60_000.0
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """Time of one call of an op over `rows` output rows: ``call_ms + row_ms * rows``."""
+
+    call_ms: float
+    row_ms: float
+
+    def ms(self, rows: int) -> float:
+        return self.call_ms + self.row_ms * rows if rows > 0 else 0.0
+
+    def scaled(self, factor: float) -> OpCost:
+        return OpCost(self.call_ms * factor, self.row_ms * factor)
+
+
+def fit_op_cost(samples: Sequence[tuple[int, float]]) -> OpCost:
+    """Least-squares ``ms = call + row * rows`` over (rows, ms) samples, both terms >= 0."""
+    pts = [(float(r), float(t)) for r, t in samples if r > 0 and math.isfinite(t) and t >= 0]
+    if not pts:
+        raise ValueError("no valid (rows, ms) samples")
+    n = len(pts)
+    mr = sum(r for r, _ in pts) / n
+    mt = sum(t for _, t in pts) / n
+    var = sum((r - mr) ** 2 for r, _ in pts)
+    if var <= 0:  # one row count: all of it per row
+        return OpCost(0.0, mt / mr)
+    row = sum((r - mr) * (t - mt) for r, t in pts) / var
+    call = mt - row * mr
+    if row <= 0:
+        return OpCost(max(mt, 0.0), 0.0)
+    if call < 0:
+        return OpCost(0.0, sum(t for _, t in pts) / sum(r for r, _ in pts))
+    return OpCost(call, row)
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """A compute node's measured costs for one model and input (see module docstring).
+
+    Every time includes the node's emulated slowdown exactly as the node applies it (rows are
+    released at s x their compute time). `links` are the node's *incoming* links, measured from
+    the chunks each sender delivered to it.
+    """
+
+    node_id: str
+    version: int
+    model: str  # `model_key(...)`: a profile is only valid for the model it was measured on
+    device: str
+    emulated_slowdown: float
+    op_costs: tuple[OpCost, ...]
+    trunk_ms: float  # the whole trunk, one call per op
+    message_ms: float  # per received chunk, outside compute (decode, copy, bookkeeping)
+    min_run_rows: int = 8  # the node's stripe executor defers runs shorter than this
+    run_samples: int = 0  # live runs and probes folded in since start-up
+    links: Mapping[str, LinkEstimate] = field(default_factory=dict)
+
+    @property
+    def emulated(self) -> bool:
+        return self.emulated_slowdown != 1.0
+
+    def op_ms(self, op: int, rows: int, run_rows: int) -> float:
+        """`rows` rows of `op` in runs of about `run_rows` rows."""
+        if rows <= 0:
+            return 0.0
+        c = self.op_costs[op]
+        calls = -(-rows // max(1, run_rows))
+        return calls * c.call_ms + rows * c.row_ms
+
+
+
+def model_key(model: str, input_shape: Sequence[int]) -> str:
+    return f"{model} {'x'.join(str(int(d)) for d in input_shape)}"
+
+
+def profile_problem(p: DeviceProfile, *, n_ops: int, model: str, known_nodes: Sequence[str]) -> str:
+    """'' when `p` is usable by a planner for `model` over `known_nodes`, else why not."""
+    if p.node_id not in known_nodes:
+        return f"profile from unknown node {p.node_id!r}"
+    if p.model != model:
+        return f"profile of {p.node_id} is for {p.model!r}, this graph runs {model!r}"
+    if len(p.op_costs) != n_ops:
+        return f"profile of {p.node_id} has {len(p.op_costs)} op costs, the trunk has {n_ops} ops"
+    if not (math.isfinite(p.emulated_slowdown) and 1.0 <= p.emulated_slowdown <= 1e3):
+        return f"profile of {p.node_id}: implausible emulated_slowdown {p.emulated_slowdown!r}"
+    if not (math.isfinite(p.trunk_ms) and 0.0 < p.trunk_ms <= MAX_TRUNK_MS):
+        return f"profile of {p.node_id}: implausible trunk_ms {p.trunk_ms!r}"
+    if not (math.isfinite(p.message_ms) and 0.0 <= p.message_ms <= MAX_OP_MS):
+        return f"profile of {p.node_id}: implausible message_ms {p.message_ms!r}"
+    if not 1 <= p.min_run_rows <= 1_000_000:
+        return f"profile of {p.node_id}: implausible min_run_rows {p.min_run_rows!r}"
+    for j, c in enumerate(p.op_costs):
+        for name, v in (("call_ms", c.call_ms), ("row_ms", c.row_ms)):
+            if not (math.isfinite(v) and 0.0 <= v <= MAX_OP_MS):
+                return f"profile of {p.node_id}: op {j} {name} {v!r} is not a plausible time"
+    if sum(c.call_ms + c.row_ms for c in p.op_costs) <= 0:
+        return f"profile of {p.node_id}: every op costs nothing"
+    for src, link in p.links.items():
+        if not src:
+            return f"profile of {p.node_id}: a link with no sender"
+        if not (math.isfinite(link.bytes_per_ms) and 0.0 < link.bytes_per_ms <= MAX_LINK_BYTES_PER_MS):
+            return f"profile of {p.node_id}: link from {src} rate {link.bytes_per_ms!r} is implausible"
+        if not (math.isfinite(link.latency_ms) and 0.0 <= link.latency_ms <= MAX_LINK_LATENCY_MS):
+            return f"profile of {p.node_id}: link from {src} latency {link.latency_ms!r} is implausible"
+    return ""
+
+
+# --------------------------------------------------------------------------- live refinement
+@dataclass
+class CostRefiner:
+    """Measured-over-predicted time ratios that turn a start-up profile into a current one.
+
+    Live runs: each (op, rows, ms) moves that op's ratio by an EWMA of sums (a long run weighs
+    more than a short one) and the device's overall ratio, which stands in for ops seen fewer
+    than `min_op_samples` times. A run `max_jump` times off what the op is expected to take
+    counts only when `confirm` runs in a row agree: a first call at a new shape builds kernels
+    and packs weights, one slow call is not a slower device.
+
+    Idle probes: a node with nothing to compute times one op now and then. Probes and live runs
+    see different conditions (an idle node has its core to itself), so a probe does not set
+    any ratio; what moves is the probe ratio's *drift* since an op last ran live, which scales
+    that op: a device that got faster or slower while idle (throttling, another workload, a new
+    emulated slowdown) shows it without being given work first.
+    """
+
+    base: tuple[OpCost, ...]
+    alpha: float = 0.2
+    min_op_samples: int = 3
+    max_jump: float = 4.0
+    confirm: int = 6
+    measured: list[float] = field(default_factory=list)
+    predicted: list[float] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    outliers: list[int] = field(default_factory=list)  # consecutive far-off runs per op
+    probe_ref: list[float] = field(default_factory=list)  # probe ratio when the op last ran
+    device_measured: float = 0.0
+    device_predicted: float = 0.0
+    device_probe_ref: float = 1.0
+    live_samples: int = 0
+    probe_ratio: float = 1.0  # level of probe time / its start-up time
+    probe_log: float = 0.0  # EWMA of log(probe time / start-up time)
+    probe_samples: int = 0
+    probe_deadband: float = 1.5  # probes here vary by up to 1.4x between idle periods
+
+    def __post_init__(self) -> None:
+        n = len(self.base)
+        self.measured = [0.0] * n
+        self.predicted = [0.0] * n
+        self.counts = [0] * n
+        self.outliers = [0] * n
+        self.probe_ref = [1.0] * n
+
+    @property
+    def samples(self) -> int:
+        return self.live_samples + self.probe_samples
+
+    def observe_run(self, op: int, rows: int, ms: float) -> None:
+        pred = self.base[op].ms(rows)
+        if pred <= 0 or not math.isfinite(ms) or ms < 0:
+            return
+        expected = pred * self.op_ratio(op)
+        if not expected / self.max_jump <= ms <= expected * self.max_jump:
+            self.outliers[op] += 1
+            if self.outliers[op] < self.confirm:
+                return
+        self.outliers[op] = 0
+        a = self.alpha
+        if self.counts[op] == 0 or self.probe_ref[op] != self.probe_ratio:
+            # first run, or the first since probes saw the device change: start over from here
+            self.measured[op], self.predicted[op] = ms, pred
+        else:
+            self.measured[op] = (1 - a) * self.measured[op] + a * ms
+            self.predicted[op] = (1 - a) * self.predicted[op] + a * pred
+        self.counts[op] += 1
+        self.probe_ref[op] = self.probe_ratio
+        if self.live_samples == 0 or self.device_probe_ref != self.probe_ratio:
+            self.device_measured, self.device_predicted = ms, pred
+        else:
+            self.device_measured = (1 - a) * self.device_measured + a * ms
+            self.device_predicted = (1 - a) * self.device_predicted + a * pred
+        self.device_probe_ref = self.probe_ratio
+        self.live_samples += 1
+
+    def observe_probe(self, ms: float, base_ms: float) -> None:
+        """A probe took `ms`; at start-up it took `base_ms`."""
+        if base_ms <= 0 or not math.isfinite(ms) or ms <= 0:
+            return
+        # from the start-up level (1.0): the level moves only for a clear change (noise of short
+        # probes must not restart the op ratios, which start over from the next live run
+        # whenever it moves)
+        self.probe_log = 0.5 * self.probe_log + 0.5 * math.log(ms / base_ms)
+        if abs(self.probe_log - math.log(self.probe_ratio)) > math.log(self.probe_deadband):
+            self.probe_ratio = math.exp(self.probe_log)
+        self.probe_samples += 1
+
+    @property
+    def device_ratio(self) -> float:
+        if self.live_samples == 0 or self.device_predicted <= 0:
+            return self.probe_ratio
+        return self.device_measured / self.device_predicted * self.probe_ratio / self.device_probe_ref
+
+    def op_ratio(self, op: int) -> float:
+        if self.counts[op] < self.min_op_samples or self.predicted[op] <= 0:
+            return self.device_ratio
+        return self.measured[op] / self.predicted[op] * self.probe_ratio / self.probe_ref[op]
+
+    def current(self) -> tuple[OpCost, ...]:
+        return tuple(c.scaled(min(20.0, max(0.05, self.op_ratio(j)))) for j, c in enumerate(self.base))
+
+
+# --------------------------------------------------------------------------- links
+@dataclass(frozen=True)
+class LinkEstimate:
+    bytes_per_ms: float
+    latency_ms: float
+    samples: int = 0
+
+    def ms(self, nbytes: float) -> float:
+        return self.latency_ms + (nbytes / self.bytes_per_ms if nbytes > 0 else 0.0)
+
+
+@dataclass
+class LinkMeter:
+    """One sender's link to this receiver, from the chunks it delivered.
+
+    A chunk sent before the previous one from the same sender had arrived was queued behind
+    it: its transit from that arrival to its own is pure transfer, ``bytes / rate``; those give
+    the rate (EWMA of bytes over EWMA of times, chunks of at least `min_bytes`). A chunk sent
+    onto an idle link takes ``latency + bytes / rate``; the lowest of the recent ones, less
+    their transfer, is the latency. Without queued chunks the rate is bytes over whole transit
+    times (latency included: an underestimate, on the safe side). Timestamps are the sender's
+    (source timestamp) and the receiver's clock: across hosts they must be synchronised (NTP)
+    for the latency; the rate from queued chunks does not depend on it.
+    """
+
+    alpha: float = 0.2
+    min_bytes: int = 2048
+    window: int = 32
+    last_arrival_s: float = -math.inf
+    ew_bytes: float = 0.0  # queued chunks: pure transfer
+    ew_ms: float = 0.0
+    samples: int = 0
+    idle_bytes: float = 0.0  # chunks onto an idle link: latency + transfer
+    idle_ms: float = 0.0
+    idle_samples: int = 0
+    recent: list[tuple[float, float]] = field(default_factory=list)  # idle chunks: (bytes, ms)
+
+    def observe(self, nbytes: int, sent_s: float, arrived_s: float) -> None:
+        if not (math.isfinite(sent_s) and math.isfinite(arrived_s)) or nbytes <= 0:
+            return
+        queued = sent_s < self.last_arrival_s
+        start = max(sent_s, self.last_arrival_s)
+        self.last_arrival_s = max(self.last_arrival_s, arrived_s)
+        transit_ms = (arrived_s - start) * 1e3
+        if transit_ms <= 0:  # clocks disagree (another host) or a timer tick: nothing to learn
+            return
+        a = self.alpha
+        if queued:
+            if nbytes >= self.min_bytes:
+                first = self.samples == 0
+                self.ew_bytes = nbytes if first else (1 - a) * self.ew_bytes + a * nbytes
+                self.ew_ms = transit_ms if first else (1 - a) * self.ew_ms + a * transit_ms
+                self.samples += 1
+            return
+        self.recent.append((float(nbytes), transit_ms))
+        del self.recent[:-self.window]
+        first = self.idle_samples == 0
+        self.idle_bytes = nbytes if first else (1 - a) * self.idle_bytes + a * nbytes
+        self.idle_ms = transit_ms if first else (1 - a) * self.idle_ms + a * transit_ms
+        self.idle_samples += 1
+
+    def estimate(self) -> LinkEstimate | None:
+        if self.samples > 0 and self.ew_ms > 0:
+            rate = min(MAX_LINK_BYTES_PER_MS, self.ew_bytes / self.ew_ms)
+        elif self.idle_samples > 0 and self.idle_ms > 0:
+            rate = min(MAX_LINK_BYTES_PER_MS, self.idle_bytes / self.idle_ms)
+        else:
+            return None
+        latency = min((t - b / rate for b, t in self.recent), default=0.0)
+        latency = min(MAX_LINK_LATENCY_MS, max(0.0, latency))
+        return LinkEstimate(rate, latency, self.samples + self.idle_samples)
+
+
+# --------------------------------------------------------------------------- planner view
+COORDINATOR = "coordinator"
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Everything measured, as a planner reads it.
+
+    `profiles` by node id; `links` by (sender, receiver) - the coordinator is ``coordinator``.
+    An unmeasured link between two compute nodes is taken as the slower of the two legs through
+    the coordinator's host (sender -> coordinator, coordinator -> receiver) with both
+    latencies, which is what it is in a star topology (a robot and edge boxes on one access
+    point); an unmeasured leg is `link_prior`.
+    """
+
+    profiles: Mapping[str, DeviceProfile]
+    links: Mapping[tuple[str, str], LinkEstimate]
+    link_prior: LinkEstimate
+    slab_rows: int = 8  # the coordinator's input slabs: runs are rarely shorter
+    pre_ms: float = 0.0  # coordinator: image received -> preprocessed, ready to send
+    post_ms: float = 0.0  # coordinator: last output chunk received -> result published
+    send_ms_per_mb: float = 0.0  # publishing cost per MB of chunk payload (every sender)
+
+    def link(self, src: str, dst: str) -> LinkEstimate:
+        got = self.links.get((src, dst))
+        if got is not None:
+            return got
+        if src != COORDINATOR and dst != COORDINATOR:
+            up = self.links.get((src, COORDINATOR), self.link_prior)
+            down = self.links.get((COORDINATOR, dst), self.link_prior)
+            return LinkEstimate(min(up.bytes_per_ms, down.bytes_per_ms), up.latency_ms + down.latency_ms)
+        return self.link_prior
+
+    def for_nodes(self, node_ids: Sequence[str]) -> NodeCosts:
+        missing = [n for n in node_ids if n not in self.profiles]
+        if missing:
+            raise ValueError(f"no cost profile for {missing}")
+        return NodeCosts(self, tuple(node_ids))
+
+    def with_links_from_profiles(self) -> Costs:
+        """Merge each profile's incoming links into `links` (the receiver measured them)."""
+        merged = dict(self.links)
+        for dst, p in self.profiles.items():
+            for src, est in p.links.items():
+                merged.setdefault((src, dst), est)
+        return replace(self, links=merged)
+
+
+@dataclass(frozen=True)
+class NodeCosts:
+    """`plan.PlanCosts` over a fixed node order."""
+
+    costs: Costs
+    node_ids: tuple[str, ...]
+
+    def op_ms(self, node: int, op: int, rows: int) -> float:
+        p = self.costs.profiles[self.node_ids[node]]
+        return p.op_ms(op, rows, max(p.min_run_rows, self.costs.slab_rows))
+
+    def transfer_ms(self, src: int, dst: int, nbytes: float) -> float:
+        return self.costs.link(self.node_ids[src], self.node_ids[dst]).ms(nbytes)

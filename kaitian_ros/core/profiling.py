@@ -1,0 +1,142 @@
+"""Start-up cost measurement: every trunk op timed as the stripe executor calls it.
+
+`measure_profile` runs each op on row windows of a few sizes - the input rows read through
+`border_rows` exactly as `StripeRunner._compute` reads them, the result copied into an output
+buffer as the runner copies it - and fits `OpCost` per op. The whole trunk is timed too. A time
+budget bounds it; ops left unmeasured when it runs out get their full-map time per row.
+`probe` times a few ops again later (idle devices still notice that they got faster or slower).
+
+Times come from the `clock` the caller passes (the compute node's device clock), times the
+emulated slowdown, which is how the node applies it: a device s times slower has its rows s
+times later.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .costs import OpCost, fit_op_cost
+from .graph import ModelGraph, border_rows
+
+PROBE_MS = 1.0  # about what the probe op should take (see `measure_profile`)
+
+
+@dataclass(frozen=True)
+class MeasuredCosts:
+    op_costs: tuple[OpCost, ...]
+    trunk_ms: float
+    probe_ops: tuple[int, ...]  # the consecutive ops `probe` times, whole maps
+    probe_base_ms: float  # their measured time (slowdown included) at start-up
+    elapsed_s: float
+
+
+def _sync(graph: ModelGraph) -> None:
+    if graph.device.type == "cuda":
+        torch.cuda.synchronize(graph.device)
+
+
+def _values(graph: ModelGraph, n: int) -> list[torch.Tensor]:
+    """Every trunk value of one random image, whole (inputs for the timed calls)."""
+    x = torch.randn(n, *graph.input_shape, device=graph.device).contiguous(
+        memory_format=graph.activation_format)
+    vals = [x]
+    with torch.no_grad():
+        for j, op in enumerate(graph.ops):
+            vals.append(_call(graph, vals, j, 0, op.out_shape[1], None))
+    return vals
+
+
+def _call(graph: ModelGraph, vals: list[torch.Tensor], j: int, a: int, b: int,
+          out: torch.Tensor | None) -> torch.Tensor:
+    """Output rows [a, b) of op j from whole inputs, the way the stripe executor computes them."""
+    op = graph.ops[j]
+    if op.window is not None:
+        ra, rb = op.window.raw(a, b)
+        ca, cb = max(ra, 0), min(rb, op.window.in_h)
+        xs = [border_rows(vals[op.inputs[0]][:, :, ca:cb], ca - ra, rb - cb, op.pad_value)]
+    else:
+        xs = [vals[u][:, :, a:b] for u in op.inputs]
+    y = op.run(xs, a, b)
+    if out is None:
+        return y.contiguous(memory_format=graph.activation_format)
+    out[:, :, :b - a].copy_(y)
+    return out
+
+
+def _row_counts(h: int) -> list[int]:
+    return sorted({h, max(1, h // 2), max(1, h // 4), max(1, h // 8), min(h, 8)})
+
+
+def measure_profile(graph: ModelGraph, clock: Callable[[], float], *, slowdown: float = 1.0,
+                    reps: int = 3, budget_s: float = 10.0, batch: int = 1
+                    ) -> tuple[MeasuredCosts, list[torch.Tensor | None]]:
+    """Time every op at several row counts (median of `reps`), within about `budget_s`; also
+    returns the inputs `probe` needs."""
+    t_start = time.monotonic()
+    with torch.no_grad():
+        vals = _values(graph, batch)
+        _sync(graph)
+        samples: list[list[tuple[int, float]]] = [[] for _ in graph.ops]
+        outs = [torch.empty_like(v) for v in vals]
+        trunk = []
+        for _ in range(reps):  # whole trunk, as `run_ops` runs it (warms every kernel up too)
+            c0 = clock()
+            graph.run_ops(vals[0])
+            _sync(graph)
+            trunk.append((clock() - c0) * 1e3)
+        for j, op in enumerate(graph.ops):
+            h = op.out_shape[1]
+            for rows in _row_counts(h):
+                if time.monotonic() - t_start > budget_s and samples[j]:
+                    break
+                a = max(0, (h - rows) // 2)  # a window in the middle: no border rows
+                times = []
+                for _ in range(reps + 1):
+                    c0 = clock()
+                    _call(graph, vals, j, a, a + rows, outs[j + 1])
+                    _sync(graph)
+                    times.append((clock() - c0) * 1e3)
+                samples[j].append((rows, statistics.median(times[1:])))  # first: kernel warm-up
+        costs = tuple(fit_op_cost(s).scaled(slowdown) for s in samples)
+        # the probe: consecutive ops from the middle of the trunk, whole maps, until they take
+        # PROBE_MS (long enough that timer and cache noise stay small, short enough to run
+        # often); its reference time is taken the way later probes take theirs
+        full = [c.ms(op.out_shape[1]) / slowdown for c, op in zip(costs, graph.ops)]
+        first = last = len(graph.ops) // 2
+        while last < len(graph.ops) and sum(full[first:last]) < PROBE_MS:
+            last += 1
+        while first > 0 and sum(full[first:last]) < PROBE_MS:
+            first -= 1
+        probe_ops = tuple(range(first, last))
+        keep = {u for j in probe_ops for u in graph.ops[j].inputs}
+        inputs = [vals[u] if u in keep else None for u in range(len(vals))]
+    measured = MeasuredCosts(costs, statistics.median(trunk) * slowdown, probe_ops, 0.0, 0.0)
+    base = statistics.median(probe(graph, measured, clock, slowdown, inputs) for _ in range(5))
+    return MeasuredCosts(costs, measured.trunk_ms, probe_ops, base, time.monotonic() - t_start), inputs
+
+
+def probe(graph: ModelGraph, measured: MeasuredCosts, clock: Callable[[], float], slowdown: float,
+          inputs: list[torch.Tensor | None], reps: int = 3) -> float:
+    """Time `measured.probe_ops` again: the fastest of `reps` passes after one untimed pass (ms,
+    slowdown included). After idling, a first call is 2-5x slower here (cold caches) and the
+    next ones up to 1.5x: the warm-up pass and the minimum keep that out of the comparison.
+    `inputs` are the whole values the ops read (as `measure_profile` returns them)."""
+    with torch.no_grad():
+        outs = {j: torch.empty((inputs[graph.ops[j].inputs[0]].shape[0], *graph.ops[j].out_shape),
+                               device=graph.device).contiguous(memory_format=graph.activation_format)
+                for j in measured.probe_ops}
+        times = []
+        for k in range(reps + 1):
+            c0 = clock()
+            for j in measured.probe_ops:
+                _call(graph, inputs, j, 0, graph.ops[j].out_shape[1], outs[j])
+            _sync(graph)
+            if k:
+                times.append((clock() - c0) * 1e3)
+        return min(times) * slowdown

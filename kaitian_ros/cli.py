@@ -60,7 +60,7 @@ def _client(args: argparse.Namespace) -> Any:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from kaitian_ros.launcher import launch
+    from kaitian_ros.launcher import launch, preflight
     from kaitian_ros.runtime import zenoh_session as zs
     from kaitian_ros.scenario import ScenarioError, load_scenario
 
@@ -68,6 +68,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
         scenario = load_scenario(args.scenario, args.overrides)
     except ScenarioError as exc:
         raise CliError(str(exc)) from None
+    problem = preflight(scenario)
+    if problem:
+        raise CliError(f"kaitian launch {scenario.name}: {problem}")
     router = args.router or zs.router_endpoint()
     view = None
     if not args.no_view and any(n.executable == "coordinator" for n in scenario.nodes):

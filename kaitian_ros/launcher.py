@@ -8,6 +8,7 @@ node name, forwards Ctrl-C/SIGTERM, and exits non-zero naming the node when one 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
 import signal
 import socket
@@ -61,6 +62,54 @@ def stop_process_groups(processes: list[subprocess.Popen],
         end = time.monotonic() + grace
         while time.monotonic() < end and any(p.poll() is None for p in alive):
             time.sleep(0.05)
+
+
+def preflight(scenario: Scenario) -> str:
+    """'' if every node's ``model`` and ``device`` can be used on this machine, else one line
+    saying which cannot and which nodes name it: checked before any process starts, so a typo
+    is one clear error instead of every node refusing to start (the launcher starts all nodes
+    on this host, so this host's devices are the ones that count)."""
+    problems: dict[str, list[str]] = {}
+    for spec in scenario.nodes:
+        checks = [("model", _model_problem)]
+        if spec.executable == "compute":  # trainers name devices their own way (cpu:<tag>)
+            checks.append(("device", _device_problem))
+        for key, check in checks:
+            value = spec.parameters.get(key)
+            if isinstance(value, str) and (problem := check(value)):
+                problems.setdefault(problem, []).append(spec.name)
+    return "; ".join(f"{problem} (node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)})"
+                     for problem, nodes in problems.items())
+
+
+def _model_problem(name: str) -> str:
+    from kaitian_ros.core.models import MODEL_NAMES
+
+    if name in MODEL_NAMES:
+        return ""
+    if ":" not in name:
+        return (f"unknown model '{name}' (valid: {', '.join(MODEL_NAMES)}, or a 'package.module:callable' "
+                f"import path)")
+    module, _, attr = name.partition(":")
+    try:
+        obj: Any = importlib.import_module(module)
+    except ImportError as exc:
+        return f"model '{name}': cannot import {module!r}: {' '.join(str(exc).split())}"
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            return f"model '{name}': module {module!r} has no attribute {attr!r}"
+        obj = getattr(obj, part)
+    return "" if callable(obj) else f"model '{name}' is not callable"
+
+
+def _device_problem(name: str) -> str:
+    from kaitian_ros.nodes.inference_common import check_device
+
+    try:
+        check_device(name)
+    except ValueError as exc:
+        return " ".join(str(exc).split())
+    return ""
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The live terminal view ``kaitian launch`` shows for inference scenarios: fps, latency
-p50/p95, and per compute node its share, rows and ms (emulated speed is labelled)."""
+p50/p95, the plan in effect (strategy, predicted latency, runner-up), and per compute node its
+share, rows and ms (emulated speed is labelled)."""
 
 from __future__ import annotations
 
@@ -76,14 +77,20 @@ class LiveView:
             recent = [f for f in self.fused if now - f[0] <= 5.0]
             lat = sorted(f[1] for f in recent if f[2])
             incomplete = sum(1 for f in recent if not f[2])
-            shares = dict(zip(self.plan.node_ids, self.plan.shares)) if self.plan is not None else {}
-            version = self.plan.version if self.plan is not None else 0
+            plan = self.plan
+            shares = dict(zip(plan.node_ids, plan.shares)) if plan is not None else {}
+            version = plan.version if plan is not None else 0
             nodes = {k: dict(v, ms=list(v["ms"])) for k, v in self.nodes.items()}
         fps = len(recent) / 5.0
         p50 = lat[len(lat) // 2] if lat else float("nan")
         p95 = lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else float("nan")
         lines = [f"[view] {fps:5.1f} fps | latency p50 {p50:7.1f} ms  p95 {p95:7.1f} ms | "
                  f"plan v{version}" + (f" | {incomplete} incomplete" if incomplete else "")]
+        if plan is not None and plan.strategy:
+            line = f"[view]   plan: {plan.strategy}, predicted {plan.predicted_makespan_ms:.1f} ms"
+            if plan.runner_up:
+                line += f"; runner-up {plan.runner_up} {plan.runner_up_ms:.1f} ms"
+            lines.append(_printable(line))
         for name in sorted(nodes):
             n = nodes[name]
             ms = sorted(n["ms"])
@@ -99,3 +106,8 @@ class LiveView:
         if self.client is not None:
             self.client.close()
             self.client = None
+
+
+def _printable(text: str) -> str:
+    """Text from the wire with control characters shown escaped, not sent to the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

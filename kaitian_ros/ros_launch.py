@@ -21,15 +21,21 @@ from kaitian_ros.scenario import Scenario, load_scenario
 
 PACKAGE = "kaitian_ros"
 
+# Launch arguments of the collaborative inference scenarios (all optional; unset = the YAML's value).
+_INFERENCE_ARGUMENTS = {
+    "compute_nodes": "number of compute nodes (compute_0..compute_{N-1}); clones the last one",
+    "model": "model of the trunk/head split (a reference model name or module:callable)",
+    "input_height": "input image height fed to the model (pixels)",
+    "input_width": "input image width fed to the model (pixels)",
+    "policy": "share policy: adaptive | static | equal | profile_once",
+    "slowdowns": "EMULATED slowdown per compute node, e.g. [1.0,3.0]",
+}
+
 # Launch arguments each scenario understands (all optional; unset = the YAML's value).
 LAUNCH_ARGUMENTS: dict[str, dict[str, str]] = {
-    "hetero_inference": {
-        "compute_nodes": "number of compute nodes (compute_0..compute_{N-1}); clones the last one",
-        "model": "model of the trunk/head split (a reference model name or module:callable)",
-        "input_height": "input image height fed to the model (pixels)",
-        "input_width": "input image width fed to the model (pixels)",
-        "policy": "share policy: adaptive | static | equal | profile_once",
-        "slowdowns": "EMULATED slowdown per compute node, e.g. [1.0,3.0]",
+    "hetero_inference": dict(_INFERENCE_ARGUMENTS),
+    "robot_edge": _INFERENCE_ARGUMENTS | {
+        "strategy": "plan strategy: auto (fastest predicted) | single | layerwise | stripes",
     },
     "hetero_training": {
         "ranks": "number of training ranks (one process per device)",

@@ -250,6 +250,21 @@ def test_bad_launch_argument():
     assert "no_such_parameter" in _one_line_error(run_cli("launch", "camera_demo", "no_such_parameter:=1"))
 
 
+def test_unknown_model_or_device_fails_before_any_node_starts():
+    line = _one_line_error(run_cli("launch", "robot_edge", "model:=nosuchnet", "--no-view"))
+    assert "unknown model 'nosuchnet'" in line and "resnet18" in line and "compute_1" in line
+    assert "[launch] started" not in line
+    line = _one_line_error(run_cli("launch", "robot_edge", "compute_1.device:=nosuchdevice:0", "--no-view"))
+    assert "nosuchdevice:0" in line and "compute_1" in line
+
+
+def test_bench_inference_mistakes_are_one_line():
+    line = _one_line_error(run_cli("bench", "inference", "--model", "nosuchnet"))
+    assert "unknown model 'nosuchnet'" in line
+    assert "--model" in _one_line_error(run_cli("bench", "inference", "--matrix", "--model", "vgg11"))
+    assert "invalid choice: 'nope'" in _one_line_error(run_cli("bench", "inference", "--scenario", "nope"))
+
+
 def test_param_get_on_missing_node(router):
     line = _one_line_error(run_cli("param", "get", "/ghost", "rate_hz", router=router.endpoint))
     assert "node '/ghost' not found" in line

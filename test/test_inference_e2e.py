@@ -62,8 +62,10 @@ def test_first_output_slab_leaves_before_last_input_slab_arrives(tmp_path):
         reports = [t for t in g.telemetry.snapshot() if int(t.request_id) in ids]
         for t in reports:  # the timestamps describe a streamed request at all
             assert 0 < t.first_input_s <= t.last_input_s, t
-            assert 0 < t.first_output_s <= t.last_output_s, t
             assert t.bytes_in > 0 and t.bytes_out > 0 and t.rows > 0
+            # (a node whose rows all go to its neighbour - the plan's solo tail runs on the
+            # other node - publishes HALO rows only)
+            assert t.first_output_s == 0 or t.first_output_s <= t.last_output_s, t
         overlapped = [(t.node_id, int(t.request_id)) for t in reports if t.first_output_s < t.last_input_s]
         assert overlapped, ("no node published an OUTPUT slab before its last INPUT slab arrived: " +
                             "; ".join(f"{t.node_id} r{t.request_id}: last_in {t.last_input_s:.3f} "

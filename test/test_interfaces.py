@@ -42,11 +42,13 @@ def sample_messages() -> dict[str, object]:
             "LoadAssignment", header=hdr, version=12, effective_from_request=345,
             node_ids=["compute_0", "compute_1", "compute_2"], shares=np.array([0.5, 0.3, 0.2]),
             policy="adaptive", reason="compute_1 slowed down: 31.2 ms -> 55.0 ms",
-            predicted_makespan_ms=41.5),
+            predicted_makespan_ms=41.5, strategy="stripes", cut_values=np.array([5, 12], dtype=np.uint16),
+            segment_shares=np.array([0.5, 0.3, 0.2, 0.5, 0.3, 0.2, 1.0, 0.0, 0.0]),
+            runner_up="single compute_0", runner_up_ms=48.25),
         "kaitian_ros/msg/NodeTelemetry": interfaces.make(
             "NodeTelemetry", header=hdr, node_id="compute_1", device="cpu", emulated=True,
             emulated_slowdown=2.5, request_id=99, plan_version=3, rows=28, work=1.25e9, compute_ms=12.5,
-            transfer_ms=1.5, wait_ms=0.25, bytes_in=123456, bytes_out=654321, first_input_s=1.7e9 + 0.1,
+            share=0.375, transfer_ms=1.5, wait_ms=0.25, bytes_in=123456, bytes_out=654321, first_input_s=1.7e9 + 0.1,
             last_input_s=1.7e9 + 0.2, first_output_s=1.7e9 + 0.3, last_output_s=1.7e9 + 0.4, queue_depth=2,
             rejected_count=5, last_reject_reason="malformed: truncated"),
         "kaitian_ros/msg/FusedOutput": interfaces.make(
@@ -57,6 +59,13 @@ def sample_messages() -> dict[str, object]:
             "TrainingTelemetry", header=hdr, rank=1, device="cuda:0", emulated=False, emulated_slowdown=1.0,
             epoch=2, step=1234, local_batch=48, global_batch=128, share=0.375, step_ms=210.5,
             compute_ms=180.25, comm_ms=30.25, loss=1.5, samples_per_s=608.0),
+        "kaitian_ros/msg/CostProfile": interfaces.make(
+            "CostProfile", header=hdr, node_id="compute_1", version=4, model="resnet18 3x224x224",
+            device="cpu", emulated=True, emulated_slowdown=2.0, trunk_ms=95.5,
+            op_call_ms=np.array([0.05, 0.125, 0.0]), op_row_ms=np.array([0.25, 0.5, 0.75]), message_ms=0.125,
+            min_run_rows=32, run_samples=1234, link_sources=["coordinator", "compute_0"],
+            link_bytes_per_ms=np.array([25000.0, 12500.0]), link_latency_ms=np.array([0.25, 0.5]),
+            link_samples=np.array([40, 7], dtype=np.uint32)),
         "sensor_msgs/msg/Image": interfaces.make(
             "Image", header=hdr, height=4, width=5, encoding="rgb8", is_bigendian=0, step=15,
             data=(np.arange(60) * 7 % 256).astype(np.uint8)),

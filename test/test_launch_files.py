@@ -25,9 +25,10 @@ REPO = Path(__file__).resolve().parents[1]
 LAUNCH_FILES = sorted((REPO / "launch").glob("*.launch.py"))
 
 
-def test_the_three_launch_files_exist() -> None:
+def test_the_launch_files_exist() -> None:
     names = {p.name for p in LAUNCH_FILES}
-    assert {"hetero_inference.launch.py", "camera_demo.launch.py", "hetero_training.launch.py"} <= names
+    assert {"hetero_inference.launch.py", "camera_demo.launch.py", "hetero_training.launch.py",
+            "robot_edge.launch.py"} <= names
 
 
 @pytest.mark.parametrize("path", LAUNCH_FILES, ids=lambda p: p.name)
@@ -74,6 +75,31 @@ def test_hetero_inference_overrides_resize_and_retune() -> None:
     assert by_name["coordinator"]["compute_nodes"] == ["compute_0", "compute_1"]
     with pytest.raises(ScenarioError):
         load_scenario("hetero_inference", ["compute_nodes:=0"])
+
+
+def test_robot_edge_local_slow_processor_and_edge_device() -> None:
+    kwargs = ros_launch.node_kwargs(load_scenario("robot_edge"))
+    by_name = {k["name"]: k["parameters"][0] for k in kwargs}
+    assert {k["name"]: k["executable"] for k in kwargs} == {
+        "image_source": "image_source", "coordinator": "coordinator", "scheduler": "scheduler",
+        "compute_0": "compute", "compute_1": "compute"}
+    assert [by_name[n]["emulated_slowdown"] for n in ("compute_0", "compute_1")] == [4.0, 1.0]
+    assert by_name["coordinator"]["strategy"] == "auto" and by_name["coordinator"]["use_scheduler"] is True
+    assert by_name["coordinator"]["compute_nodes"] == by_name["scheduler"]["compute_nodes"] == ["compute_0",
+                                                                                              "compute_1"]
+    assert by_name["scheduler"]["policy"] == "adaptive"
+    models = {p["model"] for p in by_name.values() if "model" in p}
+    assert models == {"resnet18"}
+
+
+def test_robot_edge_overrides_strategy_and_slowdowns() -> None:
+    kwargs = ros_launch.node_kwargs(load_scenario(
+        "robot_edge", ["strategy:=stripes", "slowdowns:=[3.0,1.0]", "model:=mobilenet_v2"]))
+    by_name = {k["name"]: k["parameters"][0] for k in kwargs}
+    assert by_name["coordinator"]["strategy"] == "stripes"
+    assert "strategy" not in by_name["compute_0"]  # only the coordinator plans
+    assert [by_name[n]["emulated_slowdown"] for n in ("compute_0", "compute_1")] == [3.0, 1.0]
+    assert {by_name[n]["model"] for n in ("coordinator", "compute_0", "compute_1")} == {"mobilenet_v2"}
 
 
 def test_camera_demo_nodes() -> None:
@@ -185,3 +211,14 @@ def test_hetero_inference_launch_file_with_compute_nodes_3(monkeypatch: pytest.M
         "compute_0", "compute_1", "compute_2"]
     scheduler = next(n for n in nodes if n.kwargs["name"] == "scheduler")
     assert scheduler.kwargs["parameters"][0]["policy"] == "static"
+
+
+def test_robot_edge_launch_file_declares_the_inference_arguments_and_strategy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeLaunch(monkeypatch)
+    declared, nodes = _run_launch_file(REPO / "launch" / "robot_edge.launch.py", {"strategy": "layerwise"})
+    assert {d.name for d in declared} == {"compute_nodes", "model", "input_height", "input_width",
+                                          "policy", "slowdowns", "strategy"}
+    assert [n.kwargs["name"] for n in nodes if n.kwargs["executable"] == "compute"] == ["compute_0", "compute_1"]
+    coordinator = next(n for n in nodes if n.kwargs["name"] == "coordinator")
+    assert coordinator.kwargs["parameters"][0]["strategy"] == "layerwise"

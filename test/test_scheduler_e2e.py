@@ -26,6 +26,9 @@ from kaitian_ros.bench.adaptivity import (
 )
 
 MODEL = dict(model="resnet18", height=128, width=128, num_classes=10, slab_rows=8)
+# the scheduler's shares as the plan's stripes: these tests are about the share policy (the
+# planner's own choices have their tests in test_planner_e2e.py)
+SCHEDULER_STRIPES = {"strategy": "stripes", "share_search": False}
 ADAPT_WITHIN = 15  # requests after the first slowed one until a plan shrinks the slowed node (measured 6-10)
 SLACK_S = 3.0  # for a loaded 2-core machine: heartbeat delivery + executor backlog + plan delivery
 
@@ -51,7 +54,8 @@ def test_slowed_node_gets_a_smaller_share_and_latency_recovers(tmp_path):
     while frames flow -> within ADAPT_WITHIN requests the executed plan gives compute_1 a
     smaller share than before, and the median latency at the end is below the median of the
     requests that ran slowed under the old plan."""
-    cfg = scenario_config(**MODEL, slowdowns=[1.0, 1.0], policy="adaptive", dead_after_s=2.0)
+    cfg = scenario_config(**MODEL, slowdowns=[1.0, 1.0], policy="adaptive", dead_after_s=2.0,
+                          coordinator=SCHEDULER_STRIPES)
     t0 = time.monotonic()
     with AdaptivityGraph(cfg) as g:
         g.wait_ready(timeout_s=90.0)
@@ -112,7 +116,7 @@ def test_killed_node_leaves_the_plan_and_a_restarted_node_rejoins(tmp_path):
     # effective_from_request (no new request can start: both in flight wait on the dead node)
     # when the coordinator notices: it must switch at once and re-dispatch, not wait for it.
     cfg = scenario_config(**MODEL, slowdowns=[1.0, 1.0, 1.0], policy="adaptive", dead_after_s=dead_after_s,
-                          scheduler={"probe_share": 0.05, "dead_after_s": 0.6})
+                          scheduler={"probe_share": 0.05, "dead_after_s": 0.6}, coordinator=SCHEDULER_STRIPES)
     decide_period_s = cfg["scheduler"]["ros__parameters"]["decide_period_s"]
     t0 = time.monotonic()
     with AdaptivityGraph(cfg) as g:

@@ -1,15 +1,19 @@
-"""Link emulation for benchmarks: one Linux network namespace per device, joined to the root
-namespace by a veth pair whose both ends are rate limited with ``tc qdisc ... tbf`` (DESIGN.md
+"""Link emulation for benchmarks: one Linux network namespace per remote device, joined to the
+root namespace by a veth pair whose both ends are rate limited with ``tc qdisc ... tbf`` (DESIGN.md
 section 9; netem does not exist on these kernels, tbf does). Needs root.
 
 Topology (device i = 0, 1, ...)::
 
-    root namespace (router, coordinator, bench driver)
+    root namespace (router, coordinator, bench driver, local devices)
       ktr<i>  10.231.<i>.1/24  --tbf-->  |  <--tbf--  ktn<i>  10.231.<i>.2/24   namespace kaitian_dev<i>
 
 Root forwards between the veths, so device-to-device traffic (halos) crosses both devices'
-links and root-to-device traffic (input slabs, outputs) crosses one. Everything is removed on
-``close()`` (also registered with ``atexit``); ``Links`` is a context manager.
+links and root-to-device traffic (input slabs, outputs) crosses one. A *local* device (the
+robot's own processor, co-located with the coordinator) gets no namespace and no veth: its
+processes run in the root namespace and listen on ``root_ip()``, so its traffic with the
+coordinator stays on the host (loopback) and its traffic with a remote device crosses only that
+device's link. Everything is removed on ``close()`` (also registered with ``atexit``); ``Links``
+is a context manager.
 """
 
 from __future__ import annotations
@@ -47,27 +51,52 @@ def available() -> tuple[bool, str]:
 
 @dataclass
 class Links:
-    """`n` device namespaces with `mbit`-Mbit/s links (tbf both directions) to the root."""
+    """Device namespaces with `mbit`-Mbit/s links (tbf both directions) to the root, for every
+    device of `range(n)` except the `local` ones (indices), which stay in the root namespace."""
 
     n: int
     mbit: float
+    local: tuple[int, ...] = ()
     names: list[str] = field(default_factory=list)
+    _made: list[int] = field(default_factory=list)  # devices whose namespace exists (for close)
     _forward_before: str | None = None
     _closed: bool = False
 
+    def __post_init__(self) -> None:
+        bad = [i for i in self.local if not 0 <= i < self.n]
+        if bad:
+            raise ValueError(f"local device indices {bad} out of range for {self.n} devices")
+        self.local = tuple(sorted(set(self.local)))
+
+    @property
+    def remote(self) -> tuple[int, ...]:
+        """Devices behind a link, in index order."""
+        return tuple(i for i in range(self.n) if i not in self.local)
+
+    def is_local(self, i: int) -> bool:
+        return i in self.local
+
     def host_ip(self, i: int) -> str:
-        """Root-side address of device i's link (reachable from every namespace)."""
+        """Root-side address of remote device i's link (reachable from every namespace)."""
         return f"{SUBNET}.{i}.1"
 
+    def root_ip(self) -> str:
+        """A root-namespace address every namespace reaches (root routes for all of them): where
+        the router, the coordinator and local devices listen."""
+        if not self.remote:
+            raise LinkSetupError("no remote device: nothing to emulate a link for")
+        return self.host_ip(self.remote[0])
+
     def device_ip(self, i: int) -> str:
-        return f"{SUBNET}.{i}.2"
+        """Where device i's processes listen: its namespace's address, or root's when local."""
+        return self.root_ip() if self.is_local(i) else f"{SUBNET}.{i}.2"
 
     def netns(self, i: int) -> str:
         return f"{PREFIX}{i}"
 
     def exec_prefix(self, i: int) -> list[str]:
-        """Prefix a command with this to run it inside device i's namespace."""
-        return ["ip", "netns", "exec", self.netns(i)]
+        """Prefix a command with this to run it in device i's namespace (nothing when local)."""
+        return [] if self.is_local(i) else ["ip", "netns", "exec", self.netns(i)]
 
     def __enter__(self) -> Links:
         self.open()
@@ -80,43 +109,54 @@ class Links:
         ok, why = available()
         if not ok:
             raise LinkSetupError(why)
-        cleanup_stale(self.n)
+        if not self.remote:
+            raise LinkSetupError("no remote device: nothing to emulate a link for")
+        cleanup_stale(max(16, self.n))
         atexit.register(self.close)
         try:
             with open("/proc/sys/net/ipv4/ip_forward") as f:
                 self._forward_before = f.read().strip()
             _run("sysctl", "-qw", "net.ipv4.ip_forward=1")
-            rate = f"{self.mbit:g}mbit"
-            # burst >= one 64 KiB GSO super-packet (tbf would otherwise segment/drop them)
-            burst = str(max(65536, int(self.mbit * 1e6 / 8 / 250)))
-            for i in range(self.n):
-                ns, host, dev = self.netns(i), f"ktr{i}", f"ktn{i}"
-                _run("ip", "netns", "add", ns)
-                self.names.append(ns)
-                _run("ip", "link", "add", host, "type", "veth", "peer", "name", dev)
-                _run("ip", "link", "set", dev, "netns", ns)
-                _run("ip", "addr", "add", f"{self.host_ip(i)}/24", "dev", host)
-                _run("ip", "link", "set", host, "up")
-                inside = ["ip", "netns", "exec", ns]
-                _run(*inside, "ip", "addr", "add", f"{self.device_ip(i)}/24", "dev", dev)
-                _run(*inside, "ip", "link", "set", dev, "up")
-                _run(*inside, "ip", "link", "set", "lo", "up")
-                _run(*inside, "ip", "route", "add", "default", "via", self.host_ip(i))
-                for where, ifname in (([], host), (inside, dev)):
-                    _run(*where, "tc", "qdisc", "add", "dev", ifname, "root", "tbf", "rate", rate,
-                         "burst", burst, "latency", "50ms")
+            for i in self.remote:
+                self._add_link(i)
         except BaseException:
             self.close()
             raise
 
+    def _add_link(self, i: int) -> None:
+        ns, host, dev = self.netns(i), f"ktr{i}", f"ktn{i}"
+        rate = f"{self.mbit:g}mbit"
+        # burst >= one 64 KiB GSO super-packet (tbf would otherwise segment/drop them)
+        burst = str(max(65536, int(self.mbit * 1e6 / 8 / 250)))
+        _run("ip", "netns", "add", ns)
+        self.names.append(ns)
+        self._made.append(i)  # from here on close() removes this device's namespace and veth
+        _run("ip", "link", "add", host, "type", "veth", "peer", "name", dev)
+        _run("ip", "link", "set", dev, "netns", ns)
+        _run("ip", "addr", "add", f"{self.host_ip(i)}/24", "dev", host)
+        _run("ip", "link", "set", host, "up")
+        inside = ["ip", "netns", "exec", ns]
+        _run(*inside, "ip", "addr", "add", f"{self.device_ip(i)}/24", "dev", dev)
+        _run(*inside, "ip", "link", "set", dev, "up")
+        _run(*inside, "ip", "link", "set", "lo", "up")
+        _run(*inside, "ip", "route", "add", "default", "via", self.host_ip(i))
+        for where, ifname in (([], host), (inside, dev)):
+            _run(*where, "tc", "qdisc", "add", "dev", ifname, "root", "tbf", "rate", rate,
+                 "burst", burst, "latency", "50ms")
+
     def describe(self) -> str:
-        return (f"{self.n} network namespaces ({', '.join(self.names)}), veth pairs with tbf "
-                f"{self.mbit:g} Mbit/s in both directions, routed through the root namespace")
+        text = (f"{len(self.remote)} network namespaces ({', '.join(self.netns(i) for i in self.remote)}), "
+                f"veth pairs with tbf {self.mbit:g} Mbit/s in both directions, routed through the root "
+                f"namespace")
+        if self.local:
+            text += (f"; device(s) {', '.join(map(str, self.local))} local: in the root namespace with the "
+                     f"coordinator, no link")
+        return text
 
     def qdisc_stats(self) -> dict[str, str]:
         """`tc -s qdisc` of every link end (to show bytes really went through tbf)."""
         out = {}
-        for i in range(len(self.names)):
+        for i in self._made:
             out[f"ktr{i}"] = _run("tc", "-s", "qdisc", "show", "dev", f"ktr{i}", check=False).stdout
             out[f"ktn{i}"] = _run(*self.exec_prefix(i), "tc", "-s", "qdisc", "show", "dev", f"ktn{i}",
                                   check=False).stdout
@@ -126,9 +166,10 @@ class Links:
         if self._closed:
             return
         self._closed = True
-        for i, ns in enumerate(self.names):
+        for i in self._made:
             _run("ip", "link", "del", f"ktr{i}", check=False)  # removes the peer and both qdiscs
-            _run("ip", "netns", "del", ns, check=False)
+            _run("ip", "netns", "del", self.netns(i), check=False)
+        self._made.clear()
         self.names.clear()
         if self._forward_before is not None:
             _run("sysctl", "-qw", f"net.ipv4.ip_forward={self._forward_before}", check=False)

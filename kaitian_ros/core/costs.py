@@ -163,7 +163,7 @@ class CostRefiner:
     device_probe_ref: float = 1.0
     live_samples: int = 0
     probe_ratio: float = 1.0  # level of probe time / its start-up time
-    probe_log: float = 0.0  # EWMA of log(probe time / start-up time)
+    recent_probes: list[float] = field(default_factory=list)
     probe_samples: int = 0
     probe_deadband: float = 1.5  # probes here vary by up to 1.4x between idle periods
 
@@ -210,13 +210,15 @@ class CostRefiner:
         """A probe took `ms`; at start-up it took `base_ms`."""
         if base_ms <= 0 or not math.isfinite(ms) or ms <= 0:
             return
-        # from the start-up level (1.0): the level moves only for a clear change (noise of short
-        # probes must not restart the op ratios, which start over from the next live run
-        # whenever it moves)
-        self.probe_log = 0.5 * self.probe_log + 0.5 * math.log(ms / base_ms)
-        if abs(self.probe_log - math.log(self.probe_ratio)) > math.log(self.probe_deadband):
-            self.probe_ratio = math.exp(self.probe_log)
+        self.recent_probes = (self.recent_probes + [ms / base_ms])[-3:]
         self.probe_samples += 1
+        if len(self.recent_probes) < 3:
+            return
+        # the median of three: one noisy probe moves nothing; and the level moves only for a
+        # clear change, because op ratios start over from the next live run whenever it moves
+        level = sorted(self.recent_probes)[1]
+        if abs(math.log(level / self.probe_ratio)) > math.log(self.probe_deadband):
+            self.probe_ratio = level
 
     @property
     def device_ratio(self) -> float:
@@ -248,19 +250,22 @@ class LinkEstimate:
 class LinkMeter:
     """One sender's link to this receiver, from the chunks it delivered.
 
-    A chunk sent before the previous one from the same sender had arrived was queued behind
-    it: its transit from that arrival to its own is pure transfer, ``bytes / rate``; those give
-    the rate (EWMA of bytes over EWMA of times, chunks of at least `min_bytes`). A chunk sent
-    onto an idle link takes ``latency + bytes / rate``; the lowest of the recent ones, less
-    their transfer, is the latency. Without queued chunks the rate is bytes over whole transit
-    times (latency included: an underestimate, on the safe side). Timestamps are the sender's
-    (source timestamp) and the receiver's clock: across hosts they must be synchronised (NTP)
-    for the latency; the rate from queued chunks does not depend on it.
+    A chunk that arrived later after the previous one than it was sent after it was held up by
+    the link (it was queued behind the previous one): the gap between the two arrivals is its
+    transfer time, ``bytes / rate``. Both gaps are differences of one clock each, so these rate
+    samples do not depend on the sender's and receiver's clocks agreeing. A chunk sent onto an
+    idle link takes ``latency + bytes / rate`` from its source timestamp to its arrival; the
+    lowest of the recent ones, less their transfer, is the latency - across hosts only as good
+    as their clock synchronisation (NTP). The rate is the EWMA of bytes over the EWMA of
+    transfer times of queued chunks of at least `min_bytes`; without queued chunks it is bytes
+    over whole transit times (latency included: an underestimate, on the safe side).
     """
 
     alpha: float = 0.2
     min_bytes: int = 2048
     window: int = 32
+    tolerance_s: float = 50e-6  # gaps closer than this are the same gap (timer resolution)
+    last_sent_s: float = -math.inf
     last_arrival_s: float = -math.inf
     ew_bytes: float = 0.0  # queued chunks: pure transfer
     ew_ms: float = 0.0
@@ -273,19 +278,19 @@ class LinkMeter:
     def observe(self, nbytes: int, sent_s: float, arrived_s: float) -> None:
         if not (math.isfinite(sent_s) and math.isfinite(arrived_s)) or nbytes <= 0:
             return
-        queued = sent_s < self.last_arrival_s
-        start = max(sent_s, self.last_arrival_s)
-        self.last_arrival_s = max(self.last_arrival_s, arrived_s)
-        transit_ms = (arrived_s - start) * 1e3
-        if transit_ms <= 0:  # clocks disagree (another host) or a timer tick: nothing to learn
-            return
+        send_gap, arrival_gap = sent_s - self.last_sent_s, arrived_s - self.last_arrival_s
+        self.last_sent_s, self.last_arrival_s = sent_s, max(self.last_arrival_s, arrived_s)
         a = self.alpha
-        if queued:
+        if 0 < arrival_gap and send_gap < arrival_gap - self.tolerance_s:
             if nbytes >= self.min_bytes:
                 first = self.samples == 0
+                ms = arrival_gap * 1e3
                 self.ew_bytes = nbytes if first else (1 - a) * self.ew_bytes + a * nbytes
-                self.ew_ms = transit_ms if first else (1 - a) * self.ew_ms + a * transit_ms
+                self.ew_ms = ms if first else (1 - a) * self.ew_ms + a * ms
                 self.samples += 1
+            return
+        transit_ms = (arrived_s - sent_s) * 1e3
+        if transit_ms <= 0:  # clocks disagree (another host): no latency to learn from it
             return
         self.recent.append((float(nbytes), transit_ms))
         del self.recent[:-self.window]

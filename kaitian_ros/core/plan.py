@@ -64,6 +64,10 @@ class PlanSpec:
         ids = tuple(str(n) for n in node_ids)
         norm = normalise_shares(shares, len(ids))
         segs = len(tuple(cuts)) + 1
+        if solo_from is not None and solo_from < 0:
+            raise ValueError(f"solo_from must be a segment index >= 0, got {solo_from}")
+        if solo_node is not None and not 0 <= solo_node < len(ids):
+            raise ValueError(f"solo_node must index one of {len(ids)} nodes, got {solo_node}")
         if solo_from is None or solo_from >= segs:
             rows = (norm,) * segs
         else:
@@ -366,6 +370,12 @@ def build_plan(graph: ModelGraph, spec: PlanSpec, *, slab_rows: int = 8, estimat
         raise ValueError(f"{len(cuts)} cuts make {len(cuts) + 1} segments, got shares for "
                          f"{len(spec.segment_shares)}")
     norms = tuple(normalise_shares(row, len(ids)) for row in spec.segment_shares)
+    owners = [tuple(i for i, x in enumerate(row) if x > 0) for row in norms]
+    if spec.strategy == "single" and (len(ids) != 1 or cuts):
+        raise ValueError(f"a single plan runs one segment on one node, got {len(ids)} nodes and cuts {list(cuts)}")
+    if spec.strategy == "layerwise" and (any(len(o) != 1 for o in owners) or
+                                         any(a == b for a, b in zip(owners, owners[1:]))):
+        raise ValueError("a layer-wise plan runs each segment whole on one node, another than the previous one")
     bounds = [0, *cuts, graph.output_value]
     segments = _build_segments(graph, ids, norms, bounds)
     seg_flops = [sum(graph.ops[j].flops_per_row * graph.ops[j].out_shape[1] for j in range(a, b))

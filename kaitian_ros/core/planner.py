@@ -9,8 +9,10 @@ builds the candidates of every strategy and predicts each one's latency with the
   cut, the second the rest, the activation streamed between them;
 * ``stripes``: row stripes over two or more nodes, with the cuts the cost-model dynamic
   programme picks, every solo tail, no cuts and every cut; shares from the scheduler and, when
-  the caller allows it, shares in proportion to measured speed and tilted towards the faster
-  nodes (speed ** gamma), over every subset of two or more nodes.
+  the caller allows it, shares in proportion to measured speed to the power gamma, over every
+  subset of two or more nodes.
+
+The simulator costs a few ms per candidate, so not everything is simulated: see `choose_plan`.
 
 Forcing a strategy (``single``, ``layerwise``, ``stripes``) restricts the candidates to it.
 The result names the best candidate and the runner-up (the best of another strategy, or with
@@ -26,12 +28,16 @@ from dataclasses import dataclass
 
 from .costs import Costs
 from .graph import ModelGraph
-from .plan import STRATEGIES, Plan, PlanSpec, _choose_cuts, build_plan, normalise_shares
+from .plan import STRATEGIES, Plan, PlanSpec, _choose_cuts, build_plan, normalise_shares, split_rows
 from .simulate import simulate
 
 STRATEGY_CHOICES = ("auto", *STRATEGIES)
-GAMMAS = (1.0, 1.5, 2.0, 3.0)  # share_i ~ speed_i ** gamma (gamma > 1 favours fast nodes)
-MAX_SUBSET_NODES = 4  # beyond this many nodes only the whole set and its halves are tried
+# share_i ~ speed_i ** gamma: gamma > 1 favours fast nodes (their thicker stripes pay less
+# per-call and halo cost), gamma < 1 slow ones (a local device that needs no link)
+GAMMAS = (0.5, 1.0, 2.0)
+MAX_SUBSET_NODES = 4  # beyond this many nodes only the whole set is tried
+LAYERWISE_SIMULATED = 6
+SHARE_VECTORS_REFINED = 3
 
 
 @dataclass(frozen=True)
@@ -73,29 +79,23 @@ def speed_shares(node_ids: Sequence[str], costs: Costs, gamma: float = 1.0) -> t
 
 def stripe_specs(graph: ModelGraph, node_ids: Sequence[str], shares: Sequence[float],
                  costs: Costs) -> list[PlanSpec]:
-    """Stripes over `node_ids` by `shares`: the DP's cuts with every solo tail, no cuts, every cut."""
+    """Stripes over the nodes of `node_ids` with a positive share: the cost model's cuts (first),
+    the same with every solo tail, no cuts, and every cut."""
     pairs = [(n, float(x)) for n, x in zip(node_ids, normalise_shares(shares, len(node_ids))) if x > 0]
     if len(pairs) < 2:
         return []
     ids = tuple(n for n, _ in pairs)  # a node without a share is not part of the plan
     norm = tuple(x for _, x in pairs)
-    active = list(range(len(ids)))
-    view = costs.for_nodes(ids)
-    dp_cuts, _ = _choose_cuts(graph, norm, view, None)
-    fastest = min(active, key=lambda i: (costs.profiles[ids[i]].trunk_ms, i))
-    out: list[PlanSpec] = []
-    for cuts in (tuple(dp_cuts), (), tuple(graph.cut_values)):
-        out.append(PlanSpec.stripes(ids, norm, cuts))
-        for t in range(len(cuts), 0, -1):
-            out.append(PlanSpec.stripes(ids, norm, cuts[:t], solo_from=t, solo_node=fastest))
-    seen: set = set()
-    unique = []
-    for s in out:
-        key = (s.cuts, s.segment_shares)
-        if key not in seen:
-            seen.add(key)
-            unique.append(s)
-    return unique
+    dp_cuts, _ = _choose_cuts(graph, norm, costs.for_nodes(ids), None)
+    fastest = min(range(len(ids)), key=lambda i: (costs.profiles[ids[i]].trunk_ms, i))
+    out = [PlanSpec.stripes(ids, norm, dp_cuts)]
+    out += [PlanSpec.stripes(ids, norm, dp_cuts[:t], solo_from=t, solo_node=fastest)
+            for t in range(len(dp_cuts), 0, -1)]
+    out += [PlanSpec.stripes(ids, norm, ()), PlanSpec.stripes(ids, norm, graph.cut_values)]
+    unique: dict = {}
+    for spec in out:
+        unique.setdefault((spec.cuts, spec.segment_shares), spec)
+    return list(unique.values())
 
 
 def _subsets(ids: tuple[str, ...]) -> list[tuple[str, ...]]:
@@ -104,60 +104,118 @@ def _subsets(ids: tuple[str, ...]) -> list[tuple[str, ...]]:
     return [ids]
 
 
-def candidate_specs(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, strategy: str = "auto",
-                    shares: Sequence[float] | None = None, adapt_shares: bool = True) -> list[PlanSpec]:
-    """Every candidate for `strategy` over the nodes that have profiles (see module docstring).
+def _layerwise_quick_ms(graph: ModelGraph, first: str, second: str, cut: int, costs: Costs) -> float:
+    """Layer-wise latency without overlap: a quick ranking before the simulator sees the best."""
+    a, b = costs.profiles[first], costs.profiles[second]
+    full = [op.out_shape[1] for op in graph.ops]
+    c, h, w = graph.value_shapes[cut]
+    ci, hi, wi = graph.value_shapes[0]
+    co, ho, wo = graph.trunk_output_shape
+    return (costs.link("coordinator", first).ms(ci * hi * wi) + sum(a.op_costs[j].ms(full[j]) for j in range(cut))
+            + costs.link(first, second).ms(c * h * w * 4)
+            + sum(b.op_costs[j].ms(full[j]) for j in range(cut, len(full)))
+            + costs.link(second, "coordinator").ms(co * ho * wo * 4))
 
-    `shares` (aligned with `node_ids`, e.g. the scheduler's) are always tried for stripes; with
-    `adapt_shares` also measured-speed shares over every subset of nodes."""
-    if strategy not in STRATEGY_CHOICES:
-        raise ValueError(f"strategy must be one of {', '.join(STRATEGY_CHOICES)}, got {strategy!r}")
-    ids = tuple(n for n in node_ids if n in costs.profiles)
-    specs: list[PlanSpec] = []
-    if strategy in ("auto", "single"):
-        specs += [PlanSpec.single(n) for n in ids]
-    if strategy in ("auto", "layerwise"):
-        specs += [PlanSpec.layerwise(a, b, c) for a, b in itertools.permutations(ids, 2)
-                  for c in graph.cut_values]
-    if strategy in ("auto", "stripes"):
-        if shares is not None:
-            table = dict(zip(node_ids, shares))
-            given = [float(table.get(n, 0.0)) for n in ids]
-            if sum(given) > 0:
-                specs += stripe_specs(graph, ids, given, costs)
-        if adapt_shares or shares is None:
-            for subset in _subsets(ids):
-                for gamma in GAMMAS:
-                    sub = speed_shares(subset, costs, gamma)
-                    specs += stripe_specs(graph, ids, [sub[subset.index(n)] if n in subset else 0.0
-                                                       for n in ids], costs)
-    return specs
+
+def owning_shares(graph: ModelGraph, shares: Sequence[float]) -> tuple[float, ...]:
+    """`shares` renormalised so that every positive share owns at least one trunk-output row.
+
+    Rows are whole, so a share below the row granularity (a newcomer's probe share, a very slow
+    node) would round to nothing: that node would get no work and send no telemetry, and the
+    scheduler would never see it warm up or speed up again. Such a share is doubled (then all
+    renormalised) until it owns a row."""
+    h = graph.trunk_output_shape[1]
+    out = normalise_shares(shares, len(shares))
+    for _ in range(20):
+        rows = split_rows(h, out)
+        starved = [i for i, x in enumerate(out) if x > 0 and rows[i][0] >= rows[i][1]]
+        if not starved or sum(1 for x in out if x > 0) > h:
+            break
+        raised = [x * 2 if i in starved else x for i, x in enumerate(out)]
+        out = tuple(x / sum(raised) for x in raised)
+    return out
+
+
+def _share_vectors(graph: ModelGraph, ids: tuple[str, ...], costs: Costs, shares: Sequence[float] | None,
+                   adapt_shares: bool) -> list[tuple[float, ...]]:
+    """Share vectors (aligned with `ids`) for stripes: the given ones (every positive share
+    owning rows), and with `adapt_shares` measured speed ** gamma over every subset of two or
+    more nodes."""
+    out: list[tuple[float, ...]] = []
+    if shares is not None and sum(shares) > 0:
+        out.append(owning_shares(graph, shares))
+    if adapt_shares or shares is None:
+        for subset in _subsets(ids):
+            for gamma in GAMMAS:
+                sub = speed_shares(subset, costs, gamma)
+                out.append(tuple(sub[subset.index(n)] if n in subset else 0.0 for n in ids))
+    return out
 
 
 def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, slab_rows: int,
                 strategy: str = "auto", shares: Sequence[float] | None = None,
                 adapt_shares: bool = True) -> Choice:
-    """The fastest predicted candidate (ValueError when no node has a profile)."""
-    specs = candidate_specs(graph, node_ids, costs, strategy=strategy, shares=shares, adapt_shares=adapt_shares)
-    if not specs and strategy in ("layerwise", "stripes"):
-        # one node left: the forced strategy has no plan, the node runs everything
-        specs = candidate_specs(graph, node_ids, costs, strategy="single")
-    seen: set = set()
-    cands: list[Candidate] = []
-    for spec in specs:
+    """The fastest predicted candidate (ValueError when no node has a profile).
+
+    Every single-node plan is simulated; of the layer-wise ones the `LAYERWISE_SIMULATED` best
+    by a quick estimate without overlap; of the stripes the cost model's cuts for every share
+    vector, then every cut variant of the `SHARE_VECTORS_REFINED` best vectors (and always of
+    the given shares). `shares` align with `node_ids` (e.g. the scheduler's)."""
+    if strategy not in STRATEGY_CHOICES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGY_CHOICES)}, got {strategy!r}")
+    ids = tuple(n for n in node_ids if n in costs.profiles)
+    given = None
+    if shares is not None:
+        table = dict(zip(node_ids, shares))
+        given = [float(table.get(n, 0.0)) for n in ids]
+    cands: dict[tuple, Candidate] = {}
+
+    def evaluate(spec: PlanSpec) -> float:
         key = (spec.strategy, spec.node_ids, spec.cuts, spec.segment_shares)
-        if key in seen:
-            continue
-        seen.add(key)
-        ms = predict(graph, spec, costs, slab_rows=slab_rows)
-        if math.isfinite(ms):
-            cands.append(Candidate(spec, ms, spec.describe(graph)))
-    if not cands:
+        if key not in cands:
+            plan = build_plan(graph, spec, slab_rows=slab_rows)
+            active = plan.active_nodes()
+            if spec.strategy != "single" and len(active) < 2:
+                ms = math.inf  # rows too few to split: a single-node plan under another name
+            elif any(n not in costs.profiles for n in active):
+                ms = math.inf
+            else:
+                ms = simulate(graph, plan, costs).latency_ms
+            cands[key] = Candidate(spec, ms, spec.describe(graph))
+        return cands[key].predicted_ms
+
+    if strategy in ("auto", "single"):
+        for n in ids:
+            evaluate(PlanSpec.single(n))
+    if strategy in ("auto", "layerwise"):
+        quick = sorted((_layerwise_quick_ms(graph, a, b, c, costs), a, b, c)
+                       for a, b in itertools.permutations(ids, 2) for c in graph.cut_values)
+        for _, a, b, c in quick[:LAYERWISE_SIMULATED]:
+            evaluate(PlanSpec.layerwise(a, b, c))
+    if strategy in ("auto", "stripes"):
+        vectors = _share_vectors(graph, ids, costs, given, adapt_shares)
+        first = []
+        for k, vec in enumerate(vectors):
+            specs = stripe_specs(graph, ids, vec, costs)
+            if specs:
+                first.append((evaluate(specs[0]), k, specs))
+        first.sort()
+        refine = first[:SHARE_VECTORS_REFINED] + [f for f in first if f[1] == 0 and given is not None]
+        for _, _, specs in refine:
+            for spec in specs[1:]:
+                evaluate(spec)
+    ok = [c for c in cands.values() if math.isfinite(c.predicted_ms)]
+    if not ok and strategy in ("layerwise", "stripes"):
+        # a forced layer-wise or stripes plan needs two nodes: with one left it runs everything
+        for n in ids:
+            evaluate(PlanSpec.single(n))
+        ok = [c for c in cands.values() if math.isfinite(c.predicted_ms)]
+    if not ok:
         raise ValueError(f"no plan for strategy {strategy!r}: no node of {list(node_ids)} has a cost profile")
     # fastest first; ties: simpler strategies first, then fewer segments
     order = {"single": 0, "layerwise": 1, "stripes": 2}
-    cands.sort(key=lambda c: (c.predicted_ms, order[c.spec.strategy], len(c.spec.cuts)))
-    best = cands[0]
-    other = [c for c in cands[1:] if c.spec.strategy != best.spec.strategy]
-    runner_up = other[0] if other else (cands[1] if len(cands) > 1 else None)
-    return Choice(best, runner_up, tuple(cands))
+    ok.sort(key=lambda c: (c.predicted_ms, order[c.spec.strategy], len(c.spec.cuts)))
+    best = ok[0]
+    other = [c for c in ok[1:] if c.spec.strategy != best.spec.strategy]
+    runner_up = other[0] if other else (ok[1] if len(ok) > 1 else None)
+    return Choice(best, runner_up, tuple(ok))

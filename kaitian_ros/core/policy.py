@@ -222,6 +222,7 @@ class TelemetrySample:
     bytes_in: int
     bytes_out: int
     stamp_s: float
+    share: float = 0.0  # the node's share of the plan it ran; 0 = look it up in the history
 
 
 @dataclass(frozen=True)
@@ -467,7 +468,9 @@ def observe(state: PolicyState, sample: TelemetrySample, config: PolicyConfig) -
     state = _with_estimate(state, est)
     # Whole-request totals W, B from this node's part: work/share. Small (probe) shares are
     # dominated by halo rows and would inflate W, so only fair-sized shares are used.
-    share = _share_for(state, sample.node_id, sample.request_id)
+    # the share it really ran with (the coordinator's planner may execute other shares than
+    # the ones proposed); older nodes do not report it: the proposal history then
+    share = sample.share if sample.share > 0 else _share_for(state, sample.node_id, sample.request_id)
     n_live = max(1, len([x for x in state.order if x not in state.dead]))
     if share is not None and share >= 0.5 / n_live:
         tf = state.totals_samples == 0

@@ -51,7 +51,8 @@ PARAMETERS = ic.MODEL_PARAMETERS + (
     P("pending_timeout_s", T.DOUBLE, 2.0, "hold chunks of a not-yet-known plan this long", 0.0, 60.0),
     P("profile_budget_s", T.DOUBLE, 10.0, "time limit of the start-up cost measurement", 0.5, 120.0,
       read_only=True),
-    P("probe_period_s", T.DOUBLE, 0.5, "while idle, time a probe op this often (0 = never)", 0.0, 60.0),
+    P("probe_period_s", T.DOUBLE, 0.25, "while idle, time a probe (about 1 ms of ops) this often (0 = never)",
+      0.0, 60.0),
     P("profile_change", T.DOUBLE, 0.1,
       "publish a new cost profile when the costs moved by this fraction (trunk time or a link)", 0.01, 10.0),
 )
@@ -138,6 +139,7 @@ class ComputeNode:
         self.message_ms = 0.05  # prior until measured: decode + bookkeeping of one chunk here
         self.profile_version = 0
         self.published: DeviceProfile | None = None
+        self.published_at = 0.0
         self.last_run_s = 0.0
         self.rt.logger.info(f"costs measured in {self.measured.elapsed_s:.1f} s: trunk "
                             f"{self.measured.trunk_ms:.1f} ms" + (" (EMULATED)" if self.emulated else ""))
@@ -155,28 +157,31 @@ class ComputeNode:
         p = self._profile()
         self.profile_pub.publish(ic.profile_msg(p))
         self.published = p
+        self.published_at = time.monotonic()
         self.rt.logger.debug(f"profile v{p.version} ({why}): trunk {p.trunk_ms:.1f} ms")
 
     def _maybe_publish_profile(self) -> None:
+        """Publish when the costs moved by `profile_change` (at most once a second: every new
+        profile makes the coordinator re-plan) or by three times that (at once: a device that
+        changed speed)."""
         if self.published is None:
             return
         now = self._profile()
         old = self.published
         limit = self.params["profile_change"]
 
-        def moved(a: float, b: float) -> bool:
-            return abs(a - b) > limit * max(abs(b), 1e-9)
+        def moved(a: float, b: float) -> float:
+            return abs(a - b) / max(abs(b), 1e-9)
 
-        why = ""
-        if moved(sum(c.ms(op.out_shape[1]) for c, op in zip(now.op_costs, self.graph.ops)),
-                 sum(c.ms(op.out_shape[1]) for c, op in zip(old.op_costs, self.graph.ops))):
-            why = "compute costs moved"
+        change = moved(sum(c.ms(op.out_shape[1]) for c, op in zip(now.op_costs, self.graph.ops)),
+                       sum(c.ms(op.out_shape[1]) for c, op in zip(old.op_costs, self.graph.ops)))
+        why = f"compute costs moved {change:.0%}" if change > limit else ""
         for src, est in now.links.items():
             was = old.links.get(src)
-            if was is None or moved(est.bytes_per_ms, was.bytes_per_ms) or \
+            if was is None or moved(est.bytes_per_ms, was.bytes_per_ms) > limit or \
                     abs(est.latency_ms - was.latency_ms) > max(1.0, limit * was.latency_ms):
                 why = why or f"link from {src} measured"
-        if why:
+        if why and (change > 3 * limit or time.monotonic() - self.published_at >= 1.0):
             self._publish_profile(why)
 
     def _on_run(self, op: int, rows: int, seconds: float) -> None:
@@ -353,6 +358,7 @@ class ComputeNode:
     def _finish(self, state: RequestState, plan: Plan) -> None:
         del self.requests[state.request_id]
         self.completed += 1
+        self._maybe_publish_profile()  # a device that changed speed shows it after one request
         end = time.time()
         wall_ms = (end - state.started_s) * 1e3
         rows = sum(b - a for a, b in (plan.segment_rows_for(self.node_id, k) for k in range(plan.num_segments)))
@@ -400,8 +406,12 @@ class ComputeNode:
         text = f"{self.completed} requests" + (f", {rejected.total} dropped" if rejected.total else "")
         if not self.plans:
             level, text = Level.WARN, "waiting for a plan from the coordinator"
+        profile = self.published
         self.diagnostics.publish(level, text + (" (speed EMULATED)" if self.emulated else ""), {
             "device": self.params["device"], "emulated": self.emulated,
+            "profile_version": profile.version if profile else 0,
+            "profile_trunk_ms": f"{profile.trunk_ms:.1f}" if profile else "",
+            "probe_ratio": f"{self.refiner.probe_ratio:.2f}",
             "emulated_slowdown": self.params["emulated_slowdown"], "in_flight": len(self.requests),
             "plans": ",".join(map(str, self.plans)), "rejected": rejected.total,
             "last_reject_reason": rejected.last_reason} | {f"rejected.{k}": v for k, v in rejected.counts.items()})

@@ -56,6 +56,9 @@ PARAMETERS = ic.MODEL_PARAMETERS + (
     P("threads", T.INTEGER, 1, "torch CPU threads for preprocessing and the head", 1, 256),
     P("strategy", T.STRING, "auto", "plan strategy: auto (fastest predicted) | single | layerwise | stripes",
       choices=planner.STRATEGY_CHOICES),
+    P("share_search", T.BOOL, True,
+      "with the scheduler's adaptive policy, also try stripes by measured speed over every subset of "
+      "nodes (false: stripes use the scheduler's shares as proposed)"),
     P("min_plan_gain", T.DOUBLE, 0.05,
       "switch plans for a predicted latency gain of at least this fraction", 0.0, 1.0),
     P("replan_period_s", T.DOUBLE, 2.0, "re-predict the candidates this often with the newest measurements",
@@ -110,6 +113,9 @@ class Coordinator:
         self.send_ms_per_mb = 0.0  # publishing cost of chunk payload (EWMA)
         self.choice: planner.Choice | None = None  # the planner's newest choice
         self.predicted_ms = 0.0  # the newest plan's latency as last predicted
+        self._planner_thread: threading.Thread | None = None
+        self._planned: tuple | None = None  # (request, choice, was_ms) from the planner thread
+        self._replan_again: tuple[str, int] | None = None
         self.last_replan = 0.0
         self.requests: dict[int, Request] = {}
         self.waiting: Any = None  # newest image waiting for an in-flight slot
@@ -149,7 +155,7 @@ class Coordinator:
         if "threads" in changes:
             torch.set_num_threads(changes["threads"])
         self.params = self.params | changes
-        if {"static_shares", "use_scheduler", "strategy", "slab_rows"} & set(changes):
+        if {"static_shares", "use_scheduler", "strategy", "slab_rows", "share_search"} & set(changes):
             # self.params already holds the new values; the runtime applies them after we return
             self._replan(f"{', '.join(sorted(changes))} set", force=True)
         return SetParametersResult(True)
@@ -181,7 +187,7 @@ class Coordinator:
             return  # the same profile again (a latched re-delivery)
         self.profiles[profile.node_id] = profile
         if profile.node_id in self.alive:
-            self._replan(f"{profile.node_id} profile v{profile.version}")
+            self._replan_soon(f"{profile.node_id} profile v{profile.version}")
 
     def _on_assignment(self, msg: Any) -> None:
         if not self.params["use_scheduler"]:
@@ -194,7 +200,7 @@ class Coordinator:
         if self.assignment is not None and proposal.version <= self.assignment.version:
             return
         self.assignment = proposal
-        self._replan(f"scheduler v{proposal.version}: {proposal.reason}", effective=proposal.effective_from_request)
+        self._replan_soon(f"scheduler v{proposal.version}: {proposal.reason}", effective=proposal.effective_from_request)
 
     def _shares_for(self, alive: tuple[str, ...]) -> tuple[tuple[float, ...], str]:
         """The proposed shares of the alive nodes (aligned with `alive`) and their policy."""
@@ -228,25 +234,76 @@ class Coordinator:
         return costs.with_links_from_profiles(), missing
 
     def _replan(self, reason: str, effective: int = 0, force: bool = False) -> None:
-        """Choose the plan for the alive nodes; publish it as a new version if it differs from
-        the newest one (`force`: a structural change) or is predicted `min_plan_gain` faster."""
+        """Choose the plan for the alive nodes now (membership, parameters: `force`), and
+        publish it as a new version if it differs from the newest one."""
+        request = self._plan_request(reason, effective, force)
+        if request is not None:
+            self._apply_plan(request, *_choose(self.graph, request))
+
+    def _replan_soon(self, reason: str, effective: int = 0) -> None:
+        """Re-predict with new measurements on a planner thread (a full search takes up to a few
+        hundred ms for a deep model over three nodes: the executor goes on serving frames);
+        `_check` applies the result. Switches only for a predicted gain of `min_plan_gain`."""
+        self.last_replan = time.monotonic()
+        if self._planner_thread is not None:
+            self._replan_again = (reason, max(effective, self._replan_again[1] if self._replan_again else 0))
+            return
+        request = self._plan_request(reason, effective, False)
+        if request is None:
+            return
+
+        def work() -> None:
+            self._planned = (request, *_choose(self.graph, request))
+
+        self._planner_thread = threading.Thread(target=work, name="planner", daemon=True)
+        self._planner_thread.start()
+
+    def _collect_plan(self) -> None:
+        """Apply a finished planner thread's choice (on the executor thread)."""
+        thread = self._planner_thread
+        if thread is None or thread.is_alive():
+            return
+        self._planner_thread = None
+        planned, self._planned = self._planned, None
+        if planned is not None:
+            request = planned[0]
+            latest = self.pending or self.current
+            # a structural change while it planned was planned again at once: drop this result
+            if request.alive == tuple(n for n in self.nodes if n in self.alive) and \
+                    request.latest_version == (latest.version if latest else 0):
+                self._apply_plan(*planned)
+        if self._replan_again is not None:
+            reason, effective = self._replan_again
+            self._replan_again = None
+            self._replan_soon(reason, effective)
+
+    def _plan_request(self, reason: str, effective: int, force: bool) -> PlanRequest | None:
         self.last_replan = time.monotonic()
         alive = tuple(n for n in self.nodes if n in self.alive)
         shares, policy = self._shares_for(alive)
-        if not alive or sum(shares) <= 0:
+        nodes = alive
+        if policy != "adaptive":
+            # fixed shares say which nodes take part: a zero share keeps a node out of every
+            # candidate (the adaptive policy's shares are only a starting point)
+            nodes, shares = tuple(n for n, x in zip(alive, shares) if x > 0), tuple(x for x in shares if x > 0)
+        if not nodes or sum(shares) <= 0:
             if self.current is not None:
                 self.rt.logger.warning(f"no compute node available ({reason})")
-            return
-        costs, missing = self._costs(alive, shares)
-        slab = self.params["slab_rows"]
-        strategy = self.params["strategy"]
-        try:
-            choice = planner.choose_plan(self.graph, alive, costs, slab_rows=slab, strategy=strategy,
-                                         shares=shares, adapt_shares=policy == "adaptive")
-        except (ValueError, RuntimeError) as exc:
-            self.rt.logger.error(f"cannot plan over {alive}: {exc}")
+            return None
+        costs, missing = self._costs(nodes, shares)
+        latest = self.pending or self.current
+        old = self.plans.get(latest.version) if latest is not None else None
+        search = policy == "adaptive" and self.params["share_search"]
+        return PlanRequest(reason, effective, force, alive, nodes, shares, policy, search, costs, tuple(missing),
+                           self.params["slab_rows"], self.params["strategy"],
+                           latest.version if latest else 0, old.spec if old is not None else None)
+
+    def _apply_plan(self, request: PlanRequest, choice: planner.Choice | None, was_ms: float | None) -> None:
+        if choice is None:
+            self.rt.logger.error(f"cannot plan over {request.nodes} ({request.reason}): {was_ms}")
             return
         self.choice = choice
+        force = request.force
         if self.pending is not None and self.current is not None and any(
                 n not in self.alive for n in self.plans[self.current.version].active_nodes()):
             # the running plan sends rows to a lost node while the next one waits for its
@@ -258,23 +315,23 @@ class Coordinator:
         if old is not None and _same_spec(old.spec, spec):
             self.predicted_ms = choice.best.predicted_ms
             return
-        if old is not None and strategy != "auto" and old.spec.strategy != strategy:
+        if old is not None and request.strategy != "auto" and old.spec.strategy != request.strategy:
             force = True  # the running plan is a fallback (too few nodes for the strategy asked)
-        if old is not None and not force and set(old.active_nodes()) <= set(alive):
+        if old is not None and not force and was_ms is not None and set(old.active_nodes()) <= set(request.nodes):
             # the running plan can go on: switch only for a clear predicted gain (no flapping
             # between near-equal plans on measurement noise)
-            was = planner.predict(self.graph, old.spec, costs, slab_rows=slab)
-            if was <= choice.best.predicted_ms * (1.0 + self.params["min_plan_gain"]):
-                self.predicted_ms = was
+            if was_ms <= choice.best.predicted_ms * (1.0 + self.params["min_plan_gain"]):
+                self.predicted_ms = was_ms
                 return
         self.predicted_ms = choice.best.predicted_ms
-        plan = build_plan(self.graph, spec, slab_rows=slab, estimated_ms=choice.best.predicted_ms)
-        text = f"{reason}: {choice.summary()}"
-        if missing:
-            text += f" (no cost profile yet from {', '.join(missing)}: priors)"
+        plan = build_plan(self.graph, spec, slab_rows=request.slab_rows, estimated_ms=choice.best.predicted_ms)
+        text = f"{request.reason}: {choice.summary()}"
+        if request.missing:
+            text += f" (no cost profile yet from {', '.join(request.missing)}: priors)"
         version = (latest.version + 1) if latest else 1
+        effective = request.effective
         pv = Assignment(version, max(self.next_request, effective), plan.node_ids, plan.shares,
-                        policy, text, choice.best.predicted_ms)
+                        request.policy, text, choice.best.predicted_ms)
         self.plans[version] = plan
         if effective > self.next_request:
             # the scheduler asked for a switch at a later request: hold it until then
@@ -452,7 +509,8 @@ class Coordinator:
             self._replan(f"{', '.join(dead)} lost", force=True)
             self._redispatch(set(dead))
         elif self.alive and time.monotonic() - self.last_replan >= self.params["replan_period_s"]:
-            self._replan("periodic re-prediction")
+            self._replan_soon("periodic re-prediction")
+        self._collect_plan()
         now = time.time()
         for req in [r for r in self.requests.values() if now - r.dispatched_s > self.params["request_timeout_s"]]:
             missing = np.flatnonzero(~req.got)
@@ -507,6 +565,40 @@ class Coordinator:
             "latency_p50_ms": f"{p50:.1f}", "latency_p95_ms": f"{p95:.1f}",
             "rejected": rejected.total, "last_reject_reason": rejected.last_reason}
             | {k: v for k, v in self.counts.items()} | {f"rejected.{k}": v for k, v in rejected.counts.items()})
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything one planning round reads, taken on the executor thread (a planner thread
+    works on this snapshot only)."""
+
+    reason: str
+    effective: int
+    force: bool
+    alive: tuple[str, ...]
+    nodes: tuple[str, ...]  # the alive nodes that may take part
+    shares: tuple[float, ...]
+    policy: str
+    share_search: bool
+    costs: Costs
+    missing: tuple[str, ...]  # nodes planned with prior costs
+    slab_rows: int
+    strategy: str
+    latest_version: int
+    latest_spec: PlanSpec | None
+
+
+def _choose(graph: Any, r: PlanRequest) -> tuple[planner.Choice | None, Any]:
+    """(choice, predicted ms of the newest plan now or None) - or (None, the error)."""
+    try:
+        choice = planner.choose_plan(graph, r.nodes, r.costs, slab_rows=r.slab_rows, strategy=r.strategy,
+                                     shares=r.shares, adapt_shares=r.share_search)
+        was = None
+        if r.latest_spec is not None and set(r.latest_spec.node_ids) <= set(r.nodes):
+            was = planner.predict(graph, r.latest_spec, r.costs, slab_rows=r.slab_rows)
+        return choice, was
+    except (ValueError, RuntimeError) as exc:
+        return None, exc
 
 
 def _same_spec(a: PlanSpec, b: PlanSpec) -> bool:

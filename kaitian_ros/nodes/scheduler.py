@@ -77,7 +77,8 @@ class Scheduler:
             compute_ms=float(msg.compute_ms), transfer_ms=float(msg.transfer_ms), wait_ms=float(msg.wait_ms),
             # transfer_ms is the spread of the node's incoming rows, so pair it with the bytes that
             # came in; outgoing halo/output bytes overlap with compute and would inflate the link term
-            bytes_in=int(msg.bytes_in), bytes_out=0, stamp_s=now)
+            bytes_in=int(msg.bytes_in), bytes_out=0, stamp_s=now,
+            share=float(msg.share) if 0.0 < msg.share <= 1.0 else 0.0)
         self.state = pol.observe(self.state, sample, self.config)
 
     def _decide(self) -> None:

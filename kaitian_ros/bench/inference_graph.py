@@ -1,0 +1,242 @@
+"""The processes of ``kaitian bench inference``: the bench-only layer-wise worker node and the
+graph of router + product nodes + workers (remote devices in their network namespaces).
+
+The worker runs as ``python -m kaitian_ros.bench.inference_graph --ros-args ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kaitian_ros.bench.inference_scenarios import BenchScenario
+
+LW_TOPIC_PREFIX = "/kaitian/bench/lw/"
+LW_TELEMETRY = "/kaitian/bench/lw_telemetry"
+DRIVER = "bench"
+
+
+def lw_topic(name: str) -> str:
+    return LW_TOPIC_PREFIX + name
+
+
+# =========================================================================== layer-wise worker
+def _worker_parameters() -> tuple:
+    from kaitian_ros.nodes import inference_common as ic
+    from kaitian_ros.runtime.api import ParameterDescriptor as P
+    from kaitian_ros.runtime.api import ParameterType as T
+
+    return ic.MODEL_PARAMETERS + (
+        P("threads", T.INTEGER, 1, "torch CPU threads", 1, 256),
+        P("emulated_slowdown", T.DOUBLE, 1.0, "EMULATED slower device: sleep (s-1)x each compute",
+          1.0, 100.0),
+    )
+
+
+class LayerwiseWorker:
+    """Bench-only node: runs trunk values [segment, plan_version) of a chunk's tensor in one call
+    (fused ops, whole rows) and sends the result to ``header.frame_id`` (next device or the bench
+    driver). Two of them chained are the Neurosurgeon-style layer-wise split; one alone is a
+    single device running the whole trunk."""
+
+    def __init__(self, rt: Any) -> None:
+        import torch
+
+        from kaitian_ros.nodes import inference_common as ic
+
+        self.rt, self.ic, self.torch = rt, ic, torch
+        self.params = rt.declare_parameters(_worker_parameters())
+        torch.set_num_threads(self.params["threads"])
+        self.graph = ic.build_graph(ic.ModelSpec.from_params(self.params))
+        self.pubs: dict[str, Any] = {}
+        self.telemetry = rt.create_publisher(LW_TELEMETRY, "NodeTelemetry")
+        rt.create_subscription(lw_topic(rt.node_name), "TensorChunk", self._on_chunk)
+        rt.create_timer(0.5, self._heartbeat)
+
+    def _heartbeat(self) -> None:
+        from kaitian_ros.runtime import interfaces
+
+        self.telemetry.publish(interfaces.make("NodeTelemetry", node_id=self.rt.node_name, request_id=0))
+
+    def _on_chunk(self, msg: Any) -> None:
+        from kaitian_ros.runtime import interfaces
+
+        ic, g = self.ic, self.graph
+        try:
+            x = ic.chunk_rows(msg)
+            if x.dtype == self.torch.uint8:  # pixels, like the product's INPUT chunks
+                from kaitian_ros.core.tensors import normalise_input
+
+                x = normalise_input(x, g.input_shape[0])
+            first, last, nxt = int(msg.segment), int(msg.plan_version), msg.header.frame_id
+            if not (0 <= first < last <= g.output_value) or (first and first not in g.cut_values):
+                raise ValueError(f"bad range [{first},{last})")
+        except (ValueError, interfaces.DecodeError) as exc:
+            self.rt.rejected.count(f"bad chunk: {exc}")
+            return
+        t0 = time.perf_counter()
+        with self.torch.no_grad():
+            y = g.run_ops(x, first, last)
+        spent = time.perf_counter() - t0
+        s = self.params["emulated_slowdown"]
+        if s > 1.0:
+            time.sleep((s - 1.0) * spent)
+            spent *= s
+        pub = self.pubs.get(nxt)
+        if pub is None:
+            pub = self.pubs[nxt] = self.rt.create_publisher(lw_topic(nxt), "TensorChunk")
+        pub.publish(ic.chunk_message(
+            request_id=int(msg.request_id), plan_version=g.output_value, producer=self.rt.node_name,
+            consumer=nxt, segment=last, role=ic.ROLE_HALO if last < g.output_value else ic.ROLE_OUTPUT,
+            row_offset=0, total_rows=y.shape[2], rows=y, frame_id=DRIVER))
+        self.telemetry.publish(interfaces.make(
+            "NodeTelemetry", node_id=self.rt.node_name, request_id=int(msg.request_id),
+            plan_version=first * 1000 + last, compute_ms=spent * 1e3, emulated=s != 1.0,
+            emulated_slowdown=s, bytes_in=len(msg.data), bytes_out=y.numel() * 4))
+
+
+def worker_main(argv: list[str]) -> int:
+    from kaitian_ros.runtime import run_node
+
+    return run_node(LayerwiseWorker, "lw_worker", argv)
+
+
+WORKER_MODULE = "kaitian_ros.bench.inference_graph"
+
+
+# =========================================================================== processes
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+
+def _scheduler_parameters(compute: list[str]) -> dict[str, Any]:
+    """The scheduler of config/hetero_inference.yaml (adaptive policy), over these nodes."""
+    from kaitian_ros.scenario import load_scenario
+
+    params = dict(load_scenario("hetero_inference", [f"compute_nodes:={len(compute)}"]).node("scheduler").parameters)
+    params["compute_nodes"] = list(compute)
+    # the bench's CPU is shared by 2 processes per device, the coordinator and the driver: a
+    # heartbeat can be late by more than the product's 1.5 s here (the coordinator waits 10 s too)
+    params["dead_after_s"] = 10.0
+    return params
+
+
+class Graph:
+    """Router + node processes (remote devices in namespaces when links are emulated); stop()
+    cleans up."""
+
+    def __init__(self, args: argparse.Namespace, sc: BenchScenario, links: Any, tmp: Path) -> None:
+        self.args, self.sc, self.links, self.tmp = args, sc, links, tmp
+        self.procs: list[Proc] = []
+        self.router: Any = None
+        n = len(sc.devices)
+        self.compute = [f"compute_{i}" for i in range(n)]
+        self.workers = [f"lw_{i}" for i in range(n)]
+        self.host = links.root_ip() if links is not None else "127.0.0.1"
+        self.router_ep = f"tcp/{self.host}:{_free_port()}"
+
+    def params_file(self) -> Path:
+        import yaml
+
+        a, sc = self.args, self.sc
+        model = {"model": sc.model, "input_height": sc.height, "input_width": sc.width, "num_classes": 1000,
+                 "seed": 0, "slab_rows": a.slab_rows}
+        # the coordinator starts as the product runs (scheduler on, strategy auto) so that it
+        # adopts the scheduler's first, latched assignment; the variants are set live
+        doc: dict[str, Any] = {"coordinator": {"ros__parameters": model | {
+            "compute_nodes": self.compute, "static_shares": [1.0] * len(self.compute),
+            "use_scheduler": True, "strategy": "auto", "plan_link_mbit": float(sc.mbit), "max_in_flight": 1,
+            "request_timeout_s": 30.0, "dead_after_s": 10.0, "threads": 1}},
+            "scheduler": {"ros__parameters": _scheduler_parameters(self.compute)}}
+        for i, d in enumerate(sc.devices):
+            doc[self.compute[i]] = {"ros__parameters": model | {
+                "device": "cpu", "threads": 1, "emulated_slowdown": float(d.slowdown), "request_timeout_s": 60.0,
+                "min_run_rows": a.min_run_rows}}
+            doc[self.workers[i]] = {"ros__parameters": model | {"threads": 1, "emulated_slowdown": float(d.slowdown)}}
+        path = self.tmp / "bench_inference.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return path
+
+    def start(self) -> None:
+        from kaitian_ros.runtime import zenoh_session as zs
+
+        if self.links is not None:
+            os.environ["KAITIAN_SHM"] = "0"  # this process's sessions too (router, driver)
+        self.router = zs.open_session("router", listen=self.router_ep)
+        pf = self.params_file()
+        base = dict(os.environ, KAITIAN_ROUTER=self.router_ep, KAITIAN_RUNTIME="embedded",
+                    PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        base.pop("KAITIAN_LISTEN", None)
+        if self.links is not None:  # zenoh's shared-memory transport would bypass the links
+            base["KAITIAN_SHM"] = "0"
+        root_env = dict(base)
+        if self.links is not None:  # reachable from every namespace
+            root_env["KAITIAN_LISTEN"] = f"tcp/{self.host}:0"
+        jobs = [("coordinator", self._cmd("kaitian_ros.nodes.coordinator", "coordinator", pf), root_env),
+                ("scheduler", self._cmd("kaitian_ros.nodes.scheduler", "scheduler", pf), root_env)]
+        for i in range(len(self.compute)):
+            env, prefix = dict(base), []
+            if self.links is not None:  # a local device: root namespace, root's address, no prefix
+                env["KAITIAN_LISTEN"] = f"tcp/{self.links.device_ip(i)}:0"
+                prefix = self.links.exec_prefix(i)
+            jobs.append((self.compute[i], prefix + self._cmd("kaitian_ros.nodes.compute", self.compute[i], pf), env))
+            jobs.append((self.workers[i], prefix + self._cmd(WORKER_MODULE, self.workers[i], pf), env))
+        for name, cmd, env in jobs:
+            self._spawn(name, cmd, env)
+
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
+        from kaitian_ros.launcher import _die_with_parent
+
+        log = self.tmp / f"{name}.log"
+        with open(log, "w") as fh:
+            p = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 preexec_fn=_die_with_parent)
+        self.procs.append(Proc(name, p, log))
+
+    @staticmethod
+    def _cmd(module: str, name: str, pf: Path) -> list[str]:
+        return [sys.executable, "-u", "-m", module, "--ros-args", "-r", f"__node:={name}", "--params-file", str(pf)]
+
+    def check_alive(self) -> None:
+        for p in self.procs:
+            if p.popen.poll() is not None:
+                tail = p.log.read_text()[-1500:] if p.log.exists() else ""
+                raise RuntimeError(f"{p.name} exited with code {p.popen.returncode}:\n{tail}")
+
+    def stop(self) -> None:
+        from kaitian_ros.launcher import stop_process_groups
+
+        stop_process_groups([p.popen for p in self.procs], ((signal.SIGINT, 4.0), (signal.SIGKILL, 2.0)))
+        for p in self.procs:
+            try:
+                p.popen.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.router is not None:
+            try:
+                self.router.close()
+            except Exception:
+                pass
+            self.router = None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    raise SystemExit(worker_main(sys.argv[1:]))

@@ -1,0 +1,328 @@
+"""The simulator and the strategy-complete planner, on made-up profiles (no timing: every
+prediction is deterministic), plus one structural run of the start-up profiler."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+
+import pytest
+import torch
+
+from kaitian_ros.core.costs import COORDINATOR, Costs, DeviceProfile, LinkEstimate, OpCost
+from kaitian_ros.core.graph import split_model
+from kaitian_ros.core.models import build_model
+from kaitian_ros.core.plan import PlanSpec, build_plan
+from kaitian_ros.core.planner import choose_plan, predict, speed_shares, stripe_specs
+from kaitian_ros.core.profiling import MeasuredCosts, measure_profile, probe
+from kaitian_ros.core.simulate import simulate
+from kaitian_ros.core.stripe import StripeRunner
+
+torch.set_num_threads(1)
+
+FREE = LinkEstimate(1e18, 0.0)  # a link that takes no time
+SLOW = LinkEstimate(1_000.0, 0.0)  # 1 kB/ms
+_GRAPHS: dict = {}
+
+
+def _graph(name: str, shape=(3, 32, 32)):
+    key = (name, shape)
+    if key not in _GRAPHS:
+        _GRAPHS[key] = split_model(build_model(name, in_channels=shape[0]), shape)
+    return _GRAPHS[key]
+
+
+def _profile(g, node: str, ms_per_mflop: float, *, call_ms: float = 0.01, message_ms: float = 0.01,
+             min_run_rows: int = 8) -> DeviceProfile:
+    """Made-up costs: row time proportional to the op's FLOPs per row."""
+    ops = tuple(OpCost(call_ms, op.flops_per_row / 1e6 * ms_per_mflop) for op in g.ops)
+    trunk = sum(c.ms(op.out_shape[1]) for c, op in zip(ops, g.ops))
+    return DeviceProfile(node, 1, "m", "cpu", 1.0, ops, trunk, message_ms, min_run_rows)
+
+
+def _bytes(g, v: int, rows: int | None = None, per_element: int = 4) -> int:
+    c, h, w = g.value_shapes[v]
+    return c * (h if rows is None else rows) * w * per_element
+
+
+# --------------------------------------------------------------------------- simulate
+def test_one_node_prediction_is_the_hand_computation() -> None:
+    g = _graph("digits_cnn")
+    h = g.input_shape[1]
+    p = _profile(g, "a", 0.05, call_ms=0.3, message_ms=0.2, min_run_rows=10**6)
+    pre, post, per_mb = 1.5, 2.5, 0.25
+    costs = Costs({"a": p}, {}, FREE, pre_ms=pre, post_ms=post, send_ms_per_mb=per_mb)
+    ops_ms = sum(c.ms(op.out_shape[1]) for c, op in zip(p.op_costs, g.ops))  # each op once
+    in_bytes = _bytes(g, 0, per_element=1)  # uint8 image
+    out_bytes = _bytes(g, g.output_value)  # float32 trunk output
+    send = (in_bytes + out_bytes) * per_mb / 1e6
+
+    plan = build_plan(g, PlanSpec.single("a"), slab_rows=h)  # the whole image in one slab
+    got = simulate(g, plan, costs)
+    assert got.outputs_ms == pytest.approx(send + p.message_ms + ops_ms)
+    assert got.latency_ms == pytest.approx(pre + send + p.message_ms + ops_ms + post)
+    assert got.node_busy_ms == {"a": pytest.approx(p.message_ms + ops_ms)}
+    assert set(got.node_done_ms) == {"a"}
+
+    # slabs of 4 rows: one message cost per slab; runs deferred until each op is whole
+    slab = 4
+    plan4 = build_plan(g, PlanSpec.single("a"), slab_rows=slab)
+    n_slabs = h // slab
+    first_send = _bytes(g, 0, slab, 1) * per_mb / 1e6
+    got4 = simulate(g, plan4, costs)
+    assert got4.outputs_ms == pytest.approx(first_send + n_slabs * p.message_ms + ops_ms
+                                            + out_bytes * per_mb / 1e6)
+    assert got4.node_busy_ms["a"] == pytest.approx(n_slabs * p.message_ms + ops_ms)
+
+
+def test_simulated_runs_are_the_executors_runs() -> None:
+    """With eager runs the node's busy time is the message costs plus the cost of exactly the
+    runs the real stripe executor makes for the same slabs (in the same order)."""
+    g = _graph("digits_cnn")
+    p = _profile(g, "a", 0.05, call_ms=0.3, message_ms=0.2, min_run_rows=1)
+    costs = Costs({"a": p}, {}, FREE)
+    plan = build_plan(g, PlanSpec.single("a"), slab_rows=5)
+    runs: list[tuple[int, int]] = []
+    runner = StripeRunner(g, plan, "a", min_run_rows=1, on_run=lambda j, rows, s: runs.append((j, rows)))
+    x = torch.randn(1, *g.input_shape)
+    n_feeds = 0
+    for a in range(0, g.input_shape[1], 5):
+        runner.feed(0, a, x[:, :, a:a + 5])
+        n_feeds += 1
+    assert runner.done and len(runs) > len(g.ops)  # several runs per op
+    want = n_feeds * p.message_ms + sum(p.op_costs[j].ms(r) for j, r in runs)
+    got = simulate(g, plan, costs)
+    assert got.node_busy_ms["a"] == pytest.approx(want)
+    # more, smaller calls cost more than one whole call per op
+    batched = simulate(g, plan, Costs({"a": _profile(g, "a", 0.05, call_ms=0.3, message_ms=0.2,
+                                                     min_run_rows=10**6)}, {}, FREE))
+    assert got.node_busy_ms["a"] > batched.node_busy_ms["a"]
+
+
+def test_a_slower_link_costs_bytes_over_rate() -> None:
+    g = _graph("digits_cnn")
+    p = _profile(g, "a", 0.05, min_run_rows=10**6)
+    plan = build_plan(g, PlanSpec.single("a"), slab_rows=g.input_shape[1])
+    fast = simulate(g, plan, Costs({"a": p}, {}, FREE)).latency_ms
+    rate, lat = 1_000.0, 0.7
+    link = LinkEstimate(rate, lat)
+    slow = simulate(g, plan, Costs({"a": p}, {(COORDINATOR, "a"): link, ("a", COORDINATOR): link},
+                                   FREE)).latency_ms
+    nbytes = _bytes(g, 0, per_element=1) + _bytes(g, g.output_value)
+    assert slow - fast == pytest.approx(nbytes / rate + 2 * lat)
+    # the prior stands in for links nobody measured
+    assert simulate(g, plan, Costs({"a": p}, {}, link)).latency_ms == pytest.approx(slow)
+
+
+def test_halos_across_a_slow_link_cost_time() -> None:
+    g = _graph("vgg11")
+    profiles = {n: _profile(g, n, 0.05, min_run_rows=10**6) for n in ("a", "b")}
+    fast = Costs(profiles, {}, FREE)
+    rate = 2_000.0
+    slow = Costs(profiles, {("a", "b"): LinkEstimate(rate, 0.3), ("b", "a"): LinkEstimate(rate, 0.3)}, FREE)
+    # layer-wise: the whole cut activation crosses a -> b in one chunk
+    cut = g.cut_values[3]
+    plan = build_plan(g, PlanSpec.layerwise("a", "b", cut), slab_rows=g.input_shape[1])
+    d = simulate(g, plan, slow).latency_ms - simulate(g, plan, fast).latency_ms
+    assert d == pytest.approx(_bytes(g, cut) / rate + 0.3)
+    # stripes: halo rows cross both ways at every cut
+    plan = build_plan(g, PlanSpec.stripes(["a", "b"], [0.5, 0.5], g.cut_values[::2]), slab_rows=4)
+    halos = [h for s in plan.segments for h in s.halos]
+    assert {(h.src, h.dst) for h in halos} == {("a", "b"), ("b", "a")}
+    t_fast, t_slow = simulate(g, plan, fast).latency_ms, simulate(g, plan, slow).latency_ms
+    biggest = max(_bytes(g, plan.segments[h.segment].in_value, h.hi - h.lo) for h in halos)
+    assert t_slow > t_fast and t_slow >= biggest / rate
+    # unmeasured node -> node links go through the coordinator: slow legs there slow the halos
+    legs = {(COORDINATOR, n): LinkEstimate(rate, 0.3) for n in "ab"}
+    legs.update({(n, COORDINATOR): LinkEstimate(rate, 0.3) for n in "ab"})
+    star = Costs(profiles, legs, FREE)
+    direct = Costs(profiles, {**legs, ("a", "b"): FREE, ("b", "a"): FREE}, FREE)
+    assert simulate(g, plan, star).latency_ms > simulate(g, plan, direct).latency_ms
+
+
+def test_prediction_of_an_unprofiled_node_is_infinite() -> None:
+    g = _graph("digits_cnn")
+    costs = Costs({"a": _profile(g, "a", 0.05)}, {}, FREE)
+    assert math.isinf(predict(g, PlanSpec.single("b"), costs, slab_rows=8))
+    assert math.isinf(predict(g, PlanSpec.layerwise("a", "b", g.cut_values[0]), costs, slab_rows=8))
+    assert math.isfinite(predict(g, PlanSpec.single("a"), costs, slab_rows=8))
+    # a node without rows does not need a profile
+    assert math.isfinite(predict(g, PlanSpec.stripes(["a", "b"], [1.0, 0.0]), costs, slab_rows=8))
+
+
+# --------------------------------------------------------------------------- planner
+def _two(g, fa: float = 0.02, fb: float = 0.02, links=None, prior=FREE) -> Costs:
+    return Costs({"a": _profile(g, "a", fa), "b": _profile(g, "b", fb)}, links or {}, prior)
+
+
+def _by_strategy(choice, strategy: str):
+    return [c for c in choice.candidates if c.spec.strategy == strategy]
+
+
+def test_two_identical_nodes_on_a_free_link_split_the_rows() -> None:
+    g = _graph("resnet18")
+    choice = choose_plan(g, ["a", "b"], _two(g), slab_rows=8)
+    assert choice.best.spec.strategy == "stripes"
+    assert set(build_plan(g, choice.best.spec).active_nodes()) == {"a", "b"}
+    single = min(c.predicted_ms for c in _by_strategy(choice, "single"))
+    assert choice.best.predicted_ms < 0.9 * single
+    # fastest first, the best is the plan it builds, the runner-up is another strategy
+    ms = [c.predicted_ms for c in choice.candidates]
+    assert ms == sorted(ms) and choice.candidates[0] == choice.best
+    assert choice.runner_up is not None and choice.runner_up.spec.strategy != "stripes"
+    plan = choice.plan(g, 8)
+    assert plan.spec == build_plan(g, choice.best.spec).spec
+    assert plan.estimated_ms == choice.best.predicted_ms and plan.slab_rows == 8
+    assert choice.best.label in choice.summary() and choice.runner_up.label in choice.summary()
+    # deterministic
+    assert choose_plan(g, ["a", "b"], _two(g), slab_rows=8) == choice
+
+
+def test_a_very_slow_link_to_the_second_node_keeps_everything_on_the_first() -> None:
+    g = _graph("resnet18")
+    links = {k: SLOW for k in ((COORDINATOR, "b"), ("b", COORDINATOR), ("a", "b"), ("b", "a"))}
+    choice = choose_plan(g, ["a", "b"], _two(g, links=links), slab_rows=8)
+    assert choice.best.spec == PlanSpec.single("a")
+    # every candidate in which b computes anything is predicted slower
+    for c in choice.candidates:
+        if "b" in build_plan(g, c.spec).active_nodes():
+            assert c.predicted_ms > choice.best.predicted_ms
+    # b alone pays the image's way there and the trunk output's way back
+    single_b = next(c for c in choice.candidates if c.spec == PlanSpec.single("b"))
+    assert single_b.predicted_ms >= \
+        (_bytes(g, 0, per_element=1) + _bytes(g, g.output_value)) / SLOW.bytes_per_ms
+
+
+def test_a_node_100x_slower_gets_no_work() -> None:
+    g = _graph("resnet18", (3, 64, 64))
+    for order in (["a", "b"], ["b", "a"]):
+        choice = choose_plan(g, order, _two(g, 0.02, 2.0), slab_rows=8)
+        assert "b" not in build_plan(g, choice.best.spec).active_nodes()
+        assert build_plan(g, choice.best.spec).active_nodes() == ("a",)
+
+
+def test_forced_strategies() -> None:
+    g = _graph("vgg11")
+    costs = _two(g)
+    single = choose_plan(g, ["a", "b"], costs, slab_rows=8, strategy="single")
+    assert {c.spec for c in single.candidates} == {PlanSpec.single("a"), PlanSpec.single("b")}
+    assert single.runner_up is not None and single.runner_up.spec.strategy == "single"
+    layer = choose_plan(g, ["a", "b"], costs, slab_rows=8, strategy="layerwise")
+    every = {PlanSpec.layerwise(x, y, cut) for x, y in itertools.permutations("ab") for cut in g.cut_values}
+    assert len(layer.candidates) >= 2 and {c.spec for c in layer.candidates} <= every
+    assert layer.runner_up.spec.strategy == "layerwise"
+    stripes = choose_plan(g, ["a", "b"], costs, slab_rows=8, strategy="stripes")
+    assert all(c.spec.strategy == "stripes" for c in stripes.candidates)
+    with pytest.raises(ValueError, match="strategy"):
+        choose_plan(g, ["a", "b"], costs, slab_rows=8, strategy="diagonal")
+    # auto sees all three, and its best is no worse than any forced one
+    auto = choose_plan(g, ["a", "b"], costs, slab_rows=8)
+    assert {c.spec.strategy for c in auto.candidates} == {"single", "layerwise", "stripes"}
+    assert auto.best.predicted_ms <= min(x.best.predicted_ms for x in (single, layer, stripes))
+
+
+def test_runner_up_is_another_strategy_under_auto() -> None:
+    g = _graph("digits_cnn")
+    for fb, links in ((0.02, None), (2.0, None), (0.02, {(COORDINATOR, "b"): SLOW})):
+        choice = choose_plan(g, ["a", "b"], _two(g, 0.02, fb, links), slab_rows=8)
+        assert choice.runner_up is not None
+        assert choice.runner_up.spec.strategy != choice.best.spec.strategy
+        assert choice.runner_up.predicted_ms >= choice.best.predicted_ms
+        others = [c for c in choice.candidates if c.spec.strategy != choice.best.spec.strategy]
+        assert choice.runner_up == others[0]
+
+
+def test_nodes_without_a_profile_are_skipped() -> None:
+    g = _graph("digits_cnn")
+    costs = _two(g)
+    choice = choose_plan(g, ["a", "ghost", "b"], costs, slab_rows=8)
+    assert all("ghost" not in c.spec.node_ids for c in choice.candidates)
+    assert choice == choose_plan(g, ["a", "b"], costs, slab_rows=8)
+    with pytest.raises(ValueError, match="no node"):
+        choose_plan(g, ["ghost", "spook"], costs, slab_rows=8)
+    for strategy in ("auto", "single", "layerwise", "stripes"):
+        with pytest.raises(ValueError, match="cost profile"):
+            choose_plan(g, ["x"], Costs({}, {}, FREE), slab_rows=8, strategy=strategy)
+
+
+@pytest.mark.parametrize("strategy", ["stripes", "layerwise"])
+def test_one_node_falls_back_to_single(strategy: str) -> None:
+    g = _graph("digits_cnn")
+    costs = Costs({"a": _profile(g, "a", 0.02)}, {}, FREE)
+    for ids in (["a"], ["a", "ghost"]):
+        choice = choose_plan(g, ids, costs, slab_rows=8, strategy=strategy)
+        assert choice.best.spec == PlanSpec.single("a")
+        assert choice.runner_up is None and len(choice.candidates) == 1
+
+
+def test_speed_shares_and_stripe_specs() -> None:
+    g = _graph("digits_cnn")
+    costs = _two(g, 0.02, 0.06)  # b 3x slower (all costs scale but the call costs)
+    ta, tb = costs.profiles["a"].trunk_ms, costs.profiles["b"].trunk_ms
+    assert speed_shares(["a", "b"], costs) == pytest.approx((tb / (ta + tb), ta / (ta + tb)))
+    s2 = speed_shares(["a", "b"], costs, 2.0)
+    assert s2[0] == pytest.approx(tb**2 / (ta**2 + tb**2)) and s2[0] > speed_shares(["a", "b"], costs)[0]
+    specs = stripe_specs(g, ["a", "b"], [0.7, 0.3], costs)
+    assert specs and all(s.strategy == "stripes" and s.node_ids == ("a", "b") for s in specs)
+    assert len({(s.cuts, s.segment_shares) for s in specs}) == len(specs)  # no duplicates
+    assert any(s.cuts == () for s in specs) and any(s.cuts == g.cut_values for s in specs)
+    # a solo tail runs on the fastest node (a)
+    tails = [s for s in specs if s.segment_shares[-1] != s.segment_shares[0]]
+    assert all(s.segment_shares[-1] == (1.0, 0.0) for s in tails)
+    for s in specs:
+        build_plan(g, s)  # every candidate is a valid spec
+    # a node without a share is left out of the plan; one node left: no stripes
+    assert stripe_specs(g, ["a", "b"], [1.0, 0.0], costs) == []
+    three = Costs({**costs.profiles, "c": _profile(g, "c", 0.02)}, {}, FREE)
+    assert all(s.node_ids == ("a", "c") for s in stripe_specs(g, ["a", "b", "c"], [1, 0, 1], three))
+    # the scheduler's shares are among the candidates, even without adapted shares
+    choice = choose_plan(g, ["a", "b"], costs, slab_rows=8, strategy="stripes", shares=[0.7, 0.3],
+                         adapt_shares=False)
+    assert all(c.spec.segment_shares[0] == pytest.approx((0.7, 0.3)) for c in choice.candidates)
+    assert {c.spec for c in choice.candidates} == set(specs)  # every cut variant of them
+
+
+# --------------------------------------------------------------------------- profiling
+class _TickClock:
+    """Every reading is `step_s` after the previous one: every timed call takes exactly that."""
+
+    def __init__(self, step_s: float) -> None:
+        self.t, self.step = 0.0, step_s
+
+    def __call__(self) -> float:
+        self.t += self.step
+        return self.t
+
+
+def test_measure_profile_applies_the_slowdown() -> None:
+    g = _graph("digits_cnn")
+    got, inputs = measure_profile(g, _TickClock(1e-3), slowdown=2.0, reps=2, budget_s=30.0)
+    assert isinstance(got, MeasuredCosts) and len(got.op_costs) == len(g.ops)
+    # every call took 1 ms whatever its rows: a per-call cost, times the slowdown
+    for c in got.op_costs:
+        assert c.call_ms == pytest.approx(2.0) and c.row_ms == pytest.approx(0.0, abs=1e-9)
+    assert got.trunk_ms == pytest.approx(2.0)
+    assert got.probe_base_ms == pytest.approx(2.0)  # one pass of the probe ops, 1 ms, times 2
+    assert got.probe_ops == (len(g.ops) // 2,)  # 1 ms: one op reaches PROBE_MS
+    assert len(inputs) == g.num_values
+    assert all((t is not None) == (u in g.ops[got.probe_ops[0]].inputs) for u, t in enumerate(inputs))
+    assert probe(g, got, _TickClock(1e-3), 3.0, inputs) == pytest.approx(3.0)
+
+
+def test_measure_profile_structure_with_a_real_clock() -> None:
+    g = _graph("digits_cnn")
+    budget = 5.0
+    got, inputs = measure_profile(g, time.perf_counter, budget_s=budget)
+    assert len(got.op_costs) == len(g.ops)
+    for c, op in zip(got.op_costs, g.ops):
+        assert c.call_ms >= 0 and c.row_ms >= 0 and c.ms(op.out_shape[1]) > 0
+    assert got.trunk_ms > 0 and got.probe_base_ms > 0
+    assert got.probe_ops and all(0 <= j < len(g.ops) for j in got.probe_ops)
+    assert list(got.probe_ops) == list(range(got.probe_ops[0], got.probe_ops[-1] + 1))
+    assert 0 < got.elapsed_s < budget + 30.0  # the budget bounds the op sweep (liveness only)
+    assert probe(g, got, time.perf_counter, 1.0, inputs) > 0
+    # the profile it makes passes the planner's checks and plans
+    p = DeviceProfile("a", 1, "m", "cpu", 1.0, got.op_costs, got.trunk_ms, 0.01)
+    choice = choose_plan(g, ["a"], Costs({"a": p}, {}, FREE), slab_rows=8)
+    assert choice.best.spec == PlanSpec.single("a") and choice.best.predicted_ms > 0

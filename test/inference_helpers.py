@@ -134,6 +134,7 @@ class InferenceGraph:
         self.scenario = load_scenario(str(path))
         self.out = CapturedOutput()
         self.probe: Camera | None = None
+        self._client: Any = None
         self.launcher = start_on_free_port(self.scenario, out=self.out)
         self.endpoint = self.launcher.router_endpoint
         try:
@@ -188,7 +189,18 @@ class InferenceGraph:
         plans = self.plans.snapshot()
         return max(plans, key=lambda p: p.version) if plans else None
 
+    def probe_client(self) -> Any:
+        """A GraphClient on this graph's router (what ``kaitian param`` uses)."""
+        from kaitian_ros.runtime.graph_client import GraphClient
+
+        if self._client is None:
+            self._client = GraphClient(router=self.endpoint)
+        return self._client
+
     def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
         if self.probe is not None:
             self.probe.close()
             self.probe = None

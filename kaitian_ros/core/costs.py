@@ -99,34 +99,41 @@ def model_key(model: str, input_shape: Sequence[int]) -> str:
 
 
 def profile_problem(p: DeviceProfile, *, n_ops: int, model: str, known_nodes: Sequence[str]) -> str:
-    """'' when `p` is usable by a planner for `model` over `known_nodes`, else why not."""
+    """'' when `p` is usable by a planner for `model` over `known_nodes`, else why not, as
+    ``category: detail`` (categories: unknown node, wrong model, wrong op count, implausible
+    value, bad link)."""
+    who = f"profile of {p.node_id!r}"
     if p.node_id not in known_nodes:
-        return f"profile from unknown node {p.node_id!r}"
+        return f"unknown node: {who} (known: {', '.join(known_nodes)})"
     if p.model != model:
-        return f"profile of {p.node_id} is for {p.model!r}, this graph runs {model!r}"
+        return f"wrong model: {who} is for {p.model!r}, this graph runs {model!r}"
     if len(p.op_costs) != n_ops:
-        return f"profile of {p.node_id} has {len(p.op_costs)} op costs, the trunk has {n_ops} ops"
+        return f"wrong op count: {who} has {len(p.op_costs)} op costs, the trunk has {n_ops} ops"
+
+    def implausible(what: str, value: object) -> str:
+        return f"implausible value: {who}: {what} {value!r}"
+
     if not (math.isfinite(p.emulated_slowdown) and 1.0 <= p.emulated_slowdown <= 1e3):
-        return f"profile of {p.node_id}: implausible emulated_slowdown {p.emulated_slowdown!r}"
+        return implausible("emulated_slowdown", p.emulated_slowdown)
     if not (math.isfinite(p.trunk_ms) and 0.0 < p.trunk_ms <= MAX_TRUNK_MS):
-        return f"profile of {p.node_id}: implausible trunk_ms {p.trunk_ms!r}"
+        return implausible("trunk_ms", p.trunk_ms)
     if not (math.isfinite(p.message_ms) and 0.0 <= p.message_ms <= MAX_OP_MS):
-        return f"profile of {p.node_id}: implausible message_ms {p.message_ms!r}"
+        return implausible("message_ms", p.message_ms)
     if not 1 <= p.min_run_rows <= 1_000_000:
-        return f"profile of {p.node_id}: implausible min_run_rows {p.min_run_rows!r}"
+        return implausible("min_run_rows", p.min_run_rows)
     for j, c in enumerate(p.op_costs):
         for name, v in (("call_ms", c.call_ms), ("row_ms", c.row_ms)):
             if not (math.isfinite(v) and 0.0 <= v <= MAX_OP_MS):
-                return f"profile of {p.node_id}: op {j} {name} {v!r} is not a plausible time"
+                return implausible(f"op {j} {name}", v)
     if sum(c.call_ms + c.row_ms for c in p.op_costs) <= 0:
-        return f"profile of {p.node_id}: every op costs nothing"
+        return f"implausible value: {who}: every op costs nothing"
     for src, link in p.links.items():
         if not src:
-            return f"profile of {p.node_id}: a link with no sender"
+            return f"bad link: {who}: a link with no sender"
         if not (math.isfinite(link.bytes_per_ms) and 0.0 < link.bytes_per_ms <= MAX_LINK_BYTES_PER_MS):
-            return f"profile of {p.node_id}: link from {src} rate {link.bytes_per_ms!r} is implausible"
+            return f"bad link: {who}: link from {src} rate {link.bytes_per_ms!r}"
         if not (math.isfinite(link.latency_ms) and 0.0 <= link.latency_ms <= MAX_LINK_LATENCY_MS):
-            return f"profile of {p.node_id}: link from {src} latency {link.latency_ms!r} is implausible"
+            return f"bad link: {who}: link from {src} latency {link.latency_ms!r}"
     return ""
 
 

@@ -175,12 +175,13 @@ class Coordinator:
         try:
             profile = ic.profile_from_msg(msg)
         except ValueError as exc:
-            self.rt.rejected.count(f"bad profile: {exc}")
+            self.rt.rejected.count(f"bad profile (malformed): {exc}")
             return
         problem = profile_problem(profile, n_ops=len(self.graph.ops), model=self.spec.key,
                                   known_nodes=self.nodes)
-        if problem:
-            self.rt.rejected.count(f"bad profile: {problem}")  # the last good one stays
+        if problem:  # counted by category; the node's last good profile stays in use
+            category, _, detail = problem.partition(": ")
+            self.rt.rejected.count(f"bad profile ({category}): {detail}")
             return
         old = self.profiles.get(profile.node_id)
         if old is not None and profile.version == old.version:

@@ -1,0 +1,162 @@
+"""End to end: the coordinator's planner over real compute processes.
+
+Every strategy the planner may choose (``single``, ``layerwise``, ``stripes``, ``auto``) gives
+results equal to the single-device model; the ``strategy`` parameter switches the running plan
+live and refuses values it does not know; the plan message and the coordinator's /diagnostics
+name the chosen strategy, its predicted latency and the runner-up; compute nodes publish cost
+profiles; forged or implausible profiles are dropped and counted with their reason, and the
+planner keeps the last good one. No assertion on speed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+from inference_helpers import InferenceGraph, wait_until
+
+from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.runtime import interfaces
+from kaitian_ros.runtime.api import QoS
+
+MODEL = dict(model="resnet18", height=64, width=64, slab_rows=8)
+
+
+def _plan_with(g: InferenceGraph, predicate, what: str, timeout_s: float = 30.0):
+    def check():
+        plan = g.latest_plan()
+        return plan if plan is not None and predicate(plan) else None
+
+    try:
+        return wait_until(check, what, timeout_s, interval_s=0.05)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; plans: {[(p.version, p.strategy, p.reason) for p in g.plans.snapshot()]}"
+                             f"\n--- launcher output ---\n{g.out.text()}") from None
+
+
+def _coordinator_values(g: InferenceGraph) -> dict[str, str]:
+    diags = g.diagnostics_of("coordinator")
+    return diags[-1] if diags else {}
+
+
+@pytest.fixture(scope="module")
+def graph(tmp_path_factory):
+    g = InferenceGraph(tmp_path_factory.mktemp("planner"), **MODEL, slowdowns=[1.0, 2.0], shares=[1.0, 1.0],
+                       coordinator={"strategy": "auto", "min_plan_gain": 0.05})
+    try:
+        g.profiles = g.probe.collect(ic.PROFILES_TOPIC, "CostProfile", QoS.LATCHED)
+        wait_until(lambda: {p.node_id for p in g.profiles.snapshot()} >= {"compute_0", "compute_1"},
+                   "a cost profile from each compute node", 45.0, interval_s=0.1)
+        _plan_with(g, lambda p: p.strategy != "", "a first plan")
+        frames = g.frames(2)
+        g.check_outputs(frames, g.stream(frames))
+        yield g
+    finally:
+        g.close()
+
+
+@pytest.mark.parametrize("strategy", ["layerwise", "single", "stripes", "auto"])
+def test_every_strategy_equals_the_single_device_result(graph, strategy):
+    g = graph
+    ok, why = g.probe_client().set_parameters("coordinator", {"strategy": strategy})
+    assert ok, why
+    plan = _plan_with(g, lambda p: strategy == "auto" or p.strategy == strategy, f"a {strategy} plan")
+    assert plan.strategy in ("single", "layerwise", "stripes")
+    if strategy != "auto":
+        assert plan.strategy == strategy
+    assert plan.predicted_makespan_ms > 0 and plan.reason
+    frames = g.frames(3, first=100 + 10 * ["layerwise", "single", "stripes", "auto"].index(strategy))
+    outputs = g.check_outputs(frames, g.stream(frames))
+    for f in outputs:  # check_outputs compared node rows with the announced plan of each frame
+        if f.plan_version == plan.version:
+            assert list(f.node_ids) == list(g.executed_plan(plan.version).active_nodes())
+    if strategy == "layerwise":  # the activation crossed from one process to the other
+        spec = ic.spec_from_msg(plan)
+        assert len(spec.cuts) == 1 and len(spec.node_ids) == 2
+
+
+def test_plan_message_and_diagnostics_name_strategy_prediction_and_runner_up(graph):
+    g = graph
+    ok, why = g.probe_client().set_parameters("coordinator", {"strategy": "auto"})
+    assert ok, why
+    frames = g.frames(2, first=200)
+    g.check_outputs(frames, g.stream(frames))
+    plan = g.latest_plan()
+    assert plan.runner_up and plan.runner_up_ms > 0, plan
+    assert "predicted" in plan.reason and "runner-up" in plan.reason
+    values = wait_until(lambda: (v := _coordinator_values(g)) and v.get("strategy") and v or None,
+                        "coordinator /diagnostics with a strategy", 10.0)
+    assert values["strategy"] in ("single", "layerwise", "stripes")
+    assert float(values["predicted_ms"]) > 0
+    assert values["runner_up"] and float(values["runner_up_ms"]) > 0
+    assert "compute_0:v" in values["profiles"] and "compute_1:v" in values["profiles"]
+
+
+def test_unknown_strategy_is_refused_with_the_reason(graph):
+    g = graph
+    before = g.latest_plan().version
+    ok, why = g.probe_client().set_parameters("coordinator", {"strategy": "fastest"})
+    assert not ok and "strategy" in why and "auto" in why, why
+    assert g.probe_client().get_parameter("coordinator", "strategy") != "fastest"
+    time.sleep(0.3)
+    assert g.latest_plan().version >= before  # still serving (the plan may refine, never breaks)
+
+
+def test_profiles_describe_the_model_the_device_and_the_links(graph):
+    g = graph
+    latest = {}
+    for p in g.profiles.snapshot():
+        latest[p.node_id] = p if p.node_id not in latest or p.version > latest[p.node_id].version else latest[p.node_id]
+    assert set(latest) == {"compute_0", "compute_1"}
+    n_ops = len(g.graph.ops)
+    for node, p in latest.items():
+        assert p.model == g.spec.key
+        assert len(p.op_call_ms) == len(p.op_row_ms) == n_ops
+        assert p.trunk_ms > 0 and all(x >= 0 for x in p.op_row_ms)
+        assert p.emulated == (node == "compute_1") and p.emulated_slowdown == (2.0 if p.emulated else 1.0)
+        assert "coordinator" in list(p.link_sources)  # it measured the link its inputs came over
+        assert all(r > 0 for r in p.link_bytes_per_ms)
+
+
+def _forged(node: str, g: InferenceGraph, **over):
+    n = len(g.graph.ops)
+    fields = dict(node_id=node, version=10_000, model=g.spec.key, device="cpu", emulated=False,
+                  emulated_slowdown=1.0, trunk_ms=5.0, op_call_ms=np.full(n, 0.01), op_row_ms=np.full(n, 0.01),
+                  message_ms=0.1, min_run_rows=8, run_samples=1)
+    fields.update(over)
+    return interfaces.make("CostProfile", **fields)
+
+
+def test_implausible_profiles_are_dropped_counted_and_the_last_good_one_kept(graph):
+    g = graph
+    n = len(g.graph.ops)
+    pub = g.probe.rt.create_publisher(ic.PROFILES_TOPIC, "CostProfile", QoS.RELIABLE)
+    time.sleep(0.3)  # the new publisher's route to the coordinator
+    base = _coordinator_values(g)
+    versions = base.get("profiles")
+    bad = {
+        "negative": _forged("compute_0", g, op_row_ms=np.full(n, -1.0)),
+        "nan": _forged("compute_0", g, trunk_ms=math.nan),
+        "zero": _forged("compute_0", g, trunk_ms=0.0),
+        "absurd": _forged("compute_0", g, trunk_ms=1e12),
+        "unknown node": _forged("compute_9", g),
+        "wrong model": _forged("compute_0", g, model="vgg11 3x64x64"),
+        "op count": _forged("compute_0", g, op_call_ms=np.full(n + 3, 0.01), op_row_ms=np.full(n + 3, 0.01)),
+        "link": _forged("compute_0", g, link_sources=["coordinator"], link_bytes_per_ms=np.array([-5.0]),
+                        link_latency_ms=np.array([0.1]), link_samples=np.array([3], dtype=np.uint32)),
+    }
+    for msg in bad.values():
+        pub.publish(msg)
+    want = int(base.get("rejected", "0")) + len(bad)
+    values = wait_until(lambda: (v := _coordinator_values(g)) and int(v.get("rejected", "0")) >= want and v or None,
+                        f"{len(bad)} more rejected messages at the coordinator", 15.0)
+    reasons = {k: int(v) for k, v in values.items() if k.startswith("rejected.bad profile")}
+    assert reasons == {"rejected.bad profile (implausible value)": 4, "rejected.bad profile (unknown node)": 1,
+                       "rejected.bad profile (wrong model)": 1, "rejected.bad profile (wrong op count)": 1,
+                       "rejected.bad profile (bad link)": 1}, values
+    # the forged version 10000 never replaced a node's real profile, and frames are still exact
+    assert values["profiles"] == versions or "v10000" not in values["profiles"], values
+    frames = g.frames(2, first=300)
+    g.check_outputs(frames, g.stream(frames))

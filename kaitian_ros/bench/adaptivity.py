@@ -372,9 +372,13 @@ def run_policy(policy: str, timeline: Timeline, *, model: str, size: int, slowdo
     static = [1.0 / s for s in slowdowns]  # static baseline: shares tuned to the START speeds
     # The coordinator starts on equal static shares, scheduler ignored: the calibration phase
     # measures this run's machine speed with the same plan for every policy (the normaliser).
+    # Calibration runs row stripes for every policy; at the start phase ``adaptive`` becomes
+    # the product as a user runs it (the planner free to choose any strategy and shares), the
+    # baselines stay share policies over row stripes.
     cfg = scenario_config(model=model, height=size, width=size, slowdowns=slowdowns, policy=policy,
                           static_shares=static, dead_after_s=dead_after_s,
-                          coordinator={"use_scheduler": False, "static_shares": [1.0] * len(slowdowns)})
+                          coordinator={"use_scheduler": False, "static_shares": [1.0] * len(slowdowns),
+                                       "strategy": "stripes"})
     t0 = time.monotonic()
     with AdaptivityGraph(cfg, echo=echo) as g:
         g.wait_ready(timeout_s=120.0)
@@ -406,6 +410,8 @@ def run_policy(policy: str, timeline: Timeline, *, model: str, size: int, slowdo
         bounds["calibration"] = newest() + 1
         g.drive(timeline.calibration, window=window, timeout_s=300.0)
         bounds["start"] = newest() + 1
+        if policy == "adaptive":
+            g.set_param("/coordinator", "strategy", "auto")
         g.set_param("/coordinator", "use_scheduler", True)
         g.drive(timeline.phase, window=window, timeout_s=300.0)
         phase("slowed", lambda: g.set_param(f"/{timeline.slow_node}", "emulated_slowdown", slowed),

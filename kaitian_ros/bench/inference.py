@@ -112,6 +112,7 @@ class Driver:
         self.lock = threading.Lock()
         self.plans: dict[int, Any] = {}  # /kaitian/plan messages by version
         self.profiles_seen: set[str] = set()
+        self.profiles: dict[str, Any] = {}  # newest CostProfile message per compute node
         self.workers_seen: set[str] = set()
         self.status: dict[str, str] = {}  # the coordinator's newest /diagnostics values
         self.min_run_rows: dict[str, int] = {}  # what the driver last set on each compute node
@@ -144,6 +145,18 @@ class Driver:
 
     def _on_profile(self, m: Any) -> None:
         self.profiles_seen.add(m.node_id)
+        with self.lock:
+            self.profiles[m.node_id] = m
+
+    def profile_summary(self) -> dict:
+        """What each compute node last published about its costs: trunk time and the rates of
+        its incoming links (what the planner predicts with; for checking predictions)."""
+        with self.lock:
+            msgs = dict(self.profiles)
+        return {n: {"version": int(m.version), "trunk_ms": round(float(m.trunk_ms), 2),
+                    "link_mbit": {src: round(float(r) * 8e3 / 1e6, 2) for src, r in zip(m.link_sources,
+                                                                                      m.link_bytes_per_ms)}}
+                for n, m in sorted(msgs.items())}
 
     def _on_diagnostics(self, m: Any) -> None:
         for st in m.status:
@@ -520,6 +533,7 @@ def run(args: argparse.Namespace, sc: BenchScenario, say: Any) -> dict:
         sent = {k: _sent_bytes(v) for k, v in links.qdisc_stats().items()} if links is not None else {}
         res = _result(sc, args, driver, series, cfgs, trunk_ms, search, link_note, links is not None)
         res["ours_policy"] = policy
+        res["profiles_at_end"] = driver.profile_summary()
         res["tbf_bytes_sent"] = sent
         res["scenario"] |= {"load_avg_at_start": load_start, "load_avg_at_end": os.getloadavg()[0]}
         res["wall_s"] = round(time.monotonic() - t_start, 1)
@@ -607,6 +621,10 @@ def _result(sc: BenchScenario, args: argparse.Namespace, driver: Driver, series:
     lat = {"single": series[single_name].median} | {k: series[k].median for k in VARIANTS[1:]}
     bound = _bound(sc, driver.graph, trunk_ms)
     bound_ms = bound.pop("bound_ms")
+    # for comparison only: the product's own whole-trunk compute on each device (telemetry of
+    # the single_product runs); where it is faster than the worker's, the bound is not tight
+    product = [series[f"single_product_{i}"].compute.get(n) for i, n in enumerate(driver.gp.compute)]
+    bound["device_trunk_ms_product"] = [round(statistics.median(c), 2) if c else None for c in product]
     best_other = min(v for k, v in lat.items() if k != "ours")
     per_round = max(1, args.frames // args.rounds)
     return {

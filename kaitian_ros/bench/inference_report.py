@@ -60,7 +60,8 @@ def table(res: dict) -> str:
                                   _note(cand, v[cand])))
     b = res["bound"]
     lines.append(f"{'bound':<17} {bound:>9.1f} {'':>8} {bound / ours:>7.2f} {1.0:>8.2f}  compute "
-                 f"{b['compute_bound_ms']} ms, link {b['link_bound_ms']} ms (device trunks {b['device_trunk_ms']} ms)")
+                 f"{b['compute_bound_ms']} ms, link {b['link_bound_ms']} ms (device trunks: worker "
+                 f"{b['device_trunk_ms']} ms, product single {b.get('device_trunk_ms_product')} ms)")
     lines.append("-" * 96)
     if res.get("predicted_ms") is not None:
         lines.append(f"ours chose {res['chosen_strategy']}: {res['chosen_plan']} ({res['chosen_plan_frames']} frames); "

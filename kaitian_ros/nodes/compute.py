@@ -51,7 +51,7 @@ PARAMETERS = ic.MODEL_PARAMETERS + (
     P("pending_timeout_s", T.DOUBLE, 2.0, "hold chunks of a not-yet-known plan this long", 0.0, 60.0),
     P("profile_budget_s", T.DOUBLE, 10.0, "time limit of the start-up cost measurement", 0.5, 120.0,
       read_only=True),
-    P("probe_period_s", T.DOUBLE, 0.25, "while idle, time a probe (about 1 ms of ops) this often (0 = never)",
+    P("probe_period_s", T.DOUBLE, 0.1, "while idle, time a probe (about 1 ms of ops) this often (0 = never)",
       0.0, 60.0),
     P("profile_change", T.DOUBLE, 0.1,
       "publish a new cost profile when the costs moved by this fraction (trunk time or a link)", 0.01, 10.0),

@@ -14,6 +14,7 @@ Pure values and estimators (time comes in as arguments; nothing here reads a clo
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -140,77 +141,52 @@ def profile_problem(p: DeviceProfile, *, n_ops: int, model: str, known_nodes: Se
 # --------------------------------------------------------------------------- live refinement
 @dataclass
 class CostRefiner:
-    """Measured-over-predicted time ratios that turn a start-up profile into a current one.
+    """Turns a start-up profile into a current one: the start-up costs give each op's share of
+    the work, what the node really takes scales them all.
 
-    Live runs: each (op, rows, ms) moves that op's ratio by an EWMA of sums (a long run weighs
-    more than a short one) and the device's overall ratio, which stands in for ops seen fewer
-    than `min_op_samples` times. A run `max_jump` times off what the op is expected to take
-    counts only when `confirm` runs in a row agree: a first call at a new shape builds kernels
-    and packs weights, one slow call is not a slower device.
+    Live feeds: each feed's wall time (its runs, bookkeeping, publishing, the emulated release
+    wait) against the start-up cost of the runs it computed. The EWMA of the two sums is the
+    device ratio. Per-op ratios are not kept: a run's wall time on cores shared with other
+    processes and the middleware's threads is too noisy for that, a feed's is not.
 
-    Idle probes: a node with nothing to compute times one op now and then. Probes and live runs
-    see different conditions (an idle node has its core to itself), so a probe does not set
-    any ratio; what moves is the probe ratio's *drift* since an op last ran live, which scales
-    that op: a device that got faster or slower while idle (throttling, another workload, a new
-    emulated slowdown) shows it without being given work first.
+    Idle probes: a node with nothing to compute times a few ops now and then. Probes see other
+    conditions than live feeds (an idle node has its core and caches to itself), so a probe
+    does not set the ratio; what moves it is the probe level's *drift* since the last live
+    feed: a device that got faster or slower while idle (throttling, another workload, a new
+    emulated slowdown) shows it without being given work first. The level is the median of the
+    last three probes and moves only past `probe_deadband` (one noisy probe moves nothing).
     """
 
     base: tuple[OpCost, ...]
     alpha: float = 0.2
-    min_op_samples: int = 3
-    max_jump: float = 4.0
-    confirm: int = 6
-    measured: list[float] = field(default_factory=list)
-    predicted: list[float] = field(default_factory=list)
-    counts: list[int] = field(default_factory=list)
-    outliers: list[int] = field(default_factory=list)  # consecutive far-off runs per op
-    probe_ref: list[float] = field(default_factory=list)  # probe ratio when the op last ran
-    device_measured: float = 0.0
-    device_predicted: float = 0.0
-    device_probe_ref: float = 1.0
+    probe_deadband: float = 1.5  # probes here vary by up to 1.4x between idle periods
+    measured_ms: float = 0.0  # EWMA of feed wall times
+    predicted_ms: float = 0.0  # EWMA of the start-up costs of the same feeds
+    feed_probe_ref: float = 1.0  # probe level at the last live feed
     live_samples: int = 0
     probe_ratio: float = 1.0  # level of probe time / its start-up time
     recent_probes: list[float] = field(default_factory=list)
     probe_samples: int = 0
-    probe_deadband: float = 1.5  # probes here vary by up to 1.4x between idle periods
-
-    def __post_init__(self) -> None:
-        n = len(self.base)
-        self.measured = [0.0] * n
-        self.predicted = [0.0] * n
-        self.counts = [0] * n
-        self.outliers = [0] * n
-        self.probe_ref = [1.0] * n
 
     @property
     def samples(self) -> int:
         return self.live_samples + self.probe_samples
 
-    def observe_run(self, op: int, rows: int, ms: float) -> None:
-        pred = self.base[op].ms(rows)
-        if pred <= 0 or not math.isfinite(ms) or ms < 0:
+    def predicted_run_ms(self, op: int, rows: int) -> float:
+        return self.base[op].ms(rows)
+
+    def observe_feed(self, measured_ms: float, predicted_ms: float) -> None:
+        """A feed took `measured_ms`; its runs cost `predicted_ms` at start-up."""
+        if predicted_ms <= 0 or not math.isfinite(measured_ms) or measured_ms < 0:
             return
-        expected = pred * self.op_ratio(op)
-        if not expected / self.max_jump <= ms <= expected * self.max_jump:
-            self.outliers[op] += 1
-            if self.outliers[op] < self.confirm:
-                return
-        self.outliers[op] = 0
         a = self.alpha
-        if self.counts[op] == 0 or self.probe_ref[op] != self.probe_ratio:
-            # first run, or the first since probes saw the device change: start over from here
-            self.measured[op], self.predicted[op] = ms, pred
+        if self.live_samples == 0 or self.feed_probe_ref != self.probe_ratio:
+            # first feed, or the first since probes saw the device change: start from here
+            self.measured_ms, self.predicted_ms = measured_ms, predicted_ms
         else:
-            self.measured[op] = (1 - a) * self.measured[op] + a * ms
-            self.predicted[op] = (1 - a) * self.predicted[op] + a * pred
-        self.counts[op] += 1
-        self.probe_ref[op] = self.probe_ratio
-        if self.live_samples == 0 or self.device_probe_ref != self.probe_ratio:
-            self.device_measured, self.device_predicted = ms, pred
-        else:
-            self.device_measured = (1 - a) * self.device_measured + a * ms
-            self.device_predicted = (1 - a) * self.device_predicted + a * pred
-        self.device_probe_ref = self.probe_ratio
+            self.measured_ms = (1 - a) * self.measured_ms + a * measured_ms
+            self.predicted_ms = (1 - a) * self.predicted_ms + a * predicted_ms
+        self.feed_probe_ref = self.probe_ratio
         self.live_samples += 1
 
     def observe_probe(self, ms: float, base_ms: float) -> None:
@@ -221,25 +197,19 @@ class CostRefiner:
         self.probe_samples += 1
         if len(self.recent_probes) < 3:
             return
-        # the median of three: one noisy probe moves nothing; and the level moves only for a
-        # clear change, because op ratios start over from the next live run whenever it moves
         level = sorted(self.recent_probes)[1]
         if abs(math.log(level / self.probe_ratio)) > math.log(self.probe_deadband):
             self.probe_ratio = level
 
     @property
     def device_ratio(self) -> float:
-        if self.live_samples == 0 or self.device_predicted <= 0:
+        if self.live_samples == 0 or self.predicted_ms <= 0:
             return self.probe_ratio
-        return self.device_measured / self.device_predicted * self.probe_ratio / self.device_probe_ref
-
-    def op_ratio(self, op: int) -> float:
-        if self.counts[op] < self.min_op_samples or self.predicted[op] <= 0:
-            return self.device_ratio
-        return self.measured[op] / self.predicted[op] * self.probe_ratio / self.probe_ref[op]
+        return self.measured_ms / self.predicted_ms * self.probe_ratio / self.feed_probe_ref
 
     def current(self) -> tuple[OpCost, ...]:
-        return tuple(c.scaled(min(20.0, max(0.05, self.op_ratio(j)))) for j, c in enumerate(self.base))
+        r = min(50.0, max(0.02, self.device_ratio))
+        return tuple(c.scaled(r) for c in self.base)
 
 
 # --------------------------------------------------------------------------- links
@@ -257,65 +227,58 @@ class LinkEstimate:
 class LinkMeter:
     """One sender's link to this receiver, from the chunks it delivered.
 
-    A chunk that arrived later after the previous one than it was sent after it was held up by
-    the link (it was queued behind the previous one): the gap between the two arrivals is its
-    transfer time, ``bytes / rate``. Both gaps are differences of one clock each, so these rate
-    samples do not depend on the sender's and receiver's clocks agreeing. A chunk sent onto an
-    idle link takes ``latency + bytes / rate`` from its source timestamp to its arrival; the
-    lowest of the recent ones, less their transfer, is the latency - across hosts only as good
-    as their clock synchronisation (NTP). The rate is the EWMA of bytes over the EWMA of
-    transfer times of queued chunks of at least `min_bytes`; without queued chunks it is bytes
-    over whole transit times (latency included: an underestimate, on the safe side).
+    Chunks sent within `burst_s` of each other form a burst (a coordinator sends all input
+    slabs of a request at once). While a burst streams in, the link is busy: the bytes after
+    the burst's first chunk over the time from its arrival to the last one's are the rate.
+    Both times are the receiver's, so the rate does not depend on the hosts' clocks agreeing.
+    A receiver busy computing stamps some arrivals late, which moves single bursts either way;
+    the rate is the median of the last `window` bursts. The latency is the lowest ``transit -
+    bytes / rate`` of bursts' first chunks, comparing the sender's clock (source timestamp)
+    with the receiver's: across hosts as good as their synchronisation (NTP); chunks that seem
+    to arrive before they were sent teach nothing. Without multi-chunk bursts the rate is a
+    chunk's bytes over its whole transit (latency included: on the safe side).
     """
 
-    alpha: float = 0.2
-    min_bytes: int = 2048
-    window: int = 32
-    tolerance_s: float = 50e-6  # gaps closer than this are the same gap (timer resolution)
-    last_sent_s: float = -math.inf
-    last_arrival_s: float = -math.inf
-    ew_bytes: float = 0.0  # queued chunks: pure transfer
-    ew_ms: float = 0.0
+    burst_s: float = 0.005
+    window: int = 16
+    min_bytes: int = 4096  # bursts carrying less after their first chunk are not timed
+    burst_start_s: float = -math.inf
+    first_arrival_s: float = 0.0
+    bytes_after_first: int = 0
+    burst_rated: bool = False  # the current burst has its entry in `rates`
+    rates: list[float] = field(default_factory=list)  # bytes/ms per burst
+    firsts: list[tuple[float, float]] = field(default_factory=list)  # bursts' first chunks: (bytes, ms)
     samples: int = 0
-    idle_bytes: float = 0.0  # chunks onto an idle link: latency + transfer
-    idle_ms: float = 0.0
-    idle_samples: int = 0
-    recent: list[tuple[float, float]] = field(default_factory=list)  # idle chunks: (bytes, ms)
 
     def observe(self, nbytes: int, sent_s: float, arrived_s: float) -> None:
-        if not (math.isfinite(sent_s) and math.isfinite(arrived_s)) or nbytes <= 0:
+        if not (math.isfinite(sent_s) and math.isfinite(arrived_s)) or nbytes <= 0 or arrived_s <= sent_s:
             return
-        send_gap, arrival_gap = sent_s - self.last_sent_s, arrived_s - self.last_arrival_s
-        self.last_sent_s, self.last_arrival_s = sent_s, max(self.last_arrival_s, arrived_s)
-        a = self.alpha
-        if 0 < arrival_gap and send_gap < arrival_gap - self.tolerance_s:
-            if nbytes >= self.min_bytes:
-                first = self.samples == 0
-                ms = arrival_gap * 1e3
-                self.ew_bytes = nbytes if first else (1 - a) * self.ew_bytes + a * nbytes
-                self.ew_ms = ms if first else (1 - a) * self.ew_ms + a * ms
-                self.samples += 1
+        self.samples += 1
+        if sent_s - self.burst_start_s > self.burst_s:
+            self.burst_start_s, self.first_arrival_s = sent_s, arrived_s
+            self.bytes_after_first, self.burst_rated = 0, False
+            self.firsts = (self.firsts + [(float(nbytes), (arrived_s - sent_s) * 1e3)])[-self.window:]
             return
-        transit_ms = (arrived_s - sent_s) * 1e3
-        if transit_ms <= 0:  # clocks disagree (another host): no latency to learn from it
+        self.bytes_after_first += nbytes
+        span_ms = (arrived_s - self.first_arrival_s) * 1e3
+        if self.bytes_after_first < self.min_bytes or span_ms <= 0:
             return
-        self.recent.append((float(nbytes), transit_ms))
-        del self.recent[:-self.window]
-        first = self.idle_samples == 0
-        self.idle_bytes = nbytes if first else (1 - a) * self.idle_bytes + a * nbytes
-        self.idle_ms = transit_ms if first else (1 - a) * self.idle_ms + a * transit_ms
-        self.idle_samples += 1
+        rate = self.bytes_after_first / span_ms
+        if self.burst_rated:
+            self.rates[-1] = rate  # the burst's newest chunk: its longest span
+        else:
+            self.rates = (self.rates + [rate])[-self.window:]
+            self.burst_rated = True
 
     def estimate(self) -> LinkEstimate | None:
-        if self.samples > 0 and self.ew_ms > 0:
-            rate = min(MAX_LINK_BYTES_PER_MS, self.ew_bytes / self.ew_ms)
-        elif self.idle_samples > 0 and self.idle_ms > 0:
-            rate = min(MAX_LINK_BYTES_PER_MS, self.idle_bytes / self.idle_ms)
+        if self.rates:
+            rate = min(MAX_LINK_BYTES_PER_MS, statistics.median(self.rates))
+        elif self.firsts:
+            rate = min(MAX_LINK_BYTES_PER_MS, max(b / t for b, t in self.firsts))
         else:
             return None
-        latency = min((t - b / rate for b, t in self.recent), default=0.0)
-        latency = min(MAX_LINK_LATENCY_MS, max(0.0, latency))
-        return LinkEstimate(rate, latency, self.samples + self.idle_samples)
+        latency = min((t - b / rate for b, t in self.firsts), default=0.0)
+        return LinkEstimate(rate, min(MAX_LINK_LATENCY_MS, max(0.0, latency)), self.samples)
 
 
 # --------------------------------------------------------------------------- planner view

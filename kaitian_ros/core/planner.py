@@ -154,8 +154,11 @@ def _share_vectors(graph: ModelGraph, ids: tuple[str, ...], costs: Costs, shares
 
 def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, slab_rows: int,
                 strategy: str = "auto", shares: Sequence[float] | None = None,
-                adapt_shares: bool = True) -> Choice:
-    """The fastest predicted candidate (ValueError when no node has a profile).
+                adapt_shares: bool = True, margin: float = 0.0) -> Choice:
+    """The fastest predicted candidate (ValueError when no node has a profile) - or, when the
+    best of a simpler strategy (single < layerwise < stripes) is predicted within `margin` of
+    it, that one: a plan with more nodes and messages has more ways to be slower than
+    predicted, so it must promise a clear gain.
 
     Every single-node plan is simulated; of the layer-wise ones the `LAYERWISE_SIMULATED` best
     by a quick estimate without overlap; of the stripes the cost model's cuts for every share
@@ -216,6 +219,9 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
     order = {"single": 0, "layerwise": 1, "stripes": 2}
     ok.sort(key=lambda c: (c.predicted_ms, order[c.spec.strategy], len(c.spec.cuts)))
     best = ok[0]
-    other = [c for c in ok[1:] if c.spec.strategy != best.spec.strategy]
-    runner_up = other[0] if other else (ok[1] if len(ok) > 1 else None)
+    for c in ok:  # the simplest strategy within `margin` of the fastest
+        if order[c.spec.strategy] < order[best.spec.strategy] and c.predicted_ms <= ok[0].predicted_ms * (1 + margin):
+            best = c
+    other = [c for c in ok if c.spec.strategy != best.spec.strategy]
+    runner_up = other[0] if other else next((c for c in ok if c is not best), None)
     return Choice(best, runner_up, tuple(ok))

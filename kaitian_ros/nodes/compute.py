@@ -140,6 +140,7 @@ class ComputeNode:
         self.profile_version = 0
         self.published: DeviceProfile | None = None
         self.published_at = 0.0
+        self._feed_predicted = 0.0  # start-up cost of the runs of the feed in progress
         self.last_run_s = 0.0
         self.rt.logger.info(f"costs measured in {self.measured.elapsed_s:.1f} s: trunk "
                             f"{self.measured.trunk_ms:.1f} ms" + (" (EMULATED)" if self.emulated else ""))
@@ -185,14 +186,7 @@ class ComputeNode:
             self._publish_profile(why)
 
     def _on_run(self, op: int, rows: int, seconds: float) -> None:
-        # what the run took as the node releases rows: the wall time, or for an EMULATED device
-        # s x its device time if that is later (`_feed`)
-        now = self.busy_clock()
-        device_s, self._run_clock = now - self._run_clock, now
-        if self.completed == 0:
-            return  # the first request's calls build kernels and pack weights for every shape
-        slowdown = self.params["emulated_slowdown"]
-        self.refiner.observe_run(op, rows, max(seconds, slowdown * device_s) * 1e3)
+        self._feed_predicted += self.refiner.predicted_run_ms(op, rows)
 
     def _probe_timer(self) -> Any:
         period = self.params["probe_period_s"]
@@ -311,21 +305,23 @@ class ComputeNode:
         of the feed."""
         slowdown = self.params["emulated_slowdown"]
         t0, wall0 = self.busy_clock(), time.perf_counter()
-        self._run_clock = t0
         # device-clock time inside `emit` - the EMULATED wait and publishing - is not compute
         # (on a wall-clock device such as CUDA the wait would otherwise count as compute)
         outside = 0.0
+        publishing = 0.0  # wall time spent publishing (the planner prices that per byte)
+        self._feed_predicted = 0.0
 
         def emit(e: Any) -> None:
-            nonlocal outside
+            nonlocal outside, publishing
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             e0 = self.busy_clock()
             if slowdown > 1.0:  # EMULATED: a device s times slower has these rows only now
                 _sleep_until(wall0 + slowdown * (e0 - t0 - outside))
+            p0 = time.perf_counter()
             self._publish(state, plan, [e])
-            self._run_clock = self.busy_clock()
-            outside += self._run_clock - e0
+            publishing += time.perf_counter() - p0
+            outside += self.busy_clock() - e0
 
         state.runner.feed(int(msg.segment), int(msg.row_offset), rows, emit=emit)
         if self.device.type == "cuda":  # kernels run asynchronously: time them whole
@@ -334,7 +330,10 @@ class ComputeNode:
         if slowdown > 1.0 and spent > 0:
             _sleep_until(wall0 + slowdown * spent)  # emulated: this device is s times slower
             spent *= slowdown
-        return spent, time.perf_counter() - wall0
+        wall = time.perf_counter() - wall0
+        if self.completed > 0:  # the first request's calls build kernels and pack weights
+            self.refiner.observe_feed((wall - publishing) * 1e3, self._feed_predicted)
+        return spent, wall
 
     def _publish(self, state: RequestState, plan: Plan, emissions: list) -> None:
         for e in emissions:

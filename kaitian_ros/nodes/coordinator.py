@@ -60,7 +60,8 @@ PARAMETERS = ic.MODEL_PARAMETERS + (
       "with the scheduler's adaptive policy, also try stripes by measured speed over every subset of "
       "nodes (false: stripes use the scheduler's shares as proposed)"),
     P("min_plan_gain", T.DOUBLE, 0.05,
-      "switch plans for a predicted latency gain of at least this fraction", 0.0, 1.0),
+      "switch plans, or prefer a more complex strategy (single < layerwise < stripes), only for a predicted "
+      "latency gain of at least this fraction", 0.0, 1.0),
     P("replan_period_s", T.DOUBLE, 2.0, "re-predict the candidates this often with the newest measurements",
       0.1, 3600.0),
     P("plan_link_mbit", T.DOUBLE, 1000.0,
@@ -295,7 +296,8 @@ class Coordinator:
         latest = self.pending or self.current
         old = self.plans.get(latest.version) if latest is not None else None
         search = policy == "adaptive" and self.params["share_search"]
-        return PlanRequest(reason, effective, force, alive, nodes, shares, policy, search, costs, tuple(missing),
+        return PlanRequest(reason, effective, force, alive, nodes, shares, policy, search,
+                           self.params["min_plan_gain"], costs, tuple(missing),
                            self.params["slab_rows"], self.params["strategy"],
                            latest.version if latest else 0, old.spec if old is not None else None)
 
@@ -581,6 +583,7 @@ class PlanRequest:
     shares: tuple[float, ...]
     policy: str
     share_search: bool
+    margin: float  # a more complex strategy must be predicted this much faster
     costs: Costs
     missing: tuple[str, ...]  # nodes planned with prior costs
     slab_rows: int
@@ -593,7 +596,7 @@ def _choose(graph: Any, r: PlanRequest) -> tuple[planner.Choice | None, Any]:
     """(choice, predicted ms of the newest plan now or None) - or (None, the error)."""
     try:
         choice = planner.choose_plan(graph, r.nodes, r.costs, slab_rows=r.slab_rows, strategy=r.strategy,
-                                     shares=r.shares, adapt_shares=r.share_search)
+                                     shares=r.shares, adapt_shares=r.share_search, margin=r.margin)
         was = None
         if r.latest_spec is not None and set(r.latest_spec.node_ids) <= set(r.nodes):
             was = planner.predict(graph, r.latest_spec, r.costs, slab_rows=r.slab_rows)

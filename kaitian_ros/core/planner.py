@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .costs import Costs
@@ -45,6 +45,17 @@ class Candidate:
     spec: PlanSpec
     predicted_ms: float
     label: str
+    measured_ms: float | None = None  # the latency this plan really had lately, if it ran
+
+    @property
+    def expected_ms(self) -> float:
+        """What the choice goes by: the measured latency where there is one (the model may be
+        wrong, the measurement is what users get), else the prediction."""
+        return self.predicted_ms if self.measured_ms is None else self.measured_ms
+
+    def describe_ms(self) -> str:
+        text = f"predicted {self.predicted_ms:.1f} ms"
+        return text if self.measured_ms is None else text + f", measured {self.measured_ms:.1f} ms"
 
 
 @dataclass(frozen=True)
@@ -57,10 +68,17 @@ class Choice:
         return build_plan(graph, self.best.spec, slab_rows=slab_rows, estimated_ms=self.best.predicted_ms)
 
     def summary(self) -> str:
-        text = f"{self.best.label}: predicted {self.best.predicted_ms:.1f} ms"
+        text = f"{self.best.label}: {self.best.describe_ms()}"
         if self.runner_up is not None:
-            text += f"; runner-up {self.runner_up.label}: {self.runner_up.predicted_ms:.1f} ms"
+            text += f"; runner-up {self.runner_up.label}: {self.runner_up.describe_ms()}"
         return text
+
+
+def spec_key(spec: PlanSpec) -> tuple:
+    """A plan's identity for remembering what it measured: strategy, nodes, cuts and shares to
+    0.05 (the scheduler's shares move a little from proposal to proposal: still the same plan)."""
+    return (spec.strategy, spec.node_ids, spec.cuts,
+            tuple(tuple(round(20 * x / (sum(row) or 1.0)) for x in row) for row in spec.segment_shares))
 
 
 def predict(graph: ModelGraph, spec: PlanSpec, costs: Costs, *, slab_rows: int) -> float:
@@ -154,7 +172,8 @@ def _share_vectors(graph: ModelGraph, ids: tuple[str, ...], costs: Costs, shares
 
 def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, slab_rows: int,
                 strategy: str = "auto", shares: Sequence[float] | None = None,
-                adapt_shares: bool = True, margin: float = 0.0) -> Choice:
+                adapt_shares: bool = True, margin: float = 0.0,
+                measured: Mapping[tuple, tuple[PlanSpec, float]] | None = None) -> Choice:
     """The fastest predicted candidate (ValueError when no node has a profile) - or, when the
     best of a simpler strategy (single < layerwise < stripes) is predicted within `margin` of
     it, that one: a plan with more nodes and messages has more ways to be slower than
@@ -163,7 +182,11 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
     Every single-node plan is simulated; of the layer-wise ones the `LAYERWISE_SIMULATED` best
     by a quick estimate without overlap; of the stripes the cost model's cuts for every share
     vector, then every cut variant of the `SHARE_VECTORS_REFINED` best vectors (and always of
-    the given shares). `shares` align with `node_ids` (e.g. the scheduler's)."""
+    the given shares). `shares` align with `node_ids` (e.g. the scheduler's).
+
+    `measured` maps `spec_key`s of plans that ran lately to (spec, measured latency): those plans
+    are candidates too (if their strategy and nodes fit), and every candidate with a measured
+    latency is compared by it rather than by its prediction."""
     if strategy not in STRATEGY_CHOICES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGY_CHOICES)}, got {strategy!r}")
     ids = tuple(n for n in node_ids if n in costs.profiles)
@@ -173,8 +196,10 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
         given = [float(table.get(n, 0.0)) for n in ids]
     cands: dict[tuple, Candidate] = {}
 
+    measured = measured or {}
+
     def evaluate(spec: PlanSpec) -> float:
-        key = (spec.strategy, spec.node_ids, spec.cuts, spec.segment_shares)
+        key = spec_key(spec)
         if key not in cands:
             plan = build_plan(graph, spec, slab_rows=slab_rows)
             active = plan.active_nodes()
@@ -184,8 +209,14 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
                 ms = math.inf
             else:
                 ms = simulate(graph, plan, costs).latency_ms
-            cands[key] = Candidate(spec, ms, spec.describe(graph))
-        return cands[key].predicted_ms
+            seen = measured.get(key)
+            cands[key] = Candidate(spec, ms, spec.describe(graph),
+                                   seen[1] if seen is not None and math.isfinite(ms) else None)
+        return cands[key].expected_ms
+
+    for spec, _ in measured.values():
+        if (strategy in ("auto", spec.strategy) and set(spec.node_ids) <= set(ids)):
+            evaluate(spec)
 
     if strategy in ("auto", "single"):
         for n in ids:
@@ -217,10 +248,10 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
         raise ValueError(f"no plan for strategy {strategy!r}: no node of {list(node_ids)} has a cost profile")
     # fastest first; ties: simpler strategies first, then fewer segments
     order = {"single": 0, "layerwise": 1, "stripes": 2}
-    ok.sort(key=lambda c: (c.predicted_ms, order[c.spec.strategy], len(c.spec.cuts)))
+    ok.sort(key=lambda c: (c.expected_ms, order[c.spec.strategy], len(c.spec.cuts)))
     best = ok[0]
     for c in ok:  # the simplest strategy within `margin` of the fastest
-        if order[c.spec.strategy] < order[best.spec.strategy] and c.predicted_ms <= ok[0].predicted_ms * (1 + margin):
+        if order[c.spec.strategy] < order[best.spec.strategy] and c.expected_ms <= ok[0].expected_ms * (1 + margin):
             best = c
     other = [c for c in ok if c.spec.strategy != best.spec.strategy]
     runner_up = other[0] if other else next((c for c in ok if c is not best), None)

@@ -86,6 +86,7 @@ class Request:
     out: torch.Tensor
     got: np.ndarray  # bool per trunk-output row
     redispatches: int = 0
+    alone: bool = True  # no other request in flight during its whole life (its latency is the plan's)
     sources: dict = field(default_factory=dict)  # node -> rows received
 
 
@@ -113,6 +114,7 @@ class Coordinator:
         self.post_ms = 0.0  # last OUTPUT chunk -> result published (EWMA)
         self.send_ms_per_mb = 0.0  # publishing cost of chunk payload (EWMA)
         self.choice: planner.Choice | None = None  # the planner's newest choice
+        self.observed: dict[tuple, ObservedPlan] = {}  # what plans really took lately
         self.predicted_ms = 0.0  # the newest plan's latency as last predicted
         self._planner_thread: threading.Thread | None = None
         self._planned: tuple | None = None  # (request, choice, was_ms) from the planner thread
@@ -213,6 +215,42 @@ class Coordinator:
         table = dict(zip(self.nodes, self.params["static_shares"]))
         return tuple(table[n] for n in alive), "static"
 
+    def _observe_latency(self, spec: PlanSpec, ms: float) -> None:
+        """Remember what a plan really took (requests that ran alone only: two requests in
+        flight share the nodes, and the planner predicts one request)."""
+        trunks = {n: self.profiles[n].trunk_ms for n in spec.node_ids if n in self.profiles}
+        key = planner.spec_key(spec)
+        seen = self.observed.get(key)
+        if seen is None or not self._still_valid(seen):
+            self.observed[key] = ObservedPlan(spec, ms, 1, time.monotonic(), trunks)
+        else:
+            self.observed[key] = ObservedPlan(spec, seen.ms + 0.3 * (ms - seen.ms), seen.n + 1, time.monotonic(),
+                                              seen.trunks)
+        if len(self.observed) > 64:  # bounded: the oldest go
+            for k, _ in sorted(self.observed.items(), key=lambda kv: kv[1].last_s)[:len(self.observed) - 64]:
+                del self.observed[k]
+        now = self.observed.get(key)
+        if now is not None and now.n == MEASURED_MIN and self.current is not None and \
+                self.plans.get(self.current.version) is not None and \
+                planner.spec_key(self.plans[self.current.version].spec) == key and \
+                now.ms > self.predicted_ms * (1.0 + self.params["min_plan_gain"]):
+            # the model was wrong about the running plan: choose again with what it measured
+            self._replan_soon(f"measured {now.ms:.1f} ms, predicted {self.predicted_ms:.1f} ms")
+
+    def _still_valid(self, seen: ObservedPlan) -> bool:
+        """A measurement stays valid while it is recent and no node of the plan changed speed
+        (its profile's trunk time within 1.3x of what it was then)."""
+        if time.monotonic() - seen.last_s > OBSERVED_TTL_S or any(n not in self.alive for n in seen.spec.node_ids):
+            return False
+        for n, trunk in seen.trunks.items():
+            now = self.profiles.get(n)
+            if now is None or not trunk / 1.3 <= now.trunk_ms <= trunk * 1.3:
+                return False
+        return True
+
+    def _measured(self) -> dict[tuple, tuple[PlanSpec, float]]:
+        return {k: (o.spec, o.ms) for k, o in self.observed.items() if o.n >= MEASURED_MIN and self._still_valid(o)}
+
     def _costs(self, nodes: tuple[str, ...], shares: tuple[float, ...]) -> tuple[Costs, list[str]]:
         """What the planner prices plans with: the measured profiles and links; a node without
         a profile yet gets the flop-based prior (`CostModel`), faster in proportion to its share."""
@@ -296,14 +334,15 @@ class Coordinator:
         latest = self.pending or self.current
         old = self.plans.get(latest.version) if latest is not None else None
         search = policy == "adaptive" and self.params["share_search"]
+        measured = self._measured()
         return PlanRequest(reason, effective, force, alive, nodes, shares, policy, search,
-                           self.params["min_plan_gain"], costs, tuple(missing),
+                           self.params["min_plan_gain"], measured, costs, tuple(missing),
                            self.params["slab_rows"], self.params["strategy"],
                            latest.version if latest else 0, old.spec if old is not None else None)
 
-    def _apply_plan(self, request: PlanRequest, choice: planner.Choice | None, was_ms: float | None) -> None:
+    def _apply_plan(self, request: PlanRequest, choice: planner.Choice | None, was: Any) -> None:
         if choice is None:
-            self.rt.logger.error(f"cannot plan over {request.nodes} ({request.reason}): {was_ms}")
+            self.rt.logger.error(f"cannot plan over {request.nodes} ({request.reason}): {was}")
             return
         self.choice = choice
         force = request.force
@@ -320,11 +359,11 @@ class Coordinator:
             return
         if old is not None and request.strategy != "auto" and old.spec.strategy != request.strategy:
             force = True  # the running plan is a fallback (too few nodes for the strategy asked)
-        if old is not None and not force and was_ms is not None and set(old.active_nodes()) <= set(request.nodes):
-            # the running plan can go on: switch only for a clear predicted gain (no flapping
-            # between near-equal plans on measurement noise)
-            if was_ms <= choice.best.predicted_ms * (1.0 + self.params["min_plan_gain"]):
-                self.predicted_ms = was_ms
+        if old is not None and not force and was is not None and set(old.active_nodes()) <= set(request.nodes):
+            # the running plan can go on: switch only for a clear gain (no flapping between
+            # near-equal plans on measurement noise); by measurement where there is one
+            if was[1] <= choice.best.expected_ms * (1.0 + self.params["min_plan_gain"]):
+                self.predicted_ms = was[0]
                 return
         self.predicted_ms = choice.best.predicted_ms
         plan = build_plan(self.graph, spec, slab_rows=request.slab_rows, estimated_ms=choice.best.predicted_ms)
@@ -384,6 +423,10 @@ class Coordinator:
         req = Request(rid, self.current.version, self.plans[self.current.version], msg.header.stamp,
                       msg.header.frame_id, received, time.time(), x,
                       torch.empty((1, c, h, w)), np.zeros(h, dtype=bool))
+        if self.requests:
+            req.alone = False
+            for other in self.requests.values():
+                other.alone = False
         self.requests[rid] = req
         self._send_inputs(req)
 
@@ -472,6 +515,8 @@ class Coordinator:
             result = self.graph.run_head(req.out)
         self._publish_fused(req, result, True, "ok")
         self.post_ms += 0.1 * ((time.perf_counter() - t0) * 1e3 - self.post_ms)
+        if req.alone and req.redispatches == 0:
+            self._observe_latency(req.plan.spec, (time.time() - req.received_s) * 1e3)
         self.counts["completed"] += 1
         self._start_waiting()
 
@@ -570,6 +615,19 @@ class Coordinator:
             | {k: v for k, v in self.counts.items()} | {f"rejected.{k}": v for k, v in rejected.counts.items()})
 
 
+OBSERVED_TTL_S = 20.0  # a plan's measured latency is forgotten this long after it last ran
+MEASURED_MIN = 2  # requests that ran alone before a plan's measured latency counts
+
+
+@dataclass(frozen=True)
+class ObservedPlan:
+    spec: PlanSpec
+    ms: float  # EWMA of the latency of requests that ran alone under it
+    n: int
+    last_s: float  # monotonic time of the last one
+    trunks: dict  # node -> profile trunk_ms when the measurement started
+
+
 @dataclass(frozen=True)
 class PlanRequest:
     """Everything one planning round reads, taken on the executor thread (a planner thread
@@ -584,6 +642,7 @@ class PlanRequest:
     policy: str
     share_search: bool
     margin: float  # a more complex strategy must be predicted this much faster
+    measured: dict  # spec_key -> (spec, measured ms) of plans that ran lately
     costs: Costs
     missing: tuple[str, ...]  # nodes planned with prior costs
     slab_rows: int
@@ -593,13 +652,17 @@ class PlanRequest:
 
 
 def _choose(graph: Any, r: PlanRequest) -> tuple[planner.Choice | None, Any]:
-    """(choice, predicted ms of the newest plan now or None) - or (None, the error)."""
+    """(choice, (predicted ms, expected ms: measured if it ran lately) of the newest plan now, or
+    None) - or (None, the error)."""
     try:
         choice = planner.choose_plan(graph, r.nodes, r.costs, slab_rows=r.slab_rows, strategy=r.strategy,
-                                     shares=r.shares, adapt_shares=r.share_search, margin=r.margin)
+                                     shares=r.shares, adapt_shares=r.share_search, margin=r.margin,
+                                     measured=r.measured)
         was = None
         if r.latest_spec is not None and set(r.latest_spec.node_ids) <= set(r.nodes):
-            was = planner.predict(graph, r.latest_spec, r.costs, slab_rows=r.slab_rows)
+            predicted = planner.predict(graph, r.latest_spec, r.costs, slab_rows=r.slab_rows)
+            seen = r.measured.get(planner.spec_key(r.latest_spec))
+            was = (predicted, seen[1] if seen is not None else predicted)
         return choice, was
     except (ValueError, RuntimeError) as exc:
         return None, exc

@@ -13,9 +13,10 @@ same for every policy, after a calibration phase on equal static shares that nor
 * ``R2``  it recovers (back to its start slowdown),
 * ``R3``  ``compute_2`` is killed (SIGKILL): the coordinator drops it after ``dead_after_s``.
 
-Phases are bounded by the first request that actually ran under the change (telemetry of that
-node reports the new slowdown; for the kill, the first request dispatched after it). Metrics are
-defined in ``docs/benchmarks-adaptivity.md``.
+Phases are bounded by the first request sent after the change took effect (the parameter set
+returned; for the kill, the first request answered after it). A slowed node that was not doing
+work at the time changes nothing, and the phase then re-converges at once. Metrics are defined
+in ``docs/benchmarks-adaptivity.md``.
 
 :class:`AdaptivityGraph` is the harness (also used by ``test/test_scheduler_e2e.py``).
 """
@@ -313,6 +314,11 @@ class AdaptivityGraph:
                         "sent_s": self.sent.get((int(f.header.stamp.sec), int(f.header.stamp.nanosec)))})
         return out
 
+    def first_request_sent_after(self, t: float) -> int | None:
+        """The first request id whose frame was sent at or after ``t`` (time.monotonic())."""
+        ids = [r["request_id"] for r in self.records() if r["sent_s"] is not None and r["sent_s"] >= t]
+        return min(ids) if ids else None
+
     def first_request_with_slowdown(self, node: str, slowdown: float, after_request: int = 0) -> int | None:
         """The first request id that ``node`` served with ``emulated_slowdown == slowdown``."""
         ids = [int(m.request_id) for _, m in self.telemetry.snapshot()
@@ -414,10 +420,17 @@ def run_policy(policy: str, timeline: Timeline, *, model: str, size: int, slowdo
             g.set_param("/coordinator", "strategy", "auto")
         g.set_param("/coordinator", "use_scheduler", True)
         g.drive(timeline.phase, window=window, timeout_s=300.0)
-        phase("slowed", lambda: g.set_param(f"/{timeline.slow_node}", "emulated_slowdown", slowed),
-              lambda: g.first_request_with_slowdown(timeline.slow_node, slowed))
-        phase("recovered", lambda: g.set_param(f"/{timeline.slow_node}", "emulated_slowdown", base),
-              lambda: g.first_request_with_slowdown(timeline.slow_node, base, after_request=bounds["slowed"]))
+        changed: dict[str, float] = {}
+
+        def set_slowdown(name: str, value: float) -> None:
+            g.set_param(f"/{timeline.slow_node}", "emulated_slowdown", value)
+            changed[name] = time.monotonic()  # in effect: the node applied it before answering
+
+        def sent_after(name: str) -> int | None:
+            return g.first_request_sent_after(changed[name]) if name in changed else None
+
+        phase("slowed", lambda: set_slowdown("slowed", slowed), lambda: sent_after("slowed"))
+        phase("recovered", lambda: set_slowdown("recovered", base), lambda: sent_after("recovered"))
         phase("killed", lambda: kill_at.append(g.kill(timeline.kill_node)), after_kill)
         kill_detect = None
         for t, m in g.plans.snapshot():

@@ -144,10 +144,11 @@ class CostRefiner:
     """Turns a start-up profile into a current one: the start-up costs give each op's share of
     the work, what the node really takes scales them all.
 
-    Live feeds: each feed's wall time (its runs, bookkeeping, publishing, the emulated release
-    wait) against the start-up cost of the runs it computed. The EWMA of the two sums is the
-    device ratio. Per-op ratios are not kept: a run's wall time on cores shared with other
-    processes and the middleware's threads is too noisy for that, a feed's is not.
+    Live work: the wall time of a request's feeds (runs, bookkeeping, the emulated release wait;
+    not publishing) against the start-up cost of the runs they computed, once per request. The
+    EWMA of the two sums is the device ratio. Per-op ratios are not kept: a run's wall time on
+    cores shared with other processes and the middleware's threads is too noisy for that, a
+    request's is not.
 
     Idle probes: a node with nothing to compute times a few ops now and then. Probes see other
     conditions than live feeds (an idle node has its core and caches to itself), so a probe
@@ -158,7 +159,7 @@ class CostRefiner:
     """
 
     base: tuple[OpCost, ...]
-    alpha: float = 0.2
+    alpha: float = 0.3
     probe_deadband: float = 1.5  # probes here vary by up to 1.4x between idle periods
     measured_ms: float = 0.0  # EWMA of feed wall times
     predicted_ms: float = 0.0  # EWMA of the start-up costs of the same feeds
@@ -176,7 +177,8 @@ class CostRefiner:
         return self.base[op].ms(rows)
 
     def observe_feed(self, measured_ms: float, predicted_ms: float) -> None:
-        """A feed took `measured_ms`; its runs cost `predicted_ms` at start-up."""
+        """Feeds (a request's, or one) took `measured_ms`; their runs cost `predicted_ms` at
+        start-up."""
         if predicted_ms <= 0 or not math.isfinite(measured_ms) or measured_ms < 0:
             return
         a = self.alpha

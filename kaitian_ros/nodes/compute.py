@@ -70,6 +70,8 @@ class RequestState:
     first_output_s: float = 0.0
     last_output_s: float = 0.0
     compute_s: float = 0.0
+    feeds_ms: float = 0.0  # wall time of its feeds, publishing excepted
+    feeds_predicted_ms: float = 0.0  # start-up cost of the runs they computed
     bytes_in: int = 0
     bytes_out: int = 0
     frame_id: str = ""
@@ -331,8 +333,8 @@ class ComputeNode:
             _sleep_until(wall0 + slowdown * spent)  # emulated: this device is s times slower
             spent *= slowdown
         wall = time.perf_counter() - wall0
-        if self.completed > 0:  # the first request's calls build kernels and pack weights
-            self.refiner.observe_feed((wall - publishing) * 1e3, self._feed_predicted)
+        state.feeds_ms += (wall - publishing) * 1e3
+        state.feeds_predicted_ms += self._feed_predicted
         return spent, wall
 
     def _publish(self, state: RequestState, plan: Plan, emissions: list) -> None:
@@ -356,6 +358,8 @@ class ComputeNode:
 
     def _finish(self, state: RequestState, plan: Plan) -> None:
         del self.requests[state.request_id]
+        if self.completed > 0:  # the first request's calls build kernels and pack weights
+            self.refiner.observe_feed(state.feeds_ms, state.feeds_predicted_ms)
         self.completed += 1
         self._maybe_publish_profile()  # a device that changed speed shows it after one request
         end = time.time()

@@ -59,7 +59,7 @@ PARAMETERS = ic.MODEL_PARAMETERS + (
     P("share_search", T.BOOL, True,
       "with the scheduler's adaptive policy, also try stripes by measured speed over every subset of "
       "nodes (false: stripes use the scheduler's shares as proposed)"),
-    P("min_plan_gain", T.DOUBLE, 0.05,
+    P("min_plan_gain", T.DOUBLE, 0.1,
       "switch plans, or prefer a more complex strategy (single < layerwise < stripes), only for a predicted "
       "latency gain of at least this fraction", 0.0, 1.0),
     P("replan_period_s", T.DOUBLE, 2.0, "re-predict the candidates this often with the newest measurements",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import sys
 import math
 import queue
 import threading
@@ -62,7 +63,7 @@ PARAMETERS = ic.MODEL_PARAMETERS + (
     P("min_plan_gain", T.DOUBLE, 0.1,
       "switch plans, or prefer a more complex strategy (single < layerwise < stripes), only for a predicted "
       "latency gain of at least this fraction", 0.0, 1.0),
-    P("replan_period_s", T.DOUBLE, 2.0, "re-predict the candidates this often with the newest measurements",
+    P("replan_period_s", T.DOUBLE, 5.0, "re-predict the candidates this often with the newest measurements",
       0.1, 3600.0),
     P("plan_link_mbit", T.DOUBLE, 1000.0,
       "prior rate of a link nobody has measured yet (Mbit/s); measured rates replace it", 1.0, 1e6,
@@ -190,8 +191,12 @@ class Coordinator:
         if old is not None and profile.version == old.version:
             return  # the same profile again (a latched re-delivery)
         self.profiles[profile.node_id] = profile
-        if profile.node_id in self.alive:
-            self._replan_soon(f"{profile.node_id} profile v{profile.version}")
+        # a device that changed speed is planned for at once; smaller refinements wait for the
+        # periodic round (every full search costs the coordinator's host CPU time)
+        if profile.node_id in self.alive and (old is None or not old.trunk_ms / SPEED_CHANGE <= profile.trunk_ms
+                                              <= old.trunk_ms * SPEED_CHANGE):
+            self._replan_soon(f"{profile.node_id} profile v{profile.version}: trunk "
+                              f"{old.trunk_ms if old else 0.0:.1f} -> {profile.trunk_ms:.1f} ms")
 
     def _on_assignment(self, msg: Any) -> None:
         if not self.params["use_scheduler"]:
@@ -239,12 +244,12 @@ class Coordinator:
 
     def _still_valid(self, seen: ObservedPlan) -> bool:
         """A measurement stays valid while it is recent and no node of the plan changed speed
-        (its profile's trunk time within 1.3x of what it was then)."""
+        (its profile's trunk time within SPEED_CHANGE of what it was then)."""
         if time.monotonic() - seen.last_s > OBSERVED_TTL_S or any(n not in self.alive for n in seen.spec.node_ids):
             return False
         for n, trunk in seen.trunks.items():
             now = self.profiles.get(n)
-            if now is None or not trunk / 1.3 <= now.trunk_ms <= trunk * 1.3:
+            if now is None or not trunk / SPEED_CHANGE <= now.trunk_ms <= trunk * SPEED_CHANGE:
                 return False
         return True
 
@@ -295,6 +300,9 @@ class Coordinator:
         def work() -> None:
             self._planned = (request, *_choose(self.graph, request))
 
+        # the planner is pure Python: hand the interpreter lock back to the executor often, so
+        # frames in flight are not held up behind a search (default 5 ms between switches)
+        sys.setswitchinterval(0.0005)
         self._planner_thread = threading.Thread(target=work, name="planner", daemon=True)
         self._planner_thread.start()
 
@@ -609,12 +617,17 @@ class Coordinator:
             "runner_up": ru.label if ru is not None else "",
             "runner_up_ms": f"{ru.predicted_ms:.1f}" if ru is not None else "",
             "profiles": ",".join(f"{n}:v{p.version}" for n, p in sorted(self.profiles.items())),
+            "pre_ms": f"{self.pre_ms:.2f}", "post_ms": f"{self.post_ms:.2f}",
+            "send_ms_per_mb": f"{self.send_ms_per_mb:.2f}",
+            "links_in": ",".join(f"{n}:{e.bytes_per_ms * 8e-3:.0f}Mbit/{e.latency_ms:.2f}ms" for n, m in
+                                 sorted(self.meters.items()) if (e := m.estimate()) is not None),
             "alive": ",".join(self.alive), "in_flight": len(self.requests),
             "latency_p50_ms": f"{p50:.1f}", "latency_p95_ms": f"{p95:.1f}",
             "rejected": rejected.total, "last_reject_reason": rejected.last_reason}
             | {k: v for k, v in self.counts.items()} | {f"rejected.{k}": v for k, v in rejected.counts.items()})
 
 
+SPEED_CHANGE = 1.3  # a profile whose trunk time moved this much is a device that changed speed
 OBSERVED_TTL_S = 20.0  # a plan's measured latency is forgotten this long after it last ran
 MEASURED_MIN = 2  # requests that ran alone before a plan's measured latency counts
 

@@ -298,7 +298,18 @@ def test_link_meter_small_bursts_do_not_set_the_rate() -> None:
     for k in range(3):
         for j in range(3):  # 500 B chunks: bursts carrying too little to time
             m.observe(500, k * 0.1, k * 0.1 + 0.0006 + j * 1e-5)
-    assert m.rates == [] and m.estimate().bytes_per_ms == pytest.approx(500 / 0.6)
+    assert m.rates == [] and m.estimate() is None  # too small to say anything: unmeasured
+
+
+def test_link_meter_chunks_the_sender_spaced_out_do_not_set_the_rate() -> None:
+    """Halo rows leave as they are computed, milliseconds apart: their arrival gaps are the
+    sender's pace, not the link's (this once read a 100 Mbit/s link as 3 Mbit/s)."""
+    m = LinkMeter()
+    for k in range(10):
+        m.observe(4000, k * 0.004, k * 0.004 + 0.0002)  # 4 kB every 4 ms over a fast link
+    assert m.rates == [] and m.estimate() is None
+    m.observe(40_000, 1.0, 1.0045)  # one big chunk: bytes over its whole transit
+    assert m.estimate().bytes_per_ms == pytest.approx(40_000 / 4.5)
 
 
 def test_link_meter_ignores_clock_skew_and_garbage() -> None:

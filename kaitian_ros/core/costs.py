@@ -229,36 +229,41 @@ class LinkEstimate:
 class LinkMeter:
     """One sender's link to this receiver, from the chunks it delivered.
 
-    Chunks sent within `burst_s` of each other form a burst (a coordinator sends all input
-    slabs of a request at once). While a burst streams in, the link is busy: the bytes after
-    the burst's first chunk over the time from its arrival to the last one's are the rate.
-    Both times are the receiver's, so the rate does not depend on the hosts' clocks agreeing.
-    A receiver busy computing stamps some arrivals late, which moves single bursts either way;
-    the rate is the median of the last `window` bursts. The latency is the lowest ``transit -
-    bytes / rate`` of bursts' first chunks, comparing the sender's clock (source timestamp)
-    with the receiver's: across hosts as good as their synchronisation (NTP); chunks that seem
-    to arrive before they were sent teach nothing. Without multi-chunk bursts the rate is a
-    chunk's bytes over its whole transit (latency included: on the safe side).
+    A chunk that arrived later after the previous one than it was sent after it (its arrival
+    gap more than twice its send gap) was held up by the link: it streamed in behind the
+    previous one, and while chunks do that the link is busy. The bytes of such a run of chunks
+    after its first one, over the time from its first arrival to its last, are the rate. Both
+    times are the receiver's and both gaps are differences on one clock, so the rate does not
+    depend on the hosts' clocks agreeing; chunks the sender spaced out (halo rows sent as they
+    are computed) say nothing about the rate and start a new run. A receiver busy computing
+    stamps some arrivals late, which moves single runs either way: the rate is the median of the
+    last `window` runs. The latency is the lowest ``transit - bytes / rate`` of runs' first
+    chunks, comparing the sender's clock (source timestamp) with the receiver's: across hosts as
+    good as their synchronisation (NTP). Without any timed run, a chunk of at least
+    `min_single_bytes` gives bytes over its whole transit (latency included: on the safe side);
+    with only smaller chunks the link counts as unmeasured.
     """
 
-    burst_s: float = 0.005
     window: int = 16
-    min_bytes: int = 4096  # bursts carrying less after their first chunk are not timed
-    burst_start_s: float = -math.inf
+    min_bytes: int = 4096  # runs carrying less after their first chunk are not timed
+    min_single_bytes: int = 16384
+    last_sent_s: float = -math.inf
+    last_arrival_s: float = -math.inf
     first_arrival_s: float = 0.0
     bytes_after_first: int = 0
-    burst_rated: bool = False  # the current burst has its entry in `rates`
-    rates: list[float] = field(default_factory=list)  # bytes/ms per burst
-    firsts: list[tuple[float, float]] = field(default_factory=list)  # bursts' first chunks: (bytes, ms)
+    run_rated: bool = False  # the current run has its entry in `rates`
+    rates: list[float] = field(default_factory=list)  # bytes/ms per run
+    firsts: list[tuple[float, float]] = field(default_factory=list)  # runs' first chunks: (bytes, ms)
     samples: int = 0
 
     def observe(self, nbytes: int, sent_s: float, arrived_s: float) -> None:
         if not (math.isfinite(sent_s) and math.isfinite(arrived_s)) or nbytes <= 0 or arrived_s <= sent_s:
             return
         self.samples += 1
-        if sent_s - self.burst_start_s > self.burst_s:
-            self.burst_start_s, self.first_arrival_s = sent_s, arrived_s
-            self.bytes_after_first, self.burst_rated = 0, False
+        send_gap, arrival_gap = sent_s - self.last_sent_s, arrived_s - self.last_arrival_s
+        self.last_sent_s, self.last_arrival_s = sent_s, max(arrived_s, self.last_arrival_s)
+        if not (arrival_gap > 0 and send_gap < 0.5 * arrival_gap):  # onto an idle link: a new run
+            self.first_arrival_s, self.bytes_after_first, self.run_rated = arrived_s, 0, False
             self.firsts = (self.firsts + [(float(nbytes), (arrived_s - sent_s) * 1e3)])[-self.window:]
             return
         self.bytes_after_first += nbytes
@@ -266,17 +271,18 @@ class LinkMeter:
         if self.bytes_after_first < self.min_bytes or span_ms <= 0:
             return
         rate = self.bytes_after_first / span_ms
-        if self.burst_rated:
-            self.rates[-1] = rate  # the burst's newest chunk: its longest span
+        if self.run_rated:
+            self.rates[-1] = rate  # the run's newest chunk: its longest span
         else:
             self.rates = (self.rates + [rate])[-self.window:]
-            self.burst_rated = True
+            self.run_rated = True
 
     def estimate(self) -> LinkEstimate | None:
+        big = [(b, t) for b, t in self.firsts if b >= self.min_single_bytes]
         if self.rates:
             rate = min(MAX_LINK_BYTES_PER_MS, statistics.median(self.rates))
-        elif self.firsts:
-            rate = min(MAX_LINK_BYTES_PER_MS, max(b / t for b, t in self.firsts))
+        elif big:
+            rate = min(MAX_LINK_BYTES_PER_MS, max(b / t for b, t in big))
         else:
             return None
         latency = min((t - b / rate for b, t in self.firsts), default=0.0)

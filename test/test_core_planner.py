@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -171,9 +172,11 @@ def test_two_identical_nodes_on_a_free_link_split_the_rows() -> None:
     ms = [c.predicted_ms for c in choice.candidates]
     assert ms == sorted(ms) and choice.candidates[0] == choice.best
     assert choice.runner_up is not None and choice.runner_up.spec.strategy != "stripes"
-    plan = choice.plan(g, 8)
+    plan = choice.plan(g)
     assert plan.spec == build_plan(g, choice.best.spec).spec
-    assert plan.estimated_ms == choice.best.predicted_ms and plan.slab_rows == 8
+    # streamed in slabs of 8 or sent whole: whichever the planner predicted faster
+    assert plan.estimated_ms == choice.best.predicted_ms and plan.slab_rows == choice.best.slab_rows
+    assert plan.slab_rows in (8, g.input_shape[1])
     assert choice.best.label in choice.summary() and choice.runner_up.label in choice.summary()
     # deterministic
     assert choose_plan(g, ["a", "b"], _two(g), slab_rows=8) == choice
@@ -326,3 +329,24 @@ def test_measure_profile_structure_with_a_real_clock() -> None:
     p = DeviceProfile("a", 1, "m", "cpu", 1.0, got.op_costs, got.trunk_ms, 0.01)
     choice = choose_plan(g, ["a"], Costs({"a": p}, {}, FREE), slab_rows=8)
     assert choice.best.spec == PlanSpec.single("a") and choice.best.predicted_ms > 0
+
+
+def test_streaming_is_chosen_only_where_it_pays() -> None:
+    """The whole image in one slab, or streamed in slabs: a slow input link is worth streaming
+    (transfer overlaps compute); with a free link and a costly executor run it is not."""
+    g = _graph("resnet18", (3, 64, 64))
+    h = g.input_shape[1]
+
+    def best(link: LinkEstimate, run_ms: float):
+        p = replace(_profile(g, "a", 0.05, min_run_rows=1), run_ms=run_ms)
+        costs = Costs({"a": p}, {("coordinator", "a"): link, ("a", "coordinator"): FREE}, FREE)
+        return choose_plan(g, ["a"], costs, slab_rows=4, strategy="single")
+
+    free = best(FREE, run_ms=0.5)
+    assert free.best.slab_rows == h and "whole image" in free.best.label
+    assert {c.slab_rows for c in free.candidates} == {4, h}  # both were predicted
+    slow = best(LinkEstimate(20.0, 0.0), run_ms=0.0)  # 20 B/ms: the image takes ~0.6 s
+    assert slow.best.slab_rows == 4 and "whole image" not in slow.best.label
+    streamed = next(c for c in slow.candidates if c.slab_rows == 4)
+    whole = next(c for c in slow.candidates if c.slab_rows == h)
+    assert streamed.predicted_ms < whole.predicted_ms

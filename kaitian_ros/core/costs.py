@@ -78,6 +78,7 @@ class DeviceProfile:
     trunk_ms: float  # the whole trunk, one call per op
     message_ms: float  # per received chunk, outside compute (decode, copy, bookkeeping)
     min_run_rows: int = 8  # the node's stripe executor defers runs shorter than this
+    run_ms: float = 0.0  # the stripe executor's own bookkeeping per run (finding it, its rows)
     run_samples: int = 0  # live runs and probes folded in since start-up
     links: Mapping[str, LinkEstimate] = field(default_factory=dict)
 
@@ -122,6 +123,8 @@ def profile_problem(p: DeviceProfile, *, n_ops: int, model: str, known_nodes: Se
         return implausible("message_ms", p.message_ms)
     if not 1 <= p.min_run_rows <= 1_000_000:
         return implausible("min_run_rows", p.min_run_rows)
+    if not (math.isfinite(p.run_ms) and 0.0 <= p.run_ms <= MAX_OP_MS):
+        return implausible("run_ms", p.run_ms)
     for j, c in enumerate(p.op_costs):
         for name, v in (("call_ms", c.call_ms), ("row_ms", c.row_ms)):
             if not (math.isfinite(v) and 0.0 <= v <= MAX_OP_MS):
@@ -159,6 +162,7 @@ class CostRefiner:
     """
 
     base: tuple[OpCost, ...]
+    run_ms: float = 0.0  # start-up bookkeeping cost per run
     alpha: float = 0.3
     probe_deadband: float = 1.5  # probes here vary by up to 1.4x between idle periods
     measured_ms: float = 0.0  # EWMA of feed wall times
@@ -174,7 +178,7 @@ class CostRefiner:
         return self.live_samples + self.probe_samples
 
     def predicted_run_ms(self, op: int, rows: int) -> float:
-        return self.base[op].ms(rows)
+        return self.base[op].ms(rows) + self.run_ms
 
     def observe_feed(self, measured_ms: float, predicted_ms: float) -> None:
         """Feeds (a request's, or one) took `measured_ms`; their runs cost `predicted_ms` at
@@ -212,6 +216,9 @@ class CostRefiner:
     def current(self) -> tuple[OpCost, ...]:
         r = min(50.0, max(0.02, self.device_ratio))
         return tuple(c.scaled(r) for c in self.base)
+
+    def current_run_ms(self) -> float:
+        return self.run_ms * min(50.0, max(0.02, self.device_ratio))
 
 
 # --------------------------------------------------------------------------- links

@@ -38,6 +38,7 @@ GAMMAS = (0.5, 1.0, 2.0)
 MAX_SUBSET_NODES = 4  # beyond this many nodes only the whole set is tried
 LAYERWISE_SIMULATED = 6
 SHARE_VECTORS_REFINED = 3
+SLAB_REFINED = 4
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class Candidate:
     predicted_ms: float
     label: str
     measured_ms: float | None = None  # the latency this plan really had lately, if it ran
+    slab_rows: int = 8  # image rows per input slab the coordinator streams
 
     @property
     def expected_ms(self) -> float:
@@ -64,8 +66,8 @@ class Choice:
     runner_up: Candidate | None
     candidates: tuple[Candidate, ...]  # fastest first
 
-    def plan(self, graph: ModelGraph, slab_rows: int) -> Plan:
-        return build_plan(graph, self.best.spec, slab_rows=slab_rows, estimated_ms=self.best.predicted_ms)
+    def plan(self, graph: ModelGraph) -> Plan:
+        return build_plan(graph, self.best.spec, slab_rows=self.best.slab_rows, estimated_ms=self.best.predicted_ms)
 
     def summary(self) -> str:
         text = f"{self.best.label}: {self.best.describe_ms()}"
@@ -74,11 +76,13 @@ class Choice:
         return text
 
 
-def spec_key(spec: PlanSpec) -> tuple:
-    """A plan's identity for remembering what it measured: strategy, nodes, cuts and shares to
-    0.05 (the scheduler's shares move a little from proposal to proposal: still the same plan)."""
+def spec_key(spec: PlanSpec, slab_rows: int) -> tuple:
+    """A plan's identity for remembering what it measured: strategy, nodes, cuts, shares to 0.05
+    (the scheduler's shares move a little from proposal to proposal: still the same plan) and
+    the input slab size."""
     return (spec.strategy, spec.node_ids, spec.cuts,
-            tuple(tuple(round(20 * x / (sum(row) or 1.0)) for x in row) for row in spec.segment_shares))
+            tuple(tuple(round(20 * x / (sum(row) or 1.0)) for x in row) for row in spec.segment_shares),
+            int(slab_rows))
 
 
 def predict(graph: ModelGraph, spec: PlanSpec, costs: Costs, *, slab_rows: int) -> float:
@@ -173,7 +177,7 @@ def _share_vectors(graph: ModelGraph, ids: tuple[str, ...], costs: Costs, shares
 def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, slab_rows: int,
                 strategy: str = "auto", shares: Sequence[float] | None = None,
                 adapt_shares: bool = True, margin: float = 0.0,
-                measured: Mapping[tuple, tuple[PlanSpec, float]] | None = None) -> Choice:
+                measured: Mapping[tuple, tuple[PlanSpec, int, float]] | None = None) -> Choice:
     """The fastest predicted candidate (ValueError when no node has a profile) - or, when the
     best of a simpler strategy (single < layerwise < stripes) is predicted within `margin` of
     it, that one: a plan with more nodes and messages has more ways to be slower than
@@ -184,9 +188,13 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
     vector, then every cut variant of the `SHARE_VECTORS_REFINED` best vectors (and always of
     the given shares). `shares` align with `node_ids` (e.g. the scheduler's).
 
-    `measured` maps `spec_key`s of plans that ran lately to (spec, measured latency): those plans
-    are candidates too (if their strategy and nodes fit), and every candidate with a measured
-    latency is compared by it rather than by its prediction."""
+    Streaming is a choice too: the `SLAB_REFINED` best candidates are also predicted with the
+    whole image in one slab (streaming overlaps a slow input link with compute, but every slab
+    means more, shorter runs: a fast device on a fast link can be better off without it).
+
+    `measured` maps `spec_key`s of plans that ran lately to (spec, slab rows, measured latency):
+    those plans are candidates too (if their strategy and nodes fit), and every candidate with a
+    measured latency is compared by it rather than by its prediction."""
     if strategy not in STRATEGY_CHOICES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGY_CHOICES)}, got {strategy!r}")
     ids = tuple(n for n in node_ids if n in costs.profiles)
@@ -198,10 +206,10 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
 
     measured = measured or {}
 
-    def evaluate(spec: PlanSpec) -> float:
-        key = spec_key(spec)
+    def evaluate(spec: PlanSpec, slab: int = slab_rows) -> float:
+        key = spec_key(spec, slab)
         if key not in cands:
-            plan = build_plan(graph, spec, slab_rows=slab_rows)
+            plan = build_plan(graph, spec, slab_rows=slab)
             active = plan.active_nodes()
             if spec.strategy != "single" and len(active) < 2:
                 ms = math.inf  # rows too few to split: a single-node plan under another name
@@ -210,13 +218,15 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
             else:
                 ms = simulate(graph, plan, costs).latency_ms
             seen = measured.get(key)
-            cands[key] = Candidate(spec, ms, spec.describe(graph),
-                                   seen[1] if seen is not None and math.isfinite(ms) else None)
+            label = spec.describe(graph) + (", whole image" if slab >= whole else "")
+            cands[key] = Candidate(spec, ms, label, seen[2] if seen is not None and math.isfinite(ms) else None,
+                                   slab)
         return cands[key].expected_ms
 
-    for spec, _ in measured.values():
+    whole = graph.input_shape[1]
+    for spec, slab, _ in measured.values():
         if (strategy in ("auto", spec.strategy) and set(spec.node_ids) <= set(ids)):
-            evaluate(spec)
+            evaluate(spec, slab)
 
     if strategy in ("auto", "single"):
         for n in ids:
@@ -238,6 +248,10 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
         for _, _, specs in refine:
             for spec in specs[1:]:
                 evaluate(spec)
+    if slab_rows < whole:
+        for c in sorted((c for c in cands.values() if math.isfinite(c.expected_ms)),
+                        key=lambda c: c.expected_ms)[:SLAB_REFINED]:
+            evaluate(c.spec, whole)
     ok = [c for c in cands.values() if math.isfinite(c.predicted_ms)]
     if not ok and strategy in ("layerwise", "stripes"):
         # a forced layer-wise or stripes plan needs two nodes: with one left it runs everything

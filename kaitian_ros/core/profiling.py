@@ -31,6 +31,7 @@ PROBE_MS = 1.0  # about what the probe op should take (see `measure_profile`)
 class MeasuredCosts:
     op_costs: tuple[OpCost, ...]
     trunk_ms: float
+    run_ms: float  # the stripe executor's bookkeeping per run (slowdown included)
     probe_ops: tuple[int, ...]  # the consecutive ops `probe` times, whole maps
     probe_base_ms: float  # their measured time (slowdown included) at start-up
     elapsed_s: float
@@ -116,9 +117,30 @@ def measure_profile(graph: ModelGraph, clock: Callable[[], float], *, slowdown: 
         probe_ops = tuple(range(first, last))
         keep = {u for j in probe_ops for u in graph.ops[j].inputs}
         inputs = [vals[u] if u in keep else None for u in range(len(vals))]
-    measured = MeasuredCosts(costs, statistics.median(trunk) * slowdown, probe_ops, 0.0, 0.0)
+    run_ms = executor_run_ms(graph, costs, clock) * slowdown
+    measured = MeasuredCosts(costs, statistics.median(trunk) * slowdown, run_ms, probe_ops, 0.0, 0.0)
     base = statistics.median(probe(graph, measured, clock, slowdown, inputs) for _ in range(5))
-    return MeasuredCosts(costs, measured.trunk_ms, probe_ops, base, time.monotonic() - t_start), inputs
+    return MeasuredCosts(costs, measured.trunk_ms, run_ms, probe_ops, base, time.monotonic() - t_start), inputs
+
+
+def executor_run_ms(graph: ModelGraph, op_costs: tuple[OpCost, ...], clock: Callable[[], float],
+                    slab_rows: int = 8, reps: int = 3) -> float:
+    """The stripe executor's own cost per run - finding runs, interval bookkeeping, routing
+    emissions - which the op timings above do not contain: a single-node plan in small slabs
+    replayed by the simulator's shadow runner, which does that bookkeeping and nothing else."""
+    from .costs import Costs, DeviceProfile, LinkEstimate
+    from .plan import PlanSpec, build_plan
+    from .simulate import simulate
+
+    profile = DeviceProfile("probe", 0, "", "", 1.0, op_costs, 1.0, 0.0, min_run_rows=slab_rows)
+    costs = Costs({"probe": profile}, {}, LinkEstimate(1e9, 0.0), slab_rows=slab_rows)
+    plan = build_plan(graph, PlanSpec.single("probe"), slab_rows=slab_rows)
+    times, runs = [], 1
+    for _ in range(reps):
+        c0 = clock()
+        runs = simulate(graph, plan, costs).node_runs["probe"]
+        times.append((clock() - c0) * 1e3)
+    return min(times) / max(1, runs)
 
 
 def probe(graph: ModelGraph, measured: MeasuredCosts, clock: Callable[[], float], slowdown: float,

@@ -38,6 +38,7 @@ class Prediction:
     outputs_ms: float  # ... -> last trunk-output row at the coordinator
     node_busy_ms: Mapping[str, float]  # compute + message handling per node
     node_done_ms: Mapping[str, float]  # when each node finished its last feed
+    node_runs: Mapping[str, int]  # runs each node's executor makes
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,14 +59,16 @@ class _ShadowRunner(StripeRunner):
         self._profile = profile
         self.clock_ms = 0.0
         self.busy_ms = 0.0
+        self.runs = 0
 
     def _allocate(self, n: int, dtype: object) -> None:  # no buffers
         self._n = n
 
     def _compute(self, j: int, a: int, b: int) -> None:
-        ms = self._profile.op_costs[j].ms(b - a)
+        ms = self._profile.op_costs[j].ms(b - a) + self._profile.run_ms
         self.clock_ms += ms
         self.busy_ms += ms
+        self.runs += 1
         v = j + 1
         self._avail[v] = iv_add(self._avail[v], (a, b))
         self._remaining[v] = iv_sub(self._remaining[v], (a, b))
@@ -151,4 +154,5 @@ def simulate(graph: ModelGraph, plan: Plan, costs: Costs) -> Prediction:
     if stuck or got_rows != out_rows:
         raise RuntimeError(f"simulated plan did not complete: {stuck} not done, {got_rows}/{out_rows} rows")
     return Prediction(costs.pre_ms + outputs_ms + costs.post_ms, outputs_ms,
-                      {n: r.busy_ms for n, r in runners.items()}, dict(node_free))
+                      {n: r.busy_ms for n, r in runners.items()}, dict(node_free),
+                      {n: r.runs for n, r in runners.items()})

@@ -136,7 +136,7 @@ class ComputeNode:
         # live runs, in wall time, then scale it to what a request really waits for
         self.measured, self.probe_inputs = profiling.measure_profile(
             self.graph, self.busy_clock, slowdown=slowdown, budget_s=self.params["profile_budget_s"])
-        self.refiner = CostRefiner(self.measured.op_costs)
+        self.refiner = CostRefiner(self.measured.op_costs, self.measured.run_ms)
         self.meters: dict[str, LinkMeter] = {}
         self.message_ms = 0.05  # prior until measured: decode + bookkeeping of one chunk here
         self.profile_version = 0
@@ -153,7 +153,8 @@ class ComputeNode:
         links = {src: est for src, m in self.meters.items() if (est := m.estimate()) is not None}
         return DeviceProfile(self.node_id, self.profile_version, self.spec.key, self.params["device"],
                              self.params["emulated_slowdown"], ops, trunk, self.message_ms,
-                             self.params["min_run_rows"], self.refiner.samples, links)
+                             self.params["min_run_rows"], self.refiner.current_run_ms(), self.refiner.samples,
+                             links)
 
     def _publish_profile(self, why: str) -> None:
         self.profile_version += 1

@@ -220,24 +220,25 @@ class Coordinator:
         table = dict(zip(self.nodes, self.params["static_shares"]))
         return tuple(table[n] for n in alive), "static"
 
-    def _observe_latency(self, spec: PlanSpec, ms: float) -> None:
+    def _observe_latency(self, spec: PlanSpec, slab_rows: int, ms: float) -> None:
         """Remember what a plan really took (requests that ran alone only: two requests in
         flight share the nodes, and the planner predicts one request)."""
         trunks = {n: self.profiles[n].trunk_ms for n in spec.node_ids if n in self.profiles}
-        key = planner.spec_key(spec)
+        key = planner.spec_key(spec, slab_rows)
         seen = self.observed.get(key)
         if seen is None or not self._still_valid(seen):
-            self.observed[key] = ObservedPlan(spec, ms, 1, time.monotonic(), trunks)
+            self.observed[key] = ObservedPlan(spec, slab_rows, ms, 1, time.monotonic(), trunks)
         else:
-            self.observed[key] = ObservedPlan(spec, seen.ms + 0.3 * (ms - seen.ms), seen.n + 1, time.monotonic(),
-                                              seen.trunks)
+            self.observed[key] = ObservedPlan(spec, slab_rows, seen.ms + 0.3 * (ms - seen.ms), seen.n + 1,
+                                              time.monotonic(), seen.trunks)
         if len(self.observed) > 64:  # bounded: the oldest go
             for k, _ in sorted(self.observed.items(), key=lambda kv: kv[1].last_s)[:len(self.observed) - 64]:
                 del self.observed[k]
         now = self.observed.get(key)
         if now is not None and now.n == MEASURED_MIN and self.current is not None and \
                 self.plans.get(self.current.version) is not None and \
-                planner.spec_key(self.plans[self.current.version].spec) == key and \
+                planner.spec_key(self.plans[self.current.version].spec,
+                                 self.plans[self.current.version].slab_rows) == key and \
                 now.ms > self.predicted_ms * (1.0 + self.params["min_plan_gain"]):
             # the model was wrong about the running plan: choose again with what it measured
             self._replan_soon(f"measured {now.ms:.1f} ms, predicted {self.predicted_ms:.1f} ms")
@@ -253,8 +254,9 @@ class Coordinator:
                 return False
         return True
 
-    def _measured(self) -> dict[tuple, tuple[PlanSpec, float]]:
-        return {k: (o.spec, o.ms) for k, o in self.observed.items() if o.n >= MEASURED_MIN and self._still_valid(o)}
+    def _measured(self) -> dict[tuple, tuple[PlanSpec, int, float]]:
+        return {k: (o.spec, o.slab_rows, o.ms) for k, o in self.observed.items()
+                if o.n >= MEASURED_MIN and self._still_valid(o)}
 
     def _costs(self, nodes: tuple[str, ...], shares: tuple[float, ...]) -> tuple[Costs, list[str]]:
         """What the planner prices plans with: the measured profiles and links; a node without
@@ -346,7 +348,8 @@ class Coordinator:
         return PlanRequest(reason, effective, force, alive, nodes, shares, policy, search,
                            self.params["min_plan_gain"], measured, costs, tuple(missing),
                            self.params["slab_rows"], self.params["strategy"],
-                           latest.version if latest else 0, old.spec if old is not None else None)
+                           latest.version if latest else 0, old.spec if old is not None else None,
+                           old.slab_rows if old is not None else 0)
 
     def _apply_plan(self, request: PlanRequest, choice: planner.Choice | None, was: Any) -> None:
         if choice is None:
@@ -362,7 +365,7 @@ class Coordinator:
         latest = self.pending or self.current
         spec = choice.best.spec
         old = self.plans.get(latest.version) if latest is not None else None
-        if old is not None and _same_spec(old.spec, spec):
+        if old is not None and _same_spec(old.spec, spec) and old.slab_rows == choice.best.slab_rows:
             self.predicted_ms = choice.best.predicted_ms
             return
         if old is not None and request.strategy != "auto" and old.spec.strategy != request.strategy:
@@ -374,7 +377,7 @@ class Coordinator:
                 self.predicted_ms = was[0]
                 return
         self.predicted_ms = choice.best.predicted_ms
-        plan = build_plan(self.graph, spec, slab_rows=request.slab_rows, estimated_ms=choice.best.predicted_ms)
+        plan = choice.plan(self.graph)
         text = f"{request.reason}: {choice.summary()}"
         if request.missing:
             text += f" (no cost profile yet from {', '.join(request.missing)}: priors)"
@@ -447,7 +450,7 @@ class Coordinator:
 
     def _send_input_slabs(self, req: Request) -> int:
         """Publish (or queue, when paced) every active node's input slabs; the bytes published."""
-        plan, slab = req.plan, self.params["slab_rows"]
+        plan, slab = req.plan, req.plan.slab_rows  # the plan's own: the planner may send the whole image
         total = self.spec.input_shape[1]
         batches = []
         for node in plan.active_nodes():
@@ -524,7 +527,7 @@ class Coordinator:
         self._publish_fused(req, result, True, "ok")
         self.post_ms += 0.1 * ((time.perf_counter() - t0) * 1e3 - self.post_ms)
         if req.alone and req.redispatches == 0:
-            self._observe_latency(req.plan.spec, (time.time() - req.received_s) * 1e3)
+            self._observe_latency(req.plan.spec, req.plan.slab_rows, (time.time() - req.received_s) * 1e3)
         self.counts["completed"] += 1
         self._start_waiting()
 
@@ -595,6 +598,11 @@ class Coordinator:
             self.counts["redispatched"] += 1
             self._send_inputs(req)
 
+    def _plan_text(self, plan: Plan) -> str:
+        h = self.graph.input_shape[1]
+        return plan.spec.describe(self.graph) + (", whole image" if plan.slab_rows >= h
+                                                 else f", slabs of {plan.slab_rows} rows")
+
     def _report(self) -> None:
         lat = sorted(self.latencies)
         p50 = lat[len(lat) // 2] if lat else 0.0
@@ -604,7 +612,7 @@ class Coordinator:
                 else "waiting for compute nodes")
         plan = self.plans.get(self.current.version) if self.current else None
         if plan is not None:
-            text += f", {plan.spec.describe(self.graph)} (predicted {self.predicted_ms:.1f} ms)"
+            text += f", {self._plan_text(plan)} (predicted {self.predicted_ms:.1f} ms)"
         if self.counts["timeouts"]:
             level, text = Level.WARN, text + f", {self.counts['timeouts']} timed out"
         ru = self.choice.runner_up if self.choice is not None else None
@@ -612,7 +620,7 @@ class Coordinator:
         self.diagnostics.publish(level, text, {
             "plan_version": self.current.version if self.current else 0,
             "strategy": plan.strategy if plan is not None else "",
-            "plan": plan.spec.describe(self.graph) if plan is not None else "",
+            "plan": self._plan_text(plan) if plan is not None else "",
             "predicted_ms": f"{self.predicted_ms:.1f}",
             "runner_up": ru.label if ru is not None else "",
             "runner_up_ms": f"{ru.predicted_ms:.1f}" if ru is not None else "",
@@ -635,6 +643,7 @@ MEASURED_MIN = 2  # requests that ran alone before a plan's measured latency cou
 @dataclass(frozen=True)
 class ObservedPlan:
     spec: PlanSpec
+    slab_rows: int
     ms: float  # EWMA of the latency of requests that ran alone under it
     n: int
     last_s: float  # monotonic time of the last one
@@ -662,6 +671,7 @@ class PlanRequest:
     strategy: str
     latest_version: int
     latest_spec: PlanSpec | None
+    latest_slab_rows: int
 
 
 def _choose(graph: Any, r: PlanRequest) -> tuple[planner.Choice | None, Any]:
@@ -673,8 +683,8 @@ def _choose(graph: Any, r: PlanRequest) -> tuple[planner.Choice | None, Any]:
                                      measured=r.measured)
         was = None
         if r.latest_spec is not None and set(r.latest_spec.node_ids) <= set(r.nodes):
-            predicted = planner.predict(graph, r.latest_spec, r.costs, slab_rows=r.slab_rows)
-            seen = r.measured.get(planner.spec_key(r.latest_spec))
+            predicted = planner.predict(graph, r.latest_spec, r.costs, slab_rows=r.latest_slab_rows)
+            seen = r.measured.get(planner.spec_key(r.latest_spec, r.latest_slab_rows))
             was = (predicted, seen[1] if seen is not None else predicted)
         return choice, was
     except (ValueError, RuntimeError) as exc:

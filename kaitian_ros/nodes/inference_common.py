@@ -45,7 +45,9 @@ MODEL_PARAMETERS = (
     P("num_classes", T.INTEGER, 1000, "classifier outputs", 1, 100000, read_only=True),
     P("seed", T.INTEGER, 0, "seed of the random weights (when no weights file)", 0, 2**31 - 1, read_only=True),
     P("weights", T.STRING, "", "state_dict file to load ('' = random weights from seed)", read_only=True),
-    P("slab_rows", T.INTEGER, 8, "rows per streamed slab (image rows from the coordinator)", 1, 4096),
+    P("slab_rows", T.INTEGER, 8,
+      "image rows per streamed input slab (the coordinator's planner may send a plan's input whole instead)",
+      1, 4096),
     P("normalise", T.BOOL, True, "ImageNet mean/std normalisation of the input (on the compute nodes)",
       read_only=True),
 )
@@ -191,7 +193,7 @@ def profile_msg(p: DeviceProfile) -> Any:
         emulated=p.emulated, emulated_slowdown=p.emulated_slowdown, trunk_ms=p.trunk_ms,
         op_call_ms=np.asarray([c.call_ms for c in p.op_costs], np.float64),
         op_row_ms=np.asarray([c.row_ms for c in p.op_costs], np.float64), message_ms=p.message_ms,
-        min_run_rows=p.min_run_rows,
+        min_run_rows=p.min_run_rows, run_ms=p.run_ms,
         run_samples=p.run_samples, link_sources=[s for s, _ in links],
         link_bytes_per_ms=np.asarray([e.bytes_per_ms for _, e in links], np.float64),
         link_latency_ms=np.asarray([e.latency_ms for _, e in links], np.float64),
@@ -210,7 +212,8 @@ def profile_from_msg(msg: Any) -> DeviceProfile:
              zip(srcs, msg.link_bytes_per_ms, msg.link_latency_ms, msg.link_samples)}
     return DeviceProfile(msg.node_id, int(msg.version), msg.model, msg.device, float(msg.emulated_slowdown),
                          tuple(OpCost(float(c), float(r)) for c, r in zip(calls, rows)), float(msg.trunk_ms),
-                         float(msg.message_ms), int(msg.min_run_rows), int(msg.run_samples), links)
+                         float(msg.message_ms), int(msg.min_run_rows), float(msg.run_ms), int(msg.run_samples),
+                         links)
 
 
 def chunk_message(*, request_id: int, plan_version: int, producer: str, consumer: str, segment: int,

@@ -177,7 +177,8 @@ def _share_vectors(graph: ModelGraph, ids: tuple[str, ...], costs: Costs, shares
 def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, slab_rows: int,
                 strategy: str = "auto", shares: Sequence[float] | None = None,
                 adapt_shares: bool = True, margin: float = 0.0,
-                measured: Mapping[tuple, tuple[PlanSpec, int, float]] | None = None) -> Choice:
+                measured: Mapping[tuple, tuple[PlanSpec, int, float]] | None = None,
+                whole_image: bool = True) -> Choice:
     """The fastest predicted candidate (ValueError when no node has a profile) - or, when the
     best of a simpler strategy (single < layerwise < stripes) is predicted within `margin` of
     it, that one: a plan with more nodes and messages has more ways to be slower than
@@ -190,7 +191,8 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
 
     Streaming is a choice too: the `SLAB_REFINED` best candidates are also predicted with the
     whole image in one slab (streaming overlaps a slow input link with compute, but every slab
-    means more, shorter runs: a fast device on a fast link can be better off without it).
+    means more, shorter runs: a fast device on a fast link can be better off without it);
+    `whole_image` False keeps every plan at `slab_rows`.
 
     `measured` maps `spec_key`s of plans that ran lately to (spec, slab rows, measured latency):
     those plans are candidates too (if their strategy and nodes fit), and every candidate with a
@@ -248,7 +250,7 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
         for _, _, specs in refine:
             for spec in specs[1:]:
                 evaluate(spec)
-    if slab_rows < whole:
+    if whole_image and slab_rows < whole:
         for c in sorted((c for c in cands.values() if math.isfinite(c.expected_ms)),
                         key=lambda c: c.expected_ms)[:SLAB_REFINED]:
             evaluate(c.spec, whole)

@@ -349,7 +349,9 @@ class Coordinator:
                            self.params["min_plan_gain"], measured, costs, tuple(missing),
                            self.params["slab_rows"], self.params["strategy"],
                            latest.version if latest else 0, old.spec if old is not None else None,
-                           old.slab_rows if old is not None else 0)
+                           old.slab_rows if old is not None else 0,
+                           # input pacing emulates a slow link per slab: one slab would skip it
+                           self.params["input_pacing_ms"] <= 0)
 
     def _apply_plan(self, request: PlanRequest, choice: planner.Choice | None, was: Any) -> None:
         if choice is None:
@@ -672,6 +674,7 @@ class PlanRequest:
     latest_version: int
     latest_spec: PlanSpec | None
     latest_slab_rows: int
+    whole_image: bool  # the planner may send a plan's input in one slab
 
 
 def _choose(graph: Any, r: PlanRequest) -> tuple[planner.Choice | None, Any]:
@@ -680,7 +683,7 @@ def _choose(graph: Any, r: PlanRequest) -> tuple[planner.Choice | None, Any]:
     try:
         choice = planner.choose_plan(graph, r.nodes, r.costs, slab_rows=r.slab_rows, strategy=r.strategy,
                                      shares=r.shares, adapt_shares=r.share_search, margin=r.margin,
-                                     measured=r.measured)
+                                     measured=r.measured, whole_image=r.whole_image)
         was = None
         if r.latest_spec is not None and set(r.latest_spec.node_ids) <= set(r.nodes):
             predicted = planner.predict(graph, r.latest_spec, r.costs, slab_rows=r.latest_slab_rows)

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from plan_checks import assert_plan_invariants
 
 from kaitian_ros.core.graph import split_model
 from kaitian_ros.core.models import build_model
@@ -35,24 +36,7 @@ def test_rows_owned_once_and_halo_is_exactly_missing(graphs, name: str) -> None:
     for shares in _share_vectors(1):
         ids = [f"n{i}" for i in range(len(shares))]
         for cuts in (None, g.cut_values, g.cut_values[::2]):
-            p = make_plan(g, ids, shares, cuts=cuts)
-            assert p.segments[0].in_value == 0 and p.segments[-1].out_value == g.output_value
-            for k, seg in enumerate(p.segments):
-                h = g.value_shapes[seg.out_value][1]
-                owned = [r for lo, hi in seg.out_rows for r in range(lo, hi)]
-                assert owned == list(range(h))  # exactly once, contiguous in node order
-                if k == 0:
-                    assert not seg.halos
-                    continue
-                prev = p.segments[k - 1].out_rows
-                for i, n in enumerate(ids):
-                    lo, hi = seg.in_rows[i]
-                    missing = {r for r in range(lo, hi) if not prev[i][0] <= r < prev[i][1]}
-                    got = [r for hx in p.halo_sources(n, k) for r in range(hx.lo, hx.hi)]
-                    assert sorted(got) == sorted(missing) and len(got) == len(set(got))
-                    for hx in p.halo_sources(n, k):  # sender owns what it sends
-                        j = ids.index(hx.src)
-                        assert prev[j][0] <= hx.lo < hx.hi <= prev[j][1]
+            assert_plan_invariants(g, make_plan(g, ids, shares, cuts=cuts))
 
 
 def _nan_receptive_rows(g, in_value: int, out_value: int, x: torch.Tensor) -> list[set[int]]:

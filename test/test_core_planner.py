@@ -15,7 +15,7 @@ from kaitian_ros.core.costs import COORDINATOR, Costs, DeviceProfile, LinkEstima
 from kaitian_ros.core.graph import split_model
 from kaitian_ros.core.models import build_model
 from kaitian_ros.core.plan import PlanSpec, build_plan
-from kaitian_ros.core.planner import choose_plan, predict, speed_shares, stripe_specs
+from kaitian_ros.core.planner import choose_plan, predict, spec_key, speed_shares, stripe_specs
 from kaitian_ros.core.profiling import MeasuredCosts, measure_profile, probe
 from kaitian_ros.core.simulate import simulate
 from kaitian_ros.core.stripe import StripeRunner
@@ -350,3 +350,22 @@ def test_streaming_is_chosen_only_where_it_pays() -> None:
     streamed = next(c for c in slow.candidates if c.slab_rows == 4)
     whole = next(c for c in slow.candidates if c.slab_rows == h)
     assert streamed.predicted_ms < whole.predicted_ms
+
+
+def test_measured_plans_are_candidates_but_fixed_shares_stay_fixed() -> None:
+    """A plan that ran lately is compared by what it measured; with fixed shares a stripes plan
+    that ran with other shares is not a candidate."""
+    g = _graph("resnet18", (3, 64, 64))
+    costs = Costs({"a": _profile(g, "a", 0.05), "b": _profile(g, "b", 0.05)}, {}, FREE)
+    other = PlanSpec.stripes(["a", "b"], [0.6, 0.4])
+    fast = {spec_key(other, 8): (other, 8, 0.001)}  # "measured" absurdly fast
+    free = choose_plan(g, ["a", "b"], costs, slab_rows=8, strategy="stripes", measured=fast)
+    assert free.best.spec.segment_shares[0] == pytest.approx((0.6, 0.4)) and free.best.measured_ms == 0.001
+    fixed = choose_plan(g, ["a", "b"], costs, slab_rows=8, strategy="stripes", shares=[1.0, 1.0],
+                        adapt_shares=False, measured=fast)
+    assert all(c.spec.segment_shares[0] == pytest.approx((0.5, 0.5)) for c in fixed.candidates)
+    same = PlanSpec.stripes(["a", "b"], [0.5, 0.5], fixed.best.spec.cuts)
+    seen = {spec_key(same, 8): (same, 8, 0.002)}
+    again = choose_plan(g, ["a", "b"], costs, slab_rows=8, strategy="stripes", shares=[1.0, 1.0],
+                        adapt_shares=False, measured=seen)
+    assert again.best.measured_ms == 0.002  # its own measurement counts

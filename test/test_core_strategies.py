@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from plan_checks import assert_close, assert_plan_invariants
 
 from kaitian_ros.core.graph import split_model
 from kaitian_ros.core.models import build_model
@@ -30,12 +31,6 @@ def _graph(name: str):
     return _GRAPHS[name]
 
 
-def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
-    assert out.shape == ref.shape and torch.isfinite(out).all()
-    err = float((out - ref).abs().max())
-    assert err <= 1e-4 * float(ref.abs().max()), err
-
-
 def _input(seed: int) -> torch.Tensor:
     return torch.randn(1, *SHAPE, generator=torch.Generator().manual_seed(seed))
 
@@ -46,35 +41,11 @@ def _seg_flops(g, cuts) -> list[float]:
             for a, b in zip(bounds, bounds[1:])]
 
 
-def _check_invariants(g, plan) -> None:
-    """Every output row of every segment owned exactly once (contiguous, node order); the halo
-    rows a node receives are exactly the input rows it reads but did not compute itself, each
-    sent by the node that owns it."""
-    ids = plan.node_ids
-    assert plan.segments[0].in_value == 0 and plan.segments[-1].out_value == g.output_value
-    for k, seg in enumerate(plan.segments):
-        assert seg.in_value == (0 if k == 0 else plan.segments[k - 1].out_value)
-        owned = [r for lo, hi in seg.out_rows for r in range(lo, hi)]
-        assert owned == list(range(g.value_shapes[seg.out_value][1]))
-        if k == 0:
-            assert not seg.halos
-            continue
-        prev = plan.segments[k - 1].out_rows
-        for i, n in enumerate(ids):
-            lo, hi = seg.in_rows[i]
-            missing = {r for r in range(lo, hi) if not prev[i][0] <= r < prev[i][1]}
-            got = [r for h in plan.halo_sources(n, k) for r in range(h.lo, h.hi)]
-            assert sorted(got) == sorted(missing) and len(got) == len(set(got))
-            for h in plan.halo_sources(n, k):
-                j = ids.index(h.src)
-                assert h.src != n and prev[j][0] <= h.lo < h.hi <= prev[j][1]
-
-
 def _run_all_ways(g, plan, x, ref, rng: random.Random) -> None:
     whole = max(hi - lo for lo, hi in map(plan.input_rows_for, plan.active_nodes()))
     for min_run_rows in (1, 8):
         slab = rng.choice([1, 2, 3, 5, 8, max(1, whole)])
-        _close(run_plan_locally(g, plan, x, slab_rows=slab, seed=rng.randrange(10**6),
+        assert_close(run_plan_locally(g, plan, x, slab_rows=slab, seed=rng.randrange(10**6),
                                 min_run_rows=min_run_rows), ref)
 
 
@@ -87,14 +58,14 @@ def test_single_plans_are_exact(name: str) -> None:
     rng = random.Random(11)
     for node in ("a", "b"):
         plan = build_plan(g, PlanSpec.single(node), slab_rows=4)
-        _check_invariants(g, plan)
+        assert_plan_invariants(g, plan)
         assert plan.strategy == "single" and plan.active_nodes() == (node,)
         assert plan.input_rows_for(node) == (0, SHAPE[1])
         assert plan.output_rows_for(node) == (0, g.trunk_output_shape[1])
         assert plan.shares == (1.0,) and plan.num_segments == 1
         _run_all_ways(g, plan, x, ref, rng)
     # the deterministic round-robin delivery too
-    _close(run_plan_locally(g, build_plan(g, PlanSpec.single("a")), x, min_run_rows=8), ref)
+    assert_close(run_plan_locally(g, build_plan(g, PlanSpec.single("a")), x, min_run_rows=8), ref)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -107,7 +78,7 @@ def test_layerwise_plans_are_exact_at_every_cut_in_both_orders(name: str) -> Non
     for cut in g.cut_values:
         for first, second in (("a", "b"), ("b", "a")):
             plan = build_plan(g, PlanSpec.layerwise(first, second, cut), slab_rows=4)
-            _check_invariants(g, plan)
+            assert_plan_invariants(g, plan)
             assert plan.strategy == "layerwise" and plan.cut_values == (cut,)
             assert plan.node_ids == (first, second) and plan.active_nodes() == (first, second)
             # the first runs the whole first segment and reads the whole image, the second
@@ -142,7 +113,7 @@ def test_stripes_with_solo_tails_are_exact(name: str) -> None:
     rng = random.Random(7)
     for spec in _solo_specs(g):
         plan = build_plan(g, spec, slab_rows=4)
-        _check_invariants(g, plan)
+        assert_plan_invariants(g, plan)
         if spec.segment_shares[-1] != spec.segment_shares[0]:  # a solo tail
             who = max(range(len(spec.node_ids)), key=lambda i: spec.segment_shares[-1][i])
             last = plan.segments[-1]
@@ -169,7 +140,7 @@ def test_three_node_layerwise_chain_is_exact() -> None:
     spec = PlanSpec("layerwise", ("a", "b", "c"), (c1, c2),
                     ((1.0, 0.0, 0.0), (0.0, 0.0, 1.0), (0.0, 1.0, 0.0)))
     plan = build_plan(g, spec)
-    _check_invariants(g, plan)
+    assert_plan_invariants(g, plan)
     assert [(h.src, h.dst) for s in plan.segments for h in s.halos] == [("a", "c"), ("c", "b")]
     x = _input(4)
     ref = g.run_trunk(x)

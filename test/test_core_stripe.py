@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from plan_checks import assert_close
 
 from kaitian_ros.core.graph import split_model
 from kaitian_ros.core.models import build_model
@@ -28,12 +29,6 @@ def _graph(name: str, shape: tuple[int, int, int]):
     return _GRAPHS[key]
 
 
-def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
-    assert out.shape == ref.shape and torch.isfinite(out).all()
-    err = float((out - ref).abs().max())
-    assert err <= 1e-4 * float(ref.abs().max()), err
-
-
 SHARES = [[1.0], [0.5, 0.5], [0.67, 0.33], [0.6, 0.001, 0.399], [0.1, 0.2, 0.3, 0.4]]
 
 
@@ -50,12 +45,12 @@ def test_gathered_stripes_equal_trunk(name: str, shape: tuple[int, int, int]) ->
         plan = make_plan(g, ids, shares, cuts=cut_choices[si % 3])
         whole = max(hi - lo for lo, hi in map(plan.input_rows_for, ids))
         for slab in (1, 3, 8, max(whole, 1)):
-            _close(run_plan_locally(g, plan, x, slab_rows=slab, seed=rng.randrange(10**6),
+            assert_close(run_plan_locally(g, plan, x, slab_rows=slab, seed=rng.randrange(10**6),
                                     min_run_rows=1 + si % 3 * 4), ref)
     # deterministic delivery order and deferred (batched) runs give the same numbers
     plan = make_plan(g, ["a", "b", "c"], [0.3, 0.3, 0.4], cuts=g.cut_values)
-    _close(run_plan_locally(g, plan, x, slab_rows=3, min_run_rows=1), ref)
-    _close(run_plan_locally(g, plan, x, slab_rows=2, seed=5, min_run_rows=4), ref)
+    assert_close(run_plan_locally(g, plan, x, slab_rows=3, min_run_rows=1), ref)
+    assert_close(run_plan_locally(g, plan, x, slab_rows=2, seed=5, min_run_rows=4), ref)
 
 
 class _Pools(torch.nn.Module):
@@ -90,14 +85,14 @@ def test_local_ops_through_stripes(make, shape: tuple[int, int, int]) -> None:
         for cuts in (None, g.cut_values):
             plan = make_plan(g, ids, shares, cuts=cuts)
             for slab, min_run_rows in ((1, 1), (4, 8)):
-                _close(run_plan_locally(g, plan, x, slab_rows=slab, seed=slab, min_run_rows=min_run_rows), ref)
+                assert_close(run_plan_locally(g, plan, x, slab_rows=slab, seed=slab, min_run_rows=min_run_rows), ref)
 
 
 def test_batch_of_two() -> None:
     g = _graph("digits_cnn", (3, 32, 32))
     x = torch.randn(2, 3, 32, 32)
     plan = make_plan(g, ["a", "b"], [0.4, 0.6], cuts=g.cut_values)
-    _close(run_plan_locally(g, plan, x, slab_rows=5, seed=1), g.run_trunk(x))
+    assert_close(run_plan_locally(g, plan, x, slab_rows=5, seed=1), g.run_trunk(x))
 
 
 def test_emissions_go_where_the_plan_says() -> None:

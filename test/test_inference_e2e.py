@@ -24,7 +24,8 @@ def test_two_compute_processes_match_single_device(tmp_path):
         assert len(g.fused) == FRAMES, "exactly one FusedOutput per frame"
         assert {int(f.request_id) for f in outputs} == set(range(1, FRAMES + 1)), "no request lost"
         for f in outputs:  # (check_outputs compared node_ids/node_rows with the announced plan)
-            assert f.plan_version == plan.version
+            # the planner may refine cuts as measurements come in; the nodes stay both
+            assert list(g.executed_plan(f.plan_version).node_ids) == ["compute_0", "compute_1"]
         assert not g.dead_children()
 
 

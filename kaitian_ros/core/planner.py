@@ -226,17 +226,13 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
         return cands[key].expected_ms
 
     whole = graph.input_shape[1]
-    given_key = None
-    if given is not None and sum(given) > 0:
-        given_key = spec_key(PlanSpec.stripes(ids, given), slab_rows)[3][0]
     for spec, slab, _ in measured.values():
         if strategy not in ("auto", spec.strategy) or not set(spec.node_ids) <= set(ids):
             continue
         if spec.strategy == "stripes" and not adapt_shares:
-            # fixed shares: a stripes plan that ran with other shares is not a candidate
-            full = dict(zip(spec.node_ids, spec.segment_shares[0]))
-            if spec_key(PlanSpec.stripes(ids, [full.get(n, 0.0) for n in ids]), slab)[3][0] != given_key:
-                continue
+            # fixed shares: only stripes by those shares (the search builds them, and they get
+            # their measurement through their key); one that ran with other shares is no candidate
+            continue
         evaluate(spec, slab)
 
     if strategy in ("auto", "single"):

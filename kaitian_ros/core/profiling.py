@@ -13,7 +13,6 @@ times later.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Callable

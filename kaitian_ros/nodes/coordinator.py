@@ -32,7 +32,7 @@ import torch
 
 from kaitian_ros.core import planner
 from kaitian_ros.core.costs import COORDINATOR, Costs, DeviceProfile, LinkEstimate, LinkMeter, profile_problem
-from kaitian_ros.core.plan import CostModel, Plan, PlanSpec, build_plan
+from kaitian_ros.core.plan import CostModel, Plan, PlanSpec
 from kaitian_ros.core.policy import Assignment
 from kaitian_ros.core.tensors import ImageFormatError, image_to_array, resize_pixels
 from kaitian_ros.nodes import inference_common as ic

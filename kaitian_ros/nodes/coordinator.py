@@ -209,7 +209,8 @@ class Coordinator:
         if self.assignment is not None and proposal.version <= self.assignment.version:
             return
         self.assignment = proposal
-        self._replan_soon(f"scheduler v{proposal.version}: {proposal.reason}", effective=proposal.effective_from_request)
+        self._replan_soon(f"scheduler v{proposal.version}: {proposal.reason}", effective=proposal.effective_from_request,
+                          proposal=True)
 
     def _shares_for(self, alive: tuple[str, ...]) -> tuple[tuple[float, ...], str]:
         """The proposed shares of the alive nodes (aligned with `alive`) and their policy."""
@@ -287,11 +288,17 @@ class Coordinator:
         if request is not None:
             self._apply_plan(request, *_choose(self.graph, request))
 
-    def _replan_soon(self, reason: str, effective: int = 0) -> None:
+    def _replan_soon(self, reason: str, effective: int = 0, proposal: bool = False) -> None:
         """Re-predict with new measurements on a planner thread (a full search takes up to a few
         hundred ms for a deep model over three nodes: the executor goes on serving frames);
-        `_check` applies the result. Switches only for a predicted gain of `min_plan_gain`."""
+        `_check` applies the result. Switches only for a predicted gain of `min_plan_gain`.
+
+        Only the adaptive policy follows measurements: with fixed shares (no scheduler, or the
+        scheduler's static/equal/profile_once policies) a plan is chosen when the nodes, the
+        parameters or the proposed shares (`proposal`) change, and then kept."""
         self.last_replan = time.monotonic()
+        if not proposal and self._shares_for(tuple(n for n in self.nodes if n in self.alive))[1] != "adaptive":
+            return
         if self._planner_thread is not None:
             self._replan_again = (reason, max(effective, self._replan_again[1] if self._replan_again else 0))
             return
@@ -325,7 +332,7 @@ class Coordinator:
         if self._replan_again is not None:
             reason, effective = self._replan_again
             self._replan_again = None
-            self._replan_soon(reason, effective)
+            self._replan_soon(reason, effective, proposal=True)
 
     def _plan_request(self, reason: str, effective: int, force: bool) -> PlanRequest | None:
         self.last_replan = time.monotonic()

@@ -15,7 +15,7 @@ from kaitian_ros.core.costs import COORDINATOR, Costs, DeviceProfile, LinkEstima
 from kaitian_ros.core.graph import split_model
 from kaitian_ros.core.models import build_model
 from kaitian_ros.core.plan import PlanSpec, build_plan
-from kaitian_ros.core.planner import choose_plan, predict, spec_key, speed_shares, stripe_specs
+from kaitian_ros.core.planner import MeasuredPlan, choose_plan, predict, spec_key, speed_shares, stripe_specs
 from kaitian_ros.core.profiling import MeasuredCosts, measure_profile, probe
 from kaitian_ros.core.simulate import simulate
 from kaitian_ros.core.stripe import StripeRunner
@@ -358,14 +358,65 @@ def test_measured_plans_are_candidates_but_fixed_shares_stay_fixed() -> None:
     g = _graph("resnet18", (3, 64, 64))
     costs = Costs({"a": _profile(g, "a", 0.05), "b": _profile(g, "b", 0.05)}, {}, FREE)
     other = PlanSpec.stripes(["a", "b"], [0.6, 0.4])
-    fast = {spec_key(other, 8): (other, 8, 0.001)}  # "measured" absurdly fast
+    fast = {spec_key(other, 8): MeasuredPlan(other, 8, 0.001)}  # "measured" absurdly fast
     free = choose_plan(g, ["a", "b"], costs, slab_rows=8, strategy="stripes", measured=fast)
     assert free.best.spec.segment_shares[0] == pytest.approx((0.6, 0.4)) and free.best.measured_ms == 0.001
     fixed = choose_plan(g, ["a", "b"], costs, slab_rows=8, strategy="stripes", shares=[1.0, 1.0],
                         adapt_shares=False, measured=fast)
     assert all(c.spec.segment_shares[0] == pytest.approx((0.5, 0.5)) for c in fixed.candidates)
     same = PlanSpec.stripes(["a", "b"], [0.5, 0.5], fixed.best.spec.cuts)
-    seen = {spec_key(same, 8): (same, 8, 0.002)}
+    seen = {spec_key(same, 8): MeasuredPlan(same, 8, 0.002)}
     again = choose_plan(g, ["a", "b"], costs, slab_rows=8, strategy="stripes", shares=[1.0, 1.0],
                         adapt_shares=False, measured=seen)
     assert again.best.measured_ms == 0.002  # its own measurement counts
+
+
+def test_the_running_plan_is_judged_by_its_measured_latency() -> None:
+    """The coordinator's planning round reports the running plan as (predicted, measured) ms:
+    the measurement itself, not another field of the record (a slab size taken for a latency
+    kept any plan running whose alternatives were slower than 64 ms)."""
+    from kaitian_ros.nodes.coordinator import PlanRequest, _choose
+
+    g = _graph("resnet18", (3, 64, 64))
+    costs = Costs({"a": _profile(g, "a", 0.05), "b": _profile(g, "b", 0.05)}, {}, FREE)
+    running = PlanSpec.single("a")
+    seen = {spec_key(running, 8): MeasuredPlan(running, 8, 123.0)}
+    request = PlanRequest("test", 0, False, ("a", "b"), ("a", "b"), (1.0, 1.0), "adaptive", True, 0.1, seen,
+                          costs, (), 8, "auto", 1, running, 8, True)
+    choice, was = _choose(g, request)
+    assert choice is not None and was is not None
+    assert was[1] == 123.0
+    assert was[0] == pytest.approx(predict(g, running, costs, slab_rows=8))
+
+
+def test_untried_plans_on_nodes_that_ran_slower_than_predicted_are_expected_slower_too() -> None:
+    """A stripes plan measured 2.5x its prediction: the other stripes plans over the same two
+    nodes carry that error (contention the model does not see), single-node plans do not."""
+    g = _graph("resnet18", (3, 64, 64))
+    costs = Costs({"a": _profile(g, "a", 0.05), "b": _profile(g, "b", 0.05)}, {}, FREE)
+    first = choose_plan(g, ["a", "b"], costs, slab_rows=8)
+    ran = next(c for c in first.candidates if c.spec.strategy == "stripes" and len(c.spec.cuts) == 0)
+    seen = {spec_key(ran.spec, ran.slab_rows): MeasuredPlan(ran.spec, ran.slab_rows, 2.5 * ran.predicted_ms)}
+    again = choose_plan(g, ["a", "b"], costs, slab_rows=8, measured=seen)
+    for c in again.candidates:
+        both = len(build_plan(g, c.spec, slab_rows=c.slab_rows).active_nodes()) == 2
+        if c.measured_ms is not None:
+            assert c.expected_ms == pytest.approx(2.5 * ran.predicted_ms)
+        elif both:
+            assert c.model_error == pytest.approx(2.5) and c.expected_ms == pytest.approx(2.5 * c.predicted_ms)
+            assert "as measured on these nodes" in c.describe_ms()
+        else:
+            assert c.model_error == 1.0 and c.expected_ms == c.predicted_ms
+    # equal nodes: splitting was the best guess; at 2.5x the model's error a single node wins
+    assert first.best.spec.strategy == "stripes"
+    assert again.best.spec.strategy == "single"
+    # a third node: plans over a pair that never ran take the error of the pair that did, and
+    # so do plans over all three (more nodes at once miss at least as much)
+    costs3 = Costs({n: _profile(g, n, 0.05) for n in "abc"}, {}, FREE)
+    three = choose_plan(g, ["a", "b", "c"], costs3, slab_rows=8, measured=seen)
+    other_pair = [c for c in three.candidates
+                  if set(build_plan(g, c.spec, slab_rows=c.slab_rows).active_nodes()) == {"a", "c"}]
+    assert other_pair and all(c.model_error == pytest.approx(2.5) for c in other_pair)
+    assert all(c.model_error == pytest.approx(2.5) for c in three.candidates
+               if len(build_plan(g, c.spec, slab_rows=c.slab_rows).active_nodes()) == 3)
+    assert three.best.spec.strategy == "single"

@@ -147,24 +147,43 @@ class CostRefiner:
     """Turns a start-up profile into a current one: the start-up costs give each op's share of
     the work, what the node really takes scales them all.
 
-    Live work: the wall time of a request's feeds (runs, bookkeeping, the emulated release wait;
-    not publishing) against the start-up cost of the runs they computed, once per request. The
-    EWMA of the two sums is the device ratio. Per-op ratios are not kept: a run's wall time on
-    cores shared with other processes and the middleware's threads is too noisy for that, a
-    request's is not.
+    Live work: the device time of a request's feeds (runs and bookkeeping on the node's device
+    clock, the emulated slowdown applied; not publishing) against the start-up cost of the runs
+    they computed, once per request. The EWMA of the two sums is the device ratio. Device time,
+    not wall time: on cores shared with other processes a node also waits for a core, more so
+    while a plan keeps every node busy at once, and a ratio learnt under one plan would price
+    every other plan as slow (the coordinator's measured plan latencies carry that wait). Per-op
+    ratios are not kept: a single run's time is too noisy for that, a request's is not. A
+    request whose runs cost less than `min_feed_ms` at start-up says little about the device:
+    its feeds' fixed costs (decoding bookkeeping, interval algebra over every op) dominate, and
+    a node running a layer-wise tail of a few small ops read as 2.5x slower than it is. Two
+    requests in a row at more than `jump` times the current ratio (either way) are a device
+    that changed speed: the EWMA starts over from them instead of taking several requests to
+    follow; one such request alone is held back and, unless the next one confirms it, folded
+    in as usual.
 
     Idle probes: a node with nothing to compute times a few ops now and then. Probes see other
     conditions than live feeds (an idle node has its core and caches to itself), so a probe
     does not set the ratio; what moves it is the probe level's *drift* since the last live
     feed: a device that got faster or slower while idle (throttling, another workload, a new
-    emulated slowdown) shows it without being given work first. The level is the median of the
-    last three probes and moves only past `probe_deadband` (one noisy probe moves nothing).
+    emulated slowdown) shows it without being given work first. Other processes on the same
+    cores only ever make a probe slower, so the level is the *fastest* of the last
+    `probe_window` probes, and it moves only past `probe_deadband`: a device that really slowed
+    down shows it once a whole window of probes was slow, one that got faster at once. Measured
+    on the 2-core benchmark machine while the other nodes computed: single probes 0.8x to 4x
+    their start-up time, the fastest of five up to 1.6x for seconds on end (shared caches and
+    memory bandwidth slow the CPU time itself) - hence a deadband of 2: the changes probes are
+    for (a device 3x slower or faster, an emulated slowdown set live) pass it.
     """
 
     base: tuple[OpCost, ...]
     run_ms: float = 0.0  # start-up bookkeeping cost per run
+    min_feed_ms: float = 0.0  # requests whose runs cost less at start-up are not folded in
     alpha: float = 0.3
-    probe_deadband: float = 1.5  # probes here vary by up to 1.4x between idle periods
+    jump: float = 2.0
+    held: tuple[float, float] | None = None  # a request far from the ratio, awaiting the next
+    probe_deadband: float = 2.0
+    probe_window: int = 5
     measured_ms: float = 0.0  # EWMA of feed wall times
     predicted_ms: float = 0.0  # EWMA of the start-up costs of the same feeds
     feed_probe_ref: float = 1.0  # probe level at the last live feed
@@ -183,27 +202,39 @@ class CostRefiner:
     def observe_feed(self, measured_ms: float, predicted_ms: float) -> None:
         """Feeds (a request's, or one) took `measured_ms`; their runs cost `predicted_ms` at
         start-up."""
-        if predicted_ms <= 0 or not math.isfinite(measured_ms) or measured_ms < 0:
+        if predicted_ms <= 0 or predicted_ms < self.min_feed_ms or not math.isfinite(measured_ms) \
+                or measured_ms < 0:
             return
-        a = self.alpha
-        if self.live_samples == 0 or self.feed_probe_ref != self.probe_ratio:
-            # first feed, or the first since probes saw the device change: start from here
-            self.measured_ms, self.predicted_ms = measured_ms, predicted_ms
-        else:
-            self.measured_ms = (1 - a) * self.measured_ms + a * measured_ms
-            self.predicted_ms = (1 - a) * self.predicted_ms + a * predicted_ms
-        self.feed_probe_ref = self.probe_ratio
         self.live_samples += 1
+        probes_moved, self.feed_probe_ref = self.feed_probe_ref != self.probe_ratio, self.probe_ratio
+        if self.live_samples == 1 or probes_moved:
+            # first feed, or the first since probes saw the device change: start from here
+            self.measured_ms, self.predicted_ms, self.held = measured_ms, predicted_ms, None
+            return
+        ratio, now = measured_ms / predicted_ms, self.measured_ms / self.predicted_ms
+        if abs(math.log(ratio / now)) > math.log(self.jump):
+            held = self.held
+            if held is not None and (held[0] / held[1] > now) == (ratio > now):
+                # the second request in a row far from the ratio, the same way: a new speed
+                self.measured_ms, self.predicted_ms = held[0] + measured_ms, held[1] + predicted_ms
+                self.held = None
+            else:  # held back: noise unless the next request confirms it
+                self.held = (measured_ms, predicted_ms)
+            return
+        for m, p in ([self.held] if self.held is not None else []) + [(measured_ms, predicted_ms)]:
+            self.measured_ms = (1 - self.alpha) * self.measured_ms + self.alpha * m
+            self.predicted_ms = (1 - self.alpha) * self.predicted_ms + self.alpha * p
+        self.held = None
 
     def observe_probe(self, ms: float, base_ms: float) -> None:
         """A probe took `ms`; at start-up it took `base_ms`."""
         if base_ms <= 0 or not math.isfinite(ms) or ms <= 0:
             return
-        self.recent_probes = (self.recent_probes + [ms / base_ms])[-3:]
+        self.recent_probes = (self.recent_probes + [ms / base_ms])[-self.probe_window:]
         self.probe_samples += 1
-        if len(self.recent_probes) < 3:
+        if len(self.recent_probes) < self.probe_window:
             return
-        level = sorted(self.recent_probes)[1]
+        level = min(self.recent_probes)
         if abs(math.log(level / self.probe_ratio)) > math.log(self.probe_deadband):
             self.probe_ratio = level
 
@@ -298,6 +329,7 @@ class LinkMeter:
 
 # --------------------------------------------------------------------------- planner view
 COORDINATOR = "coordinator"
+DIRECT_LINK_FLOOR = 0.5  # a node-to-node rate below this x its measured legs' is not believed
 
 
 @dataclass(frozen=True)
@@ -321,13 +353,21 @@ class Costs:
 
     def link(self, src: str, dst: str) -> LinkEstimate:
         got = self.links.get((src, dst))
-        if got is not None:
-            return got
-        if src != COORDINATOR and dst != COORDINATOR:
-            up = self.links.get((src, COORDINATOR), self.link_prior)
-            down = self.links.get((COORDINATOR, dst), self.link_prior)
-            return LinkEstimate(min(up.bytes_per_ms, down.bytes_per_ms), up.latency_ms + down.latency_ms)
-        return self.link_prior
+        if src == COORDINATOR or dst == COORDINATOR:
+            return got if got is not None else self.link_prior
+        up, down = self.links.get((src, COORDINATOR)), self.links.get((COORDINATOR, dst))
+        legs = LinkEstimate(min((up or self.link_prior).bytes_per_ms, (down or self.link_prior).bytes_per_ms),
+                            (up or self.link_prior).latency_ms + (down or self.link_prior).latency_ms)
+        if got is None:
+            return legs
+        if up is not None and down is not None and got.bytes_per_ms < DIRECT_LINK_FLOOR * legs.bytes_per_ms:
+            # Traffic between two compute nodes is sparse, small halo chunks, and a receiver
+            # stamps a chunk when its busy interpreter gets to it: measured here as 1 kB/ms on
+            # links whose legs both carried 12 kB/ms. A direct rate far below what both legs
+            # measured is that delay, not the link, and would keep the planner off the link for
+            # good (nothing then corrects it): the legs' estimate stands.
+            return legs
+        return got
 
     def for_nodes(self, node_ids: Sequence[str]) -> NodeCosts:
         missing = [n for n in node_ids if n not in self.profiles]

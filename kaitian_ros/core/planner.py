@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .costs import Costs
 from .graph import ModelGraph
@@ -39,6 +41,7 @@ MAX_SUBSET_NODES = 4  # beyond this many nodes only the whole set is tried
 LAYERWISE_SIMULATED = 6
 SHARE_VECTORS_REFINED = 3
 SLAB_REFINED = 4
+MODEL_ERROR_MAX = 3.0  # a measured/predicted ratio applied to untried plans is clamped to [1/3, 3]
 
 
 @dataclass(frozen=True)
@@ -48,16 +51,20 @@ class Candidate:
     label: str
     measured_ms: float | None = None  # the latency this plan really had lately, if it ran
     slab_rows: int = 8  # image rows per input slab the coordinator streams
+    model_error: float = 1.0  # measured / predicted of plans that ran on the same nodes
 
     @property
     def expected_ms(self) -> float:
         """What the choice goes by: the measured latency where there is one (the model may be
-        wrong, the measurement is what users get), else the prediction."""
-        return self.predicted_ms if self.measured_ms is None else self.measured_ms
+        wrong, the measurement is what users get), else the prediction times the model's error
+        on plans that ran on the same set of nodes."""
+        return self.predicted_ms * self.model_error if self.measured_ms is None else self.measured_ms
 
     def describe_ms(self) -> str:
         text = f"predicted {self.predicted_ms:.1f} ms"
-        return text if self.measured_ms is None else text + f", measured {self.measured_ms:.1f} ms"
+        if self.measured_ms is not None:
+            return text + f", measured {self.measured_ms:.1f} ms"
+        return text if self.model_error == 1.0 else text + f" (x{self.model_error:.2f} as measured on these nodes)"
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,14 @@ class Choice:
         if self.runner_up is not None:
             text += f"; runner-up {self.runner_up.label}: {self.runner_up.describe_ms()}"
         return text
+
+
+class MeasuredPlan(NamedTuple):
+    """A plan that ran lately and the latency it really had (keyed by `spec_key`)."""
+
+    spec: PlanSpec
+    slab_rows: int
+    ms: float
 
 
 def spec_key(spec: PlanSpec, slab_rows: int) -> tuple:
@@ -177,7 +192,7 @@ def _share_vectors(graph: ModelGraph, ids: tuple[str, ...], costs: Costs, shares
 def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, slab_rows: int,
                 strategy: str = "auto", shares: Sequence[float] | None = None,
                 adapt_shares: bool = True, margin: float = 0.0,
-                measured: Mapping[tuple, tuple[PlanSpec, int, float]] | None = None,
+                measured: Mapping[tuple, MeasuredPlan] | None = None,
                 whole_image: bool = True) -> Choice:
     """The fastest predicted candidate (ValueError when no node has a profile) - or, when the
     best of a simpler strategy (single < layerwise < stripes) is predicted within `margin` of
@@ -194,7 +209,7 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
     means more, shorter runs: a fast device on a fast link can be better off without it);
     `whole_image` False keeps every plan at `slab_rows`.
 
-    `measured` maps `spec_key`s of plans that ran lately to (spec, slab rows, measured latency):
+    `measured` maps `spec_key`s of plans that ran lately to their `MeasuredPlan`:
     those plans are candidates too (if their strategy and nodes fit), and every candidate with a
     measured latency is compared by it rather than by its prediction."""
     if strategy not in STRATEGY_CHOICES:
@@ -207,6 +222,7 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
     cands: dict[tuple, Candidate] = {}
 
     measured = measured or {}
+    errors: dict[frozenset | int, float] = {}  # active node set (or their number) -> measured / predicted
 
     def evaluate(spec: PlanSpec, slab: int = slab_rows) -> float:
         key = spec_key(spec, slab)
@@ -221,8 +237,13 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
                 ms = simulate(graph, plan, costs).latency_ms
             seen = measured.get(key)
             label = spec.describe(graph) + (", whole image" if slab >= whole else "")
-            cands[key] = Candidate(spec, ms, label, seen[2] if seen is not None and math.isfinite(ms) else None,
-                                   slab)
+            error = errors.get(frozenset(active), errors.get(len(active), 1.0))
+            if frozenset(active) not in errors and len(active) not in errors and len(active) > 2:
+                # more nodes at once miss at least as much as fewer did (more contention)
+                error = max([errors[k] for k in errors if isinstance(k, int) and 2 <= k < len(active)],
+                            default=1.0)
+            cands[key] = Candidate(spec, ms, label, seen.ms if seen is not None and math.isfinite(ms) else None,
+                                   slab, error)
         return cands[key].expected_ms
 
     whole = graph.input_shape[1]
@@ -234,6 +255,19 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
             # their measurement through their key); one that ran with other shares is no candidate
             continue
         evaluate(spec, slab)
+    # The model's error on the plans that ran, per set of nodes computing at once (what the
+    # model misses most - nodes contending for shared cores, a slow path - depends on which
+    # nodes work together), else per number of such nodes (or fewer, for more nodes at once):
+    # unmeasured plans are expected to miss alike, so an optimistic model does not send the
+    # search from one untried plan (or pair of nodes) to the next.
+    by_nodes: dict[frozenset | int, list[float]] = {}
+    for c in cands.values():
+        if c.measured_ms is not None and math.isfinite(c.predicted_ms) and c.predicted_ms > 0:
+            nodes = frozenset(build_plan(graph, c.spec, slab_rows=c.slab_rows).active_nodes())
+            by_nodes.setdefault(nodes, []).append(c.measured_ms / c.predicted_ms)
+            by_nodes.setdefault(len(nodes), []).append(c.measured_ms / c.predicted_ms)
+    errors.update({k: min(MODEL_ERROR_MAX, max(1.0 / MODEL_ERROR_MAX, statistics.median(v)))
+                   for k, v in by_nodes.items()})
 
     if strategy in ("auto", "single"):
         for n in ids:

@@ -20,6 +20,7 @@ version goes out when the costs moved by ``profile_change`` or more.
 from __future__ import annotations
 
 import collections
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,8 +71,7 @@ class RequestState:
     first_output_s: float = 0.0
     last_output_s: float = 0.0
     compute_s: float = 0.0
-    feeds_ms: float = 0.0  # wall time of its feeds, publishing excepted
-    feeds_predicted_ms: float = 0.0  # start-up cost of the runs they computed
+    feeds_predicted_ms: float = 0.0  # start-up cost of the runs its feeds computed
     bytes_in: int = 0
     bytes_out: int = 0
     frame_id: str = ""
@@ -84,6 +84,10 @@ class ComputeNode:
         self.node_id = rt.node_name
         self.params = rt.declare_parameters(PARAMETERS)
         torch.set_num_threads(self.params["threads"])
+        # a chunk's arrival is stamped on the middleware's thread once it gets the interpreter:
+        # at the default 5 ms switch interval the executor's bookkeeping delays that stamp by
+        # more than a halo chunk takes on the link (the link meters read arrival gaps)
+        sys.setswitchinterval(0.0005)
         self.device = ic.check_device(self.params["device"])
         self.spec = ic.ModelSpec.from_params(self.params)
         self.graph = ic.build_graph(self.spec, self.params["device"])
@@ -136,7 +140,9 @@ class ComputeNode:
         # live runs, in wall time, then scale it to what a request really waits for
         self.measured, self.probe_inputs = profiling.measure_profile(
             self.graph, self.busy_clock, slowdown=slowdown, budget_s=self.params["profile_budget_s"])
-        self.refiner = CostRefiner(self.measured.op_costs, self.measured.run_ms)
+        # a request that computed less than a tenth of the trunk: its fixed costs dominate
+        self.refiner = CostRefiner(self.measured.op_costs, self.measured.run_ms,
+                                   min_feed_ms=0.1 * self.measured.trunk_ms)
         self.meters: dict[str, LinkMeter] = {}
         self.message_ms = 0.05  # prior until measured: decode + bookkeeping of one chunk here
         self.profile_version = 0
@@ -311,19 +317,16 @@ class ComputeNode:
         # device-clock time inside `emit` - the EMULATED wait and publishing - is not compute
         # (on a wall-clock device such as CUDA the wait would otherwise count as compute)
         outside = 0.0
-        publishing = 0.0  # wall time spent publishing (the planner prices that per byte)
         self._feed_predicted = 0.0
 
         def emit(e: Any) -> None:
-            nonlocal outside, publishing
+            nonlocal outside
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             e0 = self.busy_clock()
             if slowdown > 1.0:  # EMULATED: a device s times slower has these rows only now
                 _sleep_until(wall0 + slowdown * (e0 - t0 - outside))
-            p0 = time.perf_counter()
             self._publish(state, plan, [e])
-            publishing += time.perf_counter() - p0
             outside += self.busy_clock() - e0
 
         state.runner.feed(int(msg.segment), int(msg.row_offset), rows, emit=emit)
@@ -334,7 +337,6 @@ class ComputeNode:
             _sleep_until(wall0 + slowdown * spent)  # emulated: this device is s times slower
             spent *= slowdown
         wall = time.perf_counter() - wall0
-        state.feeds_ms += (wall - publishing) * 1e3
         state.feeds_predicted_ms += self._feed_predicted
         return spent, wall
 
@@ -360,7 +362,10 @@ class ComputeNode:
     def _finish(self, state: RequestState, plan: Plan) -> None:
         del self.requests[state.request_id]
         if self.completed > 0:  # the first request's calls build kernels and pack weights
-            self.refiner.observe_feed(state.feeds_ms, state.feeds_predicted_ms)
+            # device time, as the start-up profile measured it: on a CPU the time this process
+            # waited for a core the other nodes share is not the device's speed (it made
+            # every plan look as slow as the one running with all nodes busy at once)
+            self.refiner.observe_feed(state.compute_s * 1e3, state.feeds_predicted_ms)
         self.completed += 1
         self._maybe_publish_profile()  # a device that changed speed shows it after one request
         end = time.time()

@@ -255,8 +255,8 @@ class Coordinator:
                 return False
         return True
 
-    def _measured(self) -> dict[tuple, tuple[PlanSpec, int, float]]:
-        return {k: (o.spec, o.slab_rows, o.ms) for k, o in self.observed.items()
+    def _measured(self) -> dict[tuple, planner.MeasuredPlan]:
+        return {k: planner.MeasuredPlan(o.spec, o.slab_rows, o.ms) for k, o in self.observed.items()
                 if o.n >= MEASURED_MIN and self._still_valid(o)}
 
     def _costs(self, nodes: tuple[str, ...], shares: tuple[float, ...]) -> tuple[Costs, list[str]]:
@@ -645,7 +645,7 @@ class Coordinator:
 
 
 SPEED_CHANGE = 1.3  # a profile whose trunk time moved this much is a device that changed speed
-OBSERVED_TTL_S = 20.0  # a plan's measured latency is forgotten this long after it last ran
+OBSERVED_TTL_S = 60.0  # a plan's measured latency is forgotten this long after it last ran
 MEASURED_MIN = 2  # requests that ran alone before a plan's measured latency counts
 
 
@@ -673,7 +673,7 @@ class PlanRequest:
     policy: str
     share_search: bool
     margin: float  # a more complex strategy must be predicted this much faster
-    measured: dict  # spec_key -> (spec, measured ms) of plans that ran lately
+    measured: dict  # spec_key -> planner.MeasuredPlan: plans that ran lately
     costs: Costs
     missing: tuple[str, ...]  # nodes planned with prior costs
     slab_rows: int
@@ -695,7 +695,7 @@ def _choose(graph: Any, r: PlanRequest) -> tuple[planner.Choice | None, Any]:
         if r.latest_spec is not None and set(r.latest_spec.node_ids) <= set(r.nodes):
             predicted = planner.predict(graph, r.latest_spec, r.costs, slab_rows=r.latest_slab_rows)
             seen = r.measured.get(planner.spec_key(r.latest_spec, r.latest_slab_rows))
-            was = (predicted, seen[1] if seen is not None else predicted)
+            was = (predicted, seen.ms if seen is not None else predicted)
         return choice, was
     except (ValueError, RuntimeError) as exc:
         return None, exc

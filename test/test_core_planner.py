@@ -375,7 +375,7 @@ def test_the_running_plan_is_judged_by_its_measured_latency() -> None:
     """The coordinator's planning round reports the running plan as (predicted, measured) ms:
     the measurement itself, not another field of the record (a slab size taken for a latency
     kept any plan running whose alternatives were slower than 64 ms)."""
-    from kaitian_ros.nodes.coordinator import PlanRequest, _choose
+    from kaitian_ros.nodes.planner_process import PlanRequest, plan_round
 
     g = _graph("resnet18", (3, 64, 64))
     costs = Costs({"a": _profile(g, "a", 0.05), "b": _profile(g, "b", 0.05)}, {}, FREE)
@@ -383,7 +383,7 @@ def test_the_running_plan_is_judged_by_its_measured_latency() -> None:
     seen = {spec_key(running, 8): MeasuredPlan(running, 8, 123.0)}
     request = PlanRequest("test", 0, False, ("a", "b"), ("a", "b"), (1.0, 1.0), "adaptive", True, 0.1, seen,
                           costs, (), 8, "auto", 1, running, 8, True)
-    choice, was = _choose(g, request)
+    choice, was = plan_round(g, request)
     assert choice is not None and was is not None
     assert was[1] == 123.0
     assert was[0] == pytest.approx(predict(g, running, costs, slab_rows=8))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -258,16 +257,17 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
     # The model's error on the plans that ran, per set of nodes computing at once (what the
     # model misses most - nodes contending for shared cores, a slow path - depends on which
     # nodes work together), else per number of such nodes (or fewer, for more nodes at once):
-    # unmeasured plans are expected to miss alike, so an optimistic model does not send the
-    # search from one untried plan (or pair of nodes) to the next.
+    # unmeasured plans are expected to miss as badly as the worst of those did, so an
+    # optimistic model does not send the search from one untried plan (or pair of nodes) to
+    # the next: the model ranks plans on the same nodes less well than it ranks nodes (with
+    # the median, the search still went through eight stripes plans over the same two nodes).
     by_nodes: dict[frozenset | int, list[float]] = {}
     for c in cands.values():
         if c.measured_ms is not None and math.isfinite(c.predicted_ms) and c.predicted_ms > 0:
             nodes = frozenset(build_plan(graph, c.spec, slab_rows=c.slab_rows).active_nodes())
             by_nodes.setdefault(nodes, []).append(c.measured_ms / c.predicted_ms)
             by_nodes.setdefault(len(nodes), []).append(c.measured_ms / c.predicted_ms)
-    errors.update({k: min(MODEL_ERROR_MAX, max(1.0 / MODEL_ERROR_MAX, statistics.median(v)))
-                   for k, v in by_nodes.items()})
+    errors.update({k: min(MODEL_ERROR_MAX, max(1.0 / MODEL_ERROR_MAX, max(v))) for k, v in by_nodes.items()})
 
     if strategy in ("auto", "single"):
         for n in ids:

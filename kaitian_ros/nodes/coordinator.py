@@ -36,6 +36,7 @@ from kaitian_ros.core.plan import CostModel, Plan, PlanSpec
 from kaitian_ros.core.policy import Assignment
 from kaitian_ros.core.tensors import ImageFormatError, image_to_array, resize_pixels
 from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.nodes.planner_process import PlannerProcess, PlanRequest, plan_round, same_spec
 from kaitian_ros.runtime import interfaces, run_node
 from kaitian_ros.runtime.api import ParameterDescriptor as P
 from kaitian_ros.runtime.api import ParameterType as T
@@ -117,8 +118,7 @@ class Coordinator:
         self.choice: planner.Choice | None = None  # the planner's newest choice
         self.observed: dict[tuple, ObservedPlan] = {}  # what plans really took lately
         self.predicted_ms = 0.0  # the newest plan's latency as last predicted
-        self._planner_thread: threading.Thread | None = None
-        self._planned: tuple | None = None  # (request, choice, was_ms) from the planner thread
+        self.planner = PlannerProcess(self.spec)  # planning rounds off the executor
         self._replan_again: tuple[str, int] | None = None
         self.last_replan = 0.0
         self.requests: dict[int, Request] = {}
@@ -141,6 +141,9 @@ class Coordinator:
         rt.create_timer(1.0, self._report)
         rt.logger.info(f"{self.spec.name} {self.spec.input_shape} -> trunk {self.out_shape}, "
                        f"compute nodes {list(self.nodes)}")
+
+    def close(self) -> None:
+        self.planner.close()
 
     @staticmethod
     def _shares_problem(shares: list[float], nodes: list[str]) -> str:
@@ -286,11 +289,11 @@ class Coordinator:
         publish it as a new version if it differs from the newest one."""
         request = self._plan_request(reason, effective, force)
         if request is not None:
-            self._apply_plan(request, *_choose(self.graph, request))
+            self._apply_plan(request, *plan_round(self.graph, request))
 
     def _replan_soon(self, reason: str, effective: int = 0, proposal: bool = False) -> None:
-        """Re-predict with new measurements on a planner thread (a full search takes up to a few
-        hundred ms for a deep model over three nodes: the executor goes on serving frames);
+        """Re-predict with new measurements in the planner process (a full search takes up to a
+        few hundred ms for a deep model over three nodes: the executor goes on serving frames);
         `_check` applies the result. Switches only for a predicted gain of `min_plan_gain`.
 
         Only the adaptive policy follows measurements: with fixed shares (no scheduler, or the
@@ -299,29 +302,25 @@ class Coordinator:
         self.last_replan = time.monotonic()
         if not proposal and self._shares_for(tuple(n for n in self.nodes if n in self.alive))[1] != "adaptive":
             return
-        if self._planner_thread is not None:
+        if self.planner.busy is not None:
             self._replan_again = (reason, max(effective, self._replan_again[1] if self._replan_again else 0))
             return
         request = self._plan_request(reason, effective, False)
         if request is None:
             return
-
-        def work() -> None:
-            self._planned = (request, *_choose(self.graph, request))
-
-        # the planner is pure Python: hand the interpreter lock back to the executor often, so
-        # frames in flight are not held up behind a search (default 5 ms between switches)
-        sys.setswitchinterval(0.0005)
-        self._planner_thread = threading.Thread(target=work, name="planner", daemon=True)
-        self._planner_thread.start()
+        if self.planner.alive():
+            self.planner.submit(request)
+        else:  # the planner process is gone (killed, out of memory): plan here, slower but right
+            self.rt.logger.warning("planner process not running: planning on the executor")
+            self._apply_plan(request, *plan_round(self.graph, request))
 
     def _collect_plan(self) -> None:
-        """Apply a finished planner thread's choice (on the executor thread)."""
-        thread = self._planner_thread
-        if thread is None or thread.is_alive():
+        """Apply a finished planning round's choice (on the executor thread)."""
+        planned = self.planner.result()
+        if planned is None and self.planner.busy is not None and not self.planner.alive():
+            self.planner.busy = None  # it died during the round: plan again (on the executor)
+        if self.planner.busy is not None:
             return
-        self._planner_thread = None
-        planned, self._planned = self._planned, None
         if planned is not None:
             request = planned[0]
             latest = self.pending or self.current
@@ -374,7 +373,7 @@ class Coordinator:
         latest = self.pending or self.current
         spec = choice.best.spec
         old = self.plans.get(latest.version) if latest is not None else None
-        if old is not None and _same_spec(old.spec, spec) and old.slab_rows == choice.best.slab_rows:
+        if old is not None and same_spec(old.spec, spec) and old.slab_rows == choice.best.slab_rows:
             self.predicted_ms = choice.best.predicted_ms
             return
         if old is not None and request.strategy != "auto" and old.spec.strategy != request.strategy:
@@ -657,54 +656,6 @@ class ObservedPlan:
     n: int
     last_s: float  # monotonic time of the last one
     trunks: dict  # node -> profile trunk_ms when the measurement started
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    """Everything one planning round reads, taken on the executor thread (a planner thread
-    works on this snapshot only)."""
-
-    reason: str
-    effective: int
-    force: bool
-    alive: tuple[str, ...]
-    nodes: tuple[str, ...]  # the alive nodes that may take part
-    shares: tuple[float, ...]
-    policy: str
-    share_search: bool
-    margin: float  # a more complex strategy must be predicted this much faster
-    measured: dict  # spec_key -> planner.MeasuredPlan: plans that ran lately
-    costs: Costs
-    missing: tuple[str, ...]  # nodes planned with prior costs
-    slab_rows: int
-    strategy: str
-    latest_version: int
-    latest_spec: PlanSpec | None
-    latest_slab_rows: int
-    whole_image: bool  # the planner may send a plan's input in one slab
-
-
-def _choose(graph: Any, r: PlanRequest) -> tuple[planner.Choice | None, Any]:
-    """(choice, (predicted ms, expected ms: measured if it ran lately) of the newest plan now, or
-    None) - or (None, the error)."""
-    try:
-        choice = planner.choose_plan(graph, r.nodes, r.costs, slab_rows=r.slab_rows, strategy=r.strategy,
-                                     shares=r.shares, adapt_shares=r.share_search, margin=r.margin,
-                                     measured=r.measured, whole_image=r.whole_image)
-        was = None
-        if r.latest_spec is not None and set(r.latest_spec.node_ids) <= set(r.nodes):
-            predicted = planner.predict(graph, r.latest_spec, r.costs, slab_rows=r.latest_slab_rows)
-            seen = r.measured.get(planner.spec_key(r.latest_spec, r.latest_slab_rows))
-            was = (predicted, seen.ms if seen is not None else predicted)
-        return choice, was
-    except (ValueError, RuntimeError) as exc:
-        return None, exc
-
-
-def _same_spec(a: PlanSpec, b: PlanSpec) -> bool:
-    return (a.strategy == b.strategy and a.node_ids == b.node_ids and a.cuts == b.cuts
-            and all(math.isclose(x, y, abs_tol=1e-9) for ra, rb in zip(a.segment_shares, b.segment_shares)
-                    for x, y in zip(ra, rb)))
 
 
 def planner_prior_op(op: Any, prior: CostModel, scale: float) -> Any:

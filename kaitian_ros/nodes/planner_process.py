@@ -1,0 +1,145 @@
+"""The coordinator's planner rounds, in a process of their own.
+
+A planning round (`plan_round`) is a full search of the strategy-complete planner over one
+snapshot of what the coordinator knows (`PlanRequest`): pure Python, up to a few hundred ms for
+a deep model over three nodes. Run on a thread of the coordinator it held the interpreter lock
+for most of that time, and the coordinator's own work on frames - receiving the image, sending
+slabs, gathering rows, the head - waited for it: 6-10 ms more latency per frame while a search
+ran (measured: MobileNetV2 over three nodes). `PlannerProcess` runs rounds in a child process
+that builds the same model graph; the coordinator hands it requests and picks up results
+without ever waiting for one.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+from dataclasses import dataclass
+from typing import Any
+
+from kaitian_ros.core import planner
+from kaitian_ros.core.costs import Costs
+from kaitian_ros.core.graph import ModelGraph
+from kaitian_ros.core.plan import PlanSpec
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything one planning round reads, taken on the coordinator's executor thread (the
+    round works on this snapshot only)."""
+
+    reason: str
+    effective: int
+    force: bool
+    alive: tuple[str, ...]
+    nodes: tuple[str, ...]  # the alive nodes that may take part
+    shares: tuple[float, ...]
+    policy: str
+    share_search: bool
+    margin: float  # a more complex strategy must be predicted this much faster
+    measured: dict  # spec_key -> planner.MeasuredPlan: plans that ran lately
+    costs: Costs
+    missing: tuple[str, ...]  # nodes planned with prior costs
+    slab_rows: int
+    strategy: str
+    latest_version: int
+    latest_spec: PlanSpec | None
+    latest_slab_rows: int
+    whole_image: bool  # the planner may send a plan's input in one slab
+
+
+def plan_round(graph: ModelGraph, r: PlanRequest) -> tuple[planner.Choice | None, Any]:
+    """(choice, (predicted ms, expected ms: measured if it ran lately) of the newest plan now, or
+    None) - or (None, the error)."""
+    try:
+        choice = planner.choose_plan(graph, r.nodes, r.costs, slab_rows=r.slab_rows, strategy=r.strategy,
+                                     shares=r.shares, adapt_shares=r.share_search, margin=r.margin,
+                                     measured=r.measured, whole_image=r.whole_image)
+        was = None
+        if r.latest_spec is not None and set(r.latest_spec.node_ids) <= set(r.nodes):
+            predicted = planner.predict(graph, r.latest_spec, r.costs, slab_rows=r.latest_slab_rows)
+            seen = r.measured.get(planner.spec_key(r.latest_spec, r.latest_slab_rows))
+            was = (predicted, seen.ms if seen is not None else predicted)
+        return choice, was
+    except (ValueError, RuntimeError) as exc:
+        return None, exc
+
+
+def _serve(conn: Any, spec: Any) -> None:
+    """The child: build the graph, then answer requests until the coordinator goes away."""
+    import signal
+
+    import torch
+
+    from kaitian_ros.nodes import inference_common as ic
+
+    # Ctrl-C reaches the whole process group: the coordinator shuts down and closes the pipe,
+    # which ends this loop (no traceback of an interrupted recv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
+    graph = ic.build_graph(spec)
+    conn.send("ready")
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):  # the coordinator is gone
+            return
+        try:
+            result = plan_round(graph, request)
+        except Exception as exc:  # a round must never end the planner: report it as the error
+            result = (None, RuntimeError(f"planner failed: {type(exc).__name__}: {exc}"))
+        try:
+            conn.send(result)
+        except (BrokenPipeError, OSError):
+            return
+
+
+class PlannerProcess:
+    """One child process running planning rounds, one at a time (`submit`, then `result`)."""
+
+    def __init__(self, spec: Any) -> None:
+        # spawn, not fork: the coordinator has middleware and torch threads running
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child, spec), name="kaitian-planner", daemon=True)
+        self._proc.start()
+        child.close()
+        self.ready = False
+        self.busy: PlanRequest | None = None
+
+    def alive(self) -> bool:
+        return self._proc.is_alive()
+
+    def submit(self, request: PlanRequest) -> None:
+        if self.busy is not None:
+            raise RuntimeError("a planning round is already running")
+        self._conn.send(request)
+        self.busy = request
+
+    def result(self) -> tuple[PlanRequest, planner.Choice | None, Any] | None:
+        """The finished round (its request, choice, was) if one finished, else None; never waits."""
+        while self._conn.poll():
+            try:
+                got = self._conn.recv()
+            except (EOFError, OSError):
+                return None
+            if got == "ready":
+                self.ready = True
+                continue
+            request, self.busy = self.busy, None
+            return (request, *got) if request is not None else None
+        return None
+
+    def close(self) -> None:
+        try:
+            self._conn.close()
+        finally:
+            self._proc.join(timeout=2.0)
+            if self._proc.is_alive():
+                self._proc.kill()
+
+
+def same_spec(a: PlanSpec, b: PlanSpec) -> bool:
+    return (a.strategy == b.strategy and a.node_ids == b.node_ids and a.cuts == b.cuts
+            and all(math.isclose(x, y, abs_tol=1e-9) for ra, rb in zip(a.segment_shares, b.segment_shares)
+                    for x, y in zip(ra, rb)))

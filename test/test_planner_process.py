@@ -1,0 +1,75 @@
+"""The coordinator's planner process: the same choice as a round in-process, errors reported,
+the coordinator never waiting for it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kaitian_ros.core.costs import Costs, DeviceProfile, LinkEstimate, OpCost
+from kaitian_ros.core.planner import MeasuredPlan, spec_key
+from kaitian_ros.core.plan import PlanSpec
+from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.nodes.planner_process import PlannerProcess, PlanRequest, plan_round
+
+SPEC = ic.ModelSpec(name="digits_cnn", input_shape=(1, 32, 32), num_classes=10, seed=0, weights="")
+
+
+def _costs(graph) -> Costs:
+    def profile(node: str, per_mflop: float) -> DeviceProfile:
+        ops = tuple(OpCost(0.01, op.flops_per_row / 1e6 * per_mflop) for op in graph.ops)
+        return DeviceProfile(node, 1, SPEC.key, "cpu", 1.0, ops,
+                             sum(c.ms(op.out_shape[1]) for c, op in zip(ops, graph.ops)), 0.01, 8)
+
+    return Costs({"a": profile("a", 0.05), "b": profile("b", 0.1)}, {}, LinkEstimate(1e6, 0.0))
+
+
+def _request(costs: Costs, **over) -> PlanRequest:
+    running = PlanSpec.single("a")
+    fields = dict(reason="test", effective=0, force=False, alive=("a", "b"), nodes=("a", "b"),
+                  shares=(1.0, 1.0), policy="adaptive", share_search=True, margin=0.1,
+                  measured={spec_key(running, 8): MeasuredPlan(running, 8, 5.0)}, costs=costs,
+                  missing=(), slab_rows=8, strategy="auto", latest_version=1, latest_spec=running,
+                  latest_slab_rows=8, whole_image=True)
+    return PlanRequest(**(fields | over))
+
+
+def _wait(proc: PlannerProcess, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = proc.result()
+        if got is not None:
+            return got
+        time.sleep(0.02)
+    raise AssertionError("the planner process answered nothing")
+
+
+def test_the_planner_process_chooses_what_a_round_in_process_chooses() -> None:
+    torch.set_num_threads(1)
+    graph = ic.build_graph(SPEC)
+    costs = _costs(graph)
+    proc = PlannerProcess(SPEC)
+    try:
+        request = _request(costs)
+        t0 = time.monotonic()
+        proc.submit(request)
+        assert time.monotonic() - t0 < 1.0  # handing over a request does not wait for the round
+        with pytest.raises(RuntimeError, match="already running"):
+            proc.submit(request)
+        got_request, choice, was = _wait(proc)
+        here, was_here = plan_round(graph, request)
+        assert got_request == request and proc.busy is None and proc.ready
+        assert choice.best.spec == here.best.spec and choice.best.predicted_ms == pytest.approx(here.best.predicted_ms)
+        assert [c.label for c in choice.candidates] == [c.label for c in here.candidates]
+        assert was == pytest.approx(was_here) and was[1] == 5.0
+        # a request the planner cannot serve comes back as the error, and the process goes on
+        proc.submit(_request(costs, strategy="sideways"))
+        _, none, error = _wait(proc)
+        assert none is None and "strategy must be one of" in str(error)
+        proc.submit(request)
+        assert _wait(proc)[1].best.spec == here.best.spec
+    finally:
+        proc.close()
+    assert not proc.alive()

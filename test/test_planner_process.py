@@ -60,7 +60,7 @@ def test_the_planner_process_chooses_what_a_round_in_process_chooses() -> None:
             proc.submit(request)
         got_request, choice, was = _wait(proc)
         here, was_here = plan_round(graph, request)
-        assert got_request == request and proc.busy is None and proc.ready
+        assert got_request == request and proc.busy is None and proc.is_ready()
         assert choice.best.spec == here.best.spec and choice.best.predicted_ms == pytest.approx(here.best.predicted_ms)
         assert [c.label for c in choice.candidates] == [c.label for c in here.candidates]
         assert was == pytest.approx(was_here) and was[1] == 5.0

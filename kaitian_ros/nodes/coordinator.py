@@ -119,6 +119,7 @@ class Coordinator:
         self.observed: dict[tuple, ObservedPlan] = {}  # what plans really took lately
         self.predicted_ms = 0.0  # the newest plan's latency as last predicted
         self.planner = PlannerProcess(self.spec)  # planning rounds off the executor
+        self.planner_lost = False
         self._replan_again: tuple[str, int] | None = None
         self.last_replan = 0.0
         self.requests: dict[int, Request] = {}
@@ -308,11 +309,15 @@ class Coordinator:
         request = self._plan_request(reason, effective, False)
         if request is None:
             return
-        if self.planner.alive():
+        if self.planner.is_ready():
             self.planner.submit(request)
-        else:  # the planner process is gone (killed, out of memory): plan here, slower but right
-            self.rt.logger.warning("planner process not running: planning on the executor")
-            self._apply_plan(request, *plan_round(self.graph, request))
+            return
+        if not self.planner.alive() and not self.planner_lost:  # killed, out of memory: plan here
+            self.planner_lost = True
+            self.rt.logger.warning("planner process not running: planning on the executor from now on")
+        # (still starting: the first seconds after start-up, when nodes join and the scheduler
+        # adapts fast, must not wait for it)
+        self._apply_plan(request, *plan_round(self.graph, request))
 
     def _collect_plan(self) -> None:
         """Apply a finished planning round's choice (on the executor thread)."""
@@ -378,9 +383,13 @@ class Coordinator:
             return
         if old is not None and request.strategy != "auto" and old.spec.strategy != request.strategy:
             force = True  # the running plan is a fallback (too few nodes for the strategy asked)
-        if old is not None and not force and was is not None and set(old.active_nodes()) <= set(request.nodes):
+        if old is not None and not force and request.share_search and was is not None \
+                and set(old.active_nodes()) <= set(request.nodes):
             # the running plan can go on: switch only for a clear gain (no flapping between
-            # near-equal plans on measurement noise); by measurement where there is one
+            # near-equal plans on measurement noise); by measurement where there is one. Not
+            # when the shares are the scheduler's to choose (`share_search` off, or a fixed
+            # policy): then its proposal is the plan - e.g. a probe share for a node that
+            # (re)joined, which must get rows to be measured at all
             if was[1] <= choice.best.expected_ms * (1.0 + self.params["min_plan_gain"]):
                 self.predicted_ms = was[0]
                 return

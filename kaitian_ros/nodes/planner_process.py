@@ -110,6 +110,13 @@ class PlannerProcess:
     def alive(self) -> bool:
         return self._proc.is_alive()
 
+    def is_ready(self) -> bool:
+        """Whether the child has built its graph and takes requests (it starts with the
+        coordinator and needs a few seconds to import torch and build the model)."""
+        if not self.ready and self.busy is None:
+            self.result()
+        return self.ready and self.alive()
+
     def submit(self, request: PlanRequest) -> None:
         if self.busy is not None:
             raise RuntimeError("a planning round is already running")

@@ -125,3 +125,70 @@ def test_image_source_node_on_rclpy_publishes_sensor_data_images(ros_env: dict[s
             node.kill()
             out, _ = node.communicate()
     assert "Traceback" not in out, out[-3000:]
+
+
+def test_parameters_through_rclpy_parameter_services(ros_env: dict[str, str], tmp_path: Path) -> None:
+    """What `ros2 param set/get/describe/list` call, on a node running on real rclpy: a valid set
+    takes effect, out-of-range / wrong-type / read-only sets are refused with a reason, the
+    descriptor carries the range, and the node keeps running."""
+    params = tmp_path / "params.yaml"
+    params.write_text("camera:\n  ros__parameters:\n    rate_hz: 10.0\n    width: 64\n    height: 48\n")
+    env = dict(ros_env, KAITIAN_RUNTIME="ros")
+    node = subprocess.Popen([str(ROOT / ".ros2" / "venv" / "bin" / "python"), "-m", "kaitian_ros.nodes.image_source",
+                             "--ros-args", "-r", "__node:=camera", "--params-file", str(params)], env=env, cwd="/",
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        got = _ros_python(ros_env, """
+            import time
+            import rclpy
+            from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
+            from rcl_interfaces.srv import DescribeParameters, GetParameters, ListParameters, SetParameters
+
+            rclpy.init()
+            node = rclpy.create_node("param_check")
+
+            def call(srv_type, name, request):
+                client = node.create_client(srv_type, name)
+                assert client.wait_for_service(timeout_sec=30.0), name
+                future = client.call_async(request)
+                rclpy.spin_until_future_complete(node, future, timeout_sec=30.0)
+                assert future.done(), name
+                return future.result()
+
+            def set_one(name, value):
+                req = SetParameters.Request(parameters=[Parameter(name=name, value=value)])
+                return call(SetParameters, "/camera/set_parameters", req).results[0]
+
+            def get(name):
+                return call(GetParameters, "/camera/get_parameters", GetParameters.Request(names=[name])).values[0]
+
+            ok = set_one("rate_hz", ParameterValue(type=ParameterType.PARAMETER_DOUBLE, double_value=5.0))
+            assert ok.successful, ok.reason
+            assert get("rate_hz").double_value == 5.0
+            high = set_one("rate_hz", ParameterValue(type=ParameterType.PARAMETER_DOUBLE, double_value=5000.0))
+            assert not high.successful and high.reason, high
+            typed = set_one("rate_hz", ParameterValue(type=ParameterType.PARAMETER_STRING, string_value="fast"))
+            assert not typed.successful and typed.reason, typed
+            frozen = set_one("topic", ParameterValue(type=ParameterType.PARAMETER_STRING, string_value="/other"))
+            assert not frozen.successful and frozen.reason, frozen
+            assert get("rate_hz").double_value == 5.0 and get("topic").string_value == "/camera/image_raw"
+            desc = call(DescribeParameters, "/camera/describe_parameters",
+                        DescribeParameters.Request(names=["rate_hz", "topic"])).descriptors
+            rng = desc[0].floating_point_range[0]
+            assert (rng.from_value, rng.to_value) == (0.1, 1000.0) and desc[0].description, desc[0]
+            assert desc[1].read_only, desc[1]
+            names = call(ListParameters, "/camera/list_parameters", ListParameters.Request()).result.names
+            assert {"rate_hz", "width", "height", "topic"} <= set(names), names
+            print("PARAMS OK", high.reason, "|", typed.reason, "|", frozen.reason)
+            rclpy.shutdown()
+        """)
+        assert got.returncode == 0 and "PARAMS OK" in got.stdout, got.stdout[-3000:] + got.stderr[-3000:]
+        assert node.poll() is None, "a refused parameter stopped the node"
+    finally:
+        node.terminate()
+        try:
+            out, _ = node.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            node.kill()
+            out, _ = node.communicate()
+    assert "Traceback" not in out, out[-3000:]

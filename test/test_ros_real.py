@@ -192,3 +192,60 @@ def test_parameters_through_rclpy_parameter_services(ros_env: dict[str, str], tm
             node.kill()
             out, _ = node.communicate()
     assert "Traceback" not in out, out[-3000:]
+
+
+def test_latched_assignment_and_diagnostics_on_rclpy(ros_env: dict[str, str], tmp_path: Path) -> None:
+    """The scheduler on real rclpy, fed typed NodeTelemetry heartbeats: a subscriber created
+    after its assignment went out still gets it (latched: transient local), and /diagnostics
+    arrives as diagnostic_msgs/DiagnosticArray naming the node."""
+    params = tmp_path / "params.yaml"
+    params.write_text("scheduler:\n  ros__parameters:\n    compute_nodes: [compute_0]\n    policy: adaptive\n")
+    env = dict(ros_env, KAITIAN_RUNTIME="ros")
+    node = subprocess.Popen([str(ROOT / ".ros2" / "venv" / "bin" / "python"), "-m", "kaitian_ros.nodes.scheduler",
+                             "--ros-args", "-r", "__node:=scheduler", "--params-file", str(params)], env=env, cwd="/",
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        got = _ros_python(ros_env, """
+            import time
+            import rclpy
+            from diagnostic_msgs.msg import DiagnosticArray
+            from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+            from kaitian_ros.msg import LoadAssignment, NodeTelemetry
+
+            rclpy.init()
+            node = rclpy.create_node("latch_check")
+            diagnostics = []
+            node.create_subscription(DiagnosticArray, "/diagnostics", diagnostics.append, 10)
+            telemetry = node.create_publisher(NodeTelemetry, "/kaitian/telemetry", 10)
+            t0 = time.time()
+            while time.time() - t0 < 30 and not any("scheduler" in s.name for d in diagnostics for s in d.status
+                                                    if s.message.startswith("v")):
+                telemetry.publish(NodeTelemetry(node_id="compute_0", request_id=0, device="cpu"))
+                rclpy.spin_once(node, timeout_sec=0.1)
+            statuses = [s for d in diagnostics for s in d.status if "scheduler" in s.name]
+            assert statuses, [s.name for d in diagnostics for s in d.status]
+            assert any(s.message.startswith("v") for s in statuses), [s.message for s in statuses]
+            # the assignment went out before this subscriber exists
+            late = []
+            latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                                 durability=DurabilityPolicy.TRANSIENT_LOCAL)
+            node.create_subscription(LoadAssignment, "/kaitian/assignment", late.append, latched)
+            t0 = time.time()
+            while time.time() - t0 < 20 and not late:
+                rclpy.spin_once(node, timeout_sec=0.1)
+            assert late, "a late subscriber got no latched assignment"
+            a = late[-1]
+            assert a.version >= 1 and list(a.node_ids) == ["compute_0"] and abs(sum(a.shares) - 1.0) < 1e-6, a
+            print("LATCH OK", a.version, statuses[-1].message)
+            rclpy.shutdown()
+        """)
+        assert got.returncode == 0 and "LATCH OK" in got.stdout, got.stdout[-3000:] + got.stderr[-3000:]
+        assert node.poll() is None, "the scheduler exited"
+    finally:
+        node.terminate()
+        try:
+            out, _ = node.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            node.kill()
+            out, _ = node.communicate()
+    assert "Traceback" not in out, out[-3000:]

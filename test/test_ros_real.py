@@ -8,9 +8,11 @@ skipped with that line as the reason.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import subprocess
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,27 @@ def _ros_python(env: dict[str, str], code: str, timeout_s: float = 60.0) -> subp
     # would shadow the installed one on sys.path
     return subprocess.run([python, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
                           timeout=timeout_s, cwd="/")
+
+
+@contextlib.contextmanager
+def _ros_node(env: dict[str, str], module: str, name: str, params: Path) -> Iterator[subprocess.Popen]:
+    """A package node on rclpy, started as `ros2 launch` starts it; on leaving, it must still be
+    running (a refused parameter or a bad message must not end it) and must not have printed a
+    traceback."""
+    node = subprocess.Popen([str(ROOT / ".ros2" / "venv" / "bin" / "python"), "-m", module, "--ros-args", "-r",
+                             f"__node:={name}", "--params-file", str(params)], env=dict(env, KAITIAN_RUNTIME="ros"),
+                            cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        yield node
+        assert node.poll() is None, f"{name} exited"
+    finally:
+        node.terminate()
+        try:
+            out, _ = node.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            node.kill()
+            out, _ = node.communicate()
+    assert "Traceback" not in out, out[-3000:]
 
 
 def test_wire_equality_between_rclpy_and_the_package_codec(ros_env: dict[str, str]) -> None:
@@ -90,12 +113,7 @@ def test_image_source_node_on_rclpy_publishes_sensor_data_images(ros_env: dict[s
     sensor_msgs/Image frames of the configured size."""
     params = tmp_path / "params.yaml"
     params.write_text("camera:\n  ros__parameters:\n    rate_hz: 10.0\n    width: 96\n    height: 64\n")
-    env = dict(ros_env, KAITIAN_RUNTIME="ros")
-    node = subprocess.Popen([str(ROOT / ".ros2" / "venv" / "bin" / "python"),
-                             "-m", "kaitian_ros.nodes.image_source", "--ros-args", "-r", "__node:=camera",
-                             "--params-file", str(params)], env=env, cwd="/", stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
+    with _ros_node(ros_env, "kaitian_ros.nodes.image_source", "camera", params):
         got = _ros_python(ros_env, """
             import time
             import rclpy
@@ -116,15 +134,6 @@ def test_image_source_node_on_rclpy_publishes_sensor_data_images(ros_env: dict[s
             rclpy.shutdown()
         """)
         assert got.returncode == 0 and "IMAGES OK" in got.stdout, got.stdout[-3000:] + got.stderr[-3000:]
-        assert node.poll() is None, "the image source exited"
-    finally:
-        node.terminate()
-        try:
-            out, _ = node.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            node.kill()
-            out, _ = node.communicate()
-    assert "Traceback" not in out, out[-3000:]
 
 
 def test_parameters_through_rclpy_parameter_services(ros_env: dict[str, str], tmp_path: Path) -> None:
@@ -133,11 +142,7 @@ def test_parameters_through_rclpy_parameter_services(ros_env: dict[str, str], tm
     descriptor carries the range, and the node keeps running."""
     params = tmp_path / "params.yaml"
     params.write_text("camera:\n  ros__parameters:\n    rate_hz: 10.0\n    width: 64\n    height: 48\n")
-    env = dict(ros_env, KAITIAN_RUNTIME="ros")
-    node = subprocess.Popen([str(ROOT / ".ros2" / "venv" / "bin" / "python"), "-m", "kaitian_ros.nodes.image_source",
-                             "--ros-args", "-r", "__node:=camera", "--params-file", str(params)], env=env, cwd="/",
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with _ros_node(ros_env, "kaitian_ros.nodes.image_source", "camera", params):
         got = _ros_python(ros_env, """
             import time
             import rclpy
@@ -183,15 +188,6 @@ def test_parameters_through_rclpy_parameter_services(ros_env: dict[str, str], tm
             rclpy.shutdown()
         """)
         assert got.returncode == 0 and "PARAMS OK" in got.stdout, got.stdout[-3000:] + got.stderr[-3000:]
-        assert node.poll() is None, "a refused parameter stopped the node"
-    finally:
-        node.terminate()
-        try:
-            out, _ = node.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            node.kill()
-            out, _ = node.communicate()
-    assert "Traceback" not in out, out[-3000:]
 
 
 def test_latched_assignment_and_diagnostics_on_rclpy(ros_env: dict[str, str], tmp_path: Path) -> None:
@@ -200,11 +196,7 @@ def test_latched_assignment_and_diagnostics_on_rclpy(ros_env: dict[str, str], tm
     arrives as diagnostic_msgs/DiagnosticArray naming the node."""
     params = tmp_path / "params.yaml"
     params.write_text("scheduler:\n  ros__parameters:\n    compute_nodes: [compute_0]\n    policy: adaptive\n")
-    env = dict(ros_env, KAITIAN_RUNTIME="ros")
-    node = subprocess.Popen([str(ROOT / ".ros2" / "venv" / "bin" / "python"), "-m", "kaitian_ros.nodes.scheduler",
-                             "--ros-args", "-r", "__node:=scheduler", "--params-file", str(params)], env=env, cwd="/",
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with _ros_node(ros_env, "kaitian_ros.nodes.scheduler", "scheduler", params):
         got = _ros_python(ros_env, """
             import time
             import rclpy
@@ -240,12 +232,3 @@ def test_latched_assignment_and_diagnostics_on_rclpy(ros_env: dict[str, str], tm
             rclpy.shutdown()
         """)
         assert got.returncode == 0 and "LATCH OK" in got.stdout, got.stdout[-3000:] + got.stderr[-3000:]
-        assert node.poll() is None, "the scheduler exited"
-    finally:
-        node.terminate()
-        try:
-            out, _ = node.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            node.kill()
-            out, _ = node.communicate()
-    assert "Traceback" not in out, out[-3000:]

@@ -27,7 +27,7 @@ from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime.api import QoS
 
 CAMERA_TOPIC = "/camera/image_raw"
-TOLERANCE = 1e-4  # max abs error relative to the reference's max magnitude (DESIGN.md §4)
+TOLERANCE = 1e-4  # max abs error relative to the reference's max magnitude (docs/planner.md, "Strategies")
 STARTUP_S = 45.0  # liveness deadline for a graph to come up on 2 busy cores (not a perf check)
 
 

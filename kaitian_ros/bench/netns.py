@@ -1,6 +1,6 @@
 """Link emulation for benchmarks: one Linux network namespace per remote device, joined to the
-root namespace by a veth pair whose both ends are rate limited with ``tc qdisc ... tbf`` (DESIGN.md
-section 9; netem does not exist on these kernels, tbf does). Needs root.
+root namespace by a veth pair whose both ends are rate limited with ``tc qdisc ... tbf``
+(netem does not exist on these kernels, tbf does; docs/benchmarks.md). Needs root.
 
 Topology (device i = 0, 1, ...)::
 

@@ -1,4 +1,4 @@
-"""Process-group topology for heterogeneous collaborative training (DESIGN.md §6).
+"""Process-group topology for heterogeneous collaborative training (docs/training.md).
 
 Ranks are grouped by (host, device label). Inside a group the device's own vendor
 collective library is used (nccl for cuda, gloo for cpu, a registered plug-in name for

@@ -1,4 +1,4 @@
-"""Adaptive batch split for heterogeneous data-parallel training (DESIGN.md §6).
+"""Adaptive batch split for heterogeneous data-parallel training (docs/training.md).
 
 Every epoch has one deterministic permutation of the dataset, a pure function of
 (seed, epoch), so every rank computes the same one without communication. It is cut into

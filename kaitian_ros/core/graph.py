@@ -1,4 +1,4 @@
-"""Trunk/head split of a CNN and per-op row-interval maps (DESIGN.md section 4).
+"""Trunk/head split of a CNN and per-op row-interval maps (docs/architecture-core.md).
 
 `split_model` traces a model with torch.fx, keeps the longest prefix of spatially local ops as
 the *trunk* and everything after the first global op (adaptive pool, flatten, linear, ...) as the

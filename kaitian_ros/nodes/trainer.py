@@ -1,4 +1,4 @@
-"""trainer node: one rank of collaborative heterogeneous training as a ROS 2 node (DESIGN.md §6).
+"""trainer node: one rank of collaborative heterogeneous training as a ROS 2 node (docs/training.md).
 
 ROS is only the control plane here. Gradients travel over torch.distributed (gloo / the
 vendor backend, ``kaitian_ros.comm``); the node publishes one ``TrainingTelemetry`` per

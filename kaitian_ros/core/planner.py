@@ -222,12 +222,22 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
 
     measured = measured or {}
     errors: dict[frozenset | int, float] = {}  # active node set (or their number) -> measured / predicted
+    active_of: dict[tuple, frozenset] = {}  # candidate key -> the nodes its plan keeps busy
+
+    def model_error(active: frozenset) -> float:
+        if active in errors:
+            return errors[active]
+        if len(active) in errors:
+            return errors[len(active)]
+        # more nodes at once miss at least as much as fewer did (more contention)
+        return max([errors[k] for k in errors if isinstance(k, int) and 2 <= k < len(active)], default=1.0)
 
     def evaluate(spec: PlanSpec, slab: int = slab_rows) -> float:
         key = spec_key(spec, slab)
         if key not in cands:
             plan = build_plan(graph, spec, slab_rows=slab)
             active = plan.active_nodes()
+            active_of[key] = frozenset(active)
             if spec.strategy != "single" and len(active) < 2:
                 ms = math.inf  # rows too few to split: a single-node plan under another name
             elif any(n not in costs.profiles for n in active):
@@ -236,13 +246,8 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
                 ms = simulate(graph, plan, costs).latency_ms
             seen = measured.get(key)
             label = spec.describe(graph) + (", whole image" if slab >= whole else "")
-            error = errors.get(frozenset(active), errors.get(len(active), 1.0))
-            if frozenset(active) not in errors and len(active) not in errors and len(active) > 2:
-                # more nodes at once miss at least as much as fewer did (more contention)
-                error = max([errors[k] for k in errors if isinstance(k, int) and 2 <= k < len(active)],
-                            default=1.0)
             cands[key] = Candidate(spec, ms, label, seen.ms if seen is not None and math.isfinite(ms) else None,
-                                   slab, error)
+                                   slab, model_error(active_of[key]))
         return cands[key].expected_ms
 
     whole = graph.input_shape[1]
@@ -262,9 +267,9 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
     # the next: the model ranks plans on the same nodes less well than it ranks nodes (with
     # the median, the search still went through eight stripes plans over the same two nodes).
     by_nodes: dict[frozenset | int, list[float]] = {}
-    for c in cands.values():
+    for key, c in cands.items():
         if c.measured_ms is not None and math.isfinite(c.predicted_ms) and c.predicted_ms > 0:
-            nodes = frozenset(build_plan(graph, c.spec, slab_rows=c.slab_rows).active_nodes())
+            nodes = active_of[key]
             by_nodes.setdefault(nodes, []).append(c.measured_ms / c.predicted_ms)
             by_nodes.setdefault(len(nodes), []).append(c.measured_ms / c.predicted_ms)
     errors.update({k: min(MODEL_ERROR_MAX, max(1.0 / MODEL_ERROR_MAX, max(v))) for k, v in by_nodes.items()})

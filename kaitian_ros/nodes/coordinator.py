@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import sys
 import math
 import queue
 import threading
@@ -36,7 +35,7 @@ from kaitian_ros.core.plan import CostModel, Plan, PlanSpec
 from kaitian_ros.core.policy import Assignment
 from kaitian_ros.core.tensors import ImageFormatError, image_to_array, resize_pixels
 from kaitian_ros.nodes import inference_common as ic
-from kaitian_ros.nodes.planner_process import PlannerProcess, PlanRequest, plan_round, same_spec
+from kaitian_ros.nodes.planner_process import PlannerProcess, PlanRequest, plan_round
 from kaitian_ros.runtime import interfaces, run_node
 from kaitian_ros.runtime.api import ParameterDescriptor as P
 from kaitian_ros.runtime.api import ParameterType as T
@@ -378,7 +377,7 @@ class Coordinator:
         latest = self.pending or self.current
         spec = choice.best.spec
         old = self.plans.get(latest.version) if latest is not None else None
-        if old is not None and same_spec(old.spec, spec) and old.slab_rows == choice.best.slab_rows:
+        if old is not None and _same_spec(old.spec, spec) and old.slab_rows == choice.best.slab_rows:
             self.predicted_ms = choice.best.predicted_ms
             return
         if old is not None and request.strategy != "auto" and old.spec.strategy != request.strategy:
@@ -665,6 +664,12 @@ class ObservedPlan:
     n: int
     last_s: float  # monotonic time of the last one
     trunks: dict  # node -> profile trunk_ms when the measurement started
+
+
+def _same_spec(a: PlanSpec, b: PlanSpec) -> bool:
+    return (a.strategy == b.strategy and a.node_ids == b.node_ids and a.cuts == b.cuts
+            and all(math.isclose(x, y, abs_tol=1e-9) for ra, rb in zip(a.segment_shares, b.segment_shares)
+                    for x, y in zip(ra, rb)))
 
 
 def planner_prior_op(op: Any, prior: CostModel, scale: float) -> Any:

@@ -12,7 +12,6 @@ without ever waiting for one.
 
 from __future__ import annotations
 
-import math
 import multiprocessing
 from dataclasses import dataclass
 from typing import Any
@@ -145,8 +144,3 @@ class PlannerProcess:
             if self._proc.is_alive():
                 self._proc.kill()
 
-
-def same_spec(a: PlanSpec, b: PlanSpec) -> bool:
-    return (a.strategy == b.strategy and a.node_ids == b.node_ids and a.cuts == b.cuts
-            and all(math.isclose(x, y, abs_tol=1e-9) for ra, rb in zip(a.segment_shares, b.segment_shares)
-                    for x, y in zip(ra, rb)))

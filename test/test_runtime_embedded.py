@@ -39,6 +39,27 @@ def test_latched_topic_reaches_a_subscriber_started_later(router):
         publisher.stop()
 
 
+def test_latched_topic_replays_every_publishers_last_sample(router):
+    """Transient local is per publisher: with two latched publishers on one topic (compute
+    nodes' cost profiles), a late joiner gets the last sample of each, not one of them."""
+    first = spawn_helper("latched_pub", "/kaitian/state", "a1", "a2", router=router.endpoint)
+    second = spawn_helper("latched_pub", "/kaitian/state", "b1", router=router.endpoint)
+    late = None
+    try:
+        first.ready()
+        second.ready()
+        late = spawn_helper("sub_print", "/kaitian/state", "latched", "2", router=router.endpoint)
+        wait_until(lambda: len(late.find(r'^\{"data"')) >= 2, "both latched samples at the late joiner")
+        assert late.wait() == 0
+        got = sorted(json.loads(m.string)["data"] for m in late.find(r'^\{"data"'))
+        assert got == ["a2", "b1"]
+    finally:
+        if late is not None:
+            late.stop()
+        first.stop()
+        second.stop()
+
+
 def test_volatile_topic_does_not_replay_to_late_subscribers(router, probe):
     """The counterpart: a RELIABLE (volatile) topic has no cache, so nothing old is replayed."""
     pub = probe.rt.create_publisher("/kaitian/volatile", "String", QoS.RELIABLE)

@@ -153,7 +153,7 @@ class EmbeddedSubscription:
         self._sub = rt.session.declare_subscriber(zs.topic_key_any_type(rt.domain, topic), self._on_sample)
         self._token = rt.declare_endpoint_token("MS", topic, msg_type, qos)
         if qos is QoS.LATCHED:
-            rt.session.get(zs.topic_key_any_type(rt.domain, topic), self._on_reply, timeout=3.0)
+            zs.query_latched(rt.session, zs.topic_key_any_type(rt.domain, topic), self._on_reply, 3.0)
 
     def _on_reply(self, reply: Any) -> None:
         if reply.ok is not None:

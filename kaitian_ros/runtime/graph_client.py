@@ -102,7 +102,7 @@ class GraphClient:
         sub = self.session.declare_subscriber(key, on_sample)
         if any(e.kind == "MP" and e.topic == topic for e in self.liveliness()):
             # pick up a latched value like a late-joining transient-local subscriber would
-            self.session.get(key, lambda r: r.ok is not None and on_sample(r.ok), timeout=QUERY_TIMEOUT_S)
+            zs.query_latched(self.session, key, lambda r: r.ok is not None and on_sample(r.ok), QUERY_TIMEOUT_S)
         return sub
 
     def _param_request(self, node: str, op: str, request: dict[str, Any]) -> dict[str, Any]:

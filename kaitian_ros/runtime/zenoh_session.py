@@ -219,3 +219,11 @@ def shm_payload(buf: bytes | bytearray) -> Any:
 
 CongestionControl = zenoh.CongestionControl
 Priority = zenoh.Priority
+
+
+def query_latched(session: Any, key: str, on_reply: Any, timeout_s: float) -> None:
+    """Ask every latched publisher on ``key`` for its cached last sample, as a late-joining
+    transient-local subscriber does. No reply consolidation: all publishers of one topic share
+    its key, and zenoh's default keeps one reply per key, which would hand a late joiner the
+    cache of one publisher only (e.g. one compute node's cost profile of several)."""
+    session.get(key, on_reply, consolidation=zenoh.ConsolidationMode.NONE, timeout=timeout_s)

@@ -265,6 +265,12 @@ def test_bench_inference_mistakes_are_one_line():
     assert "invalid choice: 'nope'" in _one_line_error(run_cli("bench", "inference", "--scenario", "nope"))
 
 
+def test_bench_transport_on_rclpy_without_ros_is_one_line():
+    """The test process has no ROS environment (the rclpy run itself is in test_ros_real.py)."""
+    line = _one_line_error(run_cli("bench", "transport", "--runtime", "ros", "--quick"))
+    assert "rclpy" in line and "ros2_from_pypi.sh" in line
+
+
 def test_param_get_on_missing_node(router):
     line = _one_line_error(run_cli("param", "get", "/ghost", "rate_hz", router=router.endpoint))
     assert "node '/ghost' not found" in line

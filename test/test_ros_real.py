@@ -9,13 +9,17 @@ skipped with that line as the reason.
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import subprocess
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "ros2_from_pypi.sh"
@@ -63,6 +67,27 @@ def _ros_node(env: dict[str, str], module: str, name: str, params: Path) -> Iter
             node.kill()
             out, _ = node.communicate()
     assert "Traceback" not in out, out[-3000:]
+
+
+def test_module_imports_without_rclpy() -> None:
+    """rclpy is imported lazily: importing the adapter module needs no ROS installation."""
+    import sys
+
+    code = "import sys, kaitian_ros.runtime.ros; print('rclpy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_rclpy_adapter_checks_on_real_rclpy(ros_env: dict[str, str]) -> None:
+    """The adapter's own checks (test/ros2/check_runtime_ros.py: bytes on the wire, QoS and
+    descriptor mapping, garbage counted, refusal wording equal to the embedded runtime's),
+    run by pytest inside the ROS 2 environment."""
+    checks = ROOT / "test" / "ros2"
+    got = subprocess.run([str(ROOT / ".ros2" / "venv" / "bin" / "python"), "-m", "pytest", "-q", "-c",
+                          str(checks / "pytest.ini"), str(checks / "check_runtime_ros.py")],
+                         env=ros_env, cwd="/", capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stdout[-5000:] + got.stderr[-2000:]
+    assert " passed" in got.stdout and "skipped" not in got.stdout, got.stdout[-2000:]
 
 
 def test_wire_equality_between_rclpy_and_the_package_codec(ros_env: dict[str, str]) -> None:
@@ -232,3 +257,191 @@ def test_latched_assignment_and_diagnostics_on_rclpy(ros_env: dict[str, str], tm
             rclpy.shutdown()
         """)
         assert got.returncode == 0 and "LATCH OK" in got.stdout, got.stdout[-3000:] + got.stderr[-3000:]
+
+
+def _ros_params_file(tmp_path: Path, scenario: str, overrides: list[str]) -> tuple[Path, dict, dict]:
+    """The scenario's parameter file as `ros2 launch` hands it to nodes (empty lists left out:
+    rcl's YAML parser refuses them), its content, and each node's executable."""
+    from kaitian_ros.ros_launch import launch_parameters
+    from kaitian_ros.scenario import load_scenario
+
+    resolved = load_scenario(scenario, overrides)
+    data = {n.name: {"ros__parameters": launch_parameters(n.parameters)} for n in resolved.nodes}
+    path = tmp_path / f"{scenario}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path, data, {n.name: n.executable for n in resolved.nodes}
+
+
+def test_hetero_inference_graph_on_rclpy_equals_the_single_device_result(ros_env: dict[str, str],
+                                                                          tmp_path: Path) -> None:
+    """The hetero_inference graph (image source, coordinator, scheduler, two compute nodes),
+    every node its own process on real rclpy: a plain rclpy subscriber of /kaitian/fused gets
+    complete results equal to the whole model on one device for the frames it saw; a late
+    subscriber to the latched /kaitian/plan gets the running plan; garbage published raw on the
+    camera topic is dropped and counted by the coordinator (its /diagnostics say so), which
+    keeps serving."""
+    from kaitian_ros.core.tensors import image_to_array, preprocess, relative_error
+    from kaitian_ros.nodes import inference_common as ic
+
+    params, data, executables = _ros_params_file(tmp_path, "hetero_inference", [
+        "compute_nodes:=2", "slowdowns:=[1.0,2.0]", "input_height:=64", "input_width:=64"])
+    out_dir = tmp_path / "seen"
+    out_dir.mkdir()
+    with contextlib.ExitStack() as nodes:
+        for name, executable in executables.items():
+            nodes.enter_context(_ros_node(ros_env, f"kaitian_ros.nodes.{executable}", name, params))
+        got = _ros_python(ros_env, f"""
+            import json, time
+            import numpy as np
+            import rclpy
+            from diagnostic_msgs.msg import DiagnosticArray
+            from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+            from sensor_msgs.msg import Image
+            from kaitian_ros.msg import FusedOutput, LoadAssignment
+
+            rclpy.init()
+            node = rclpy.create_node("fused_check")
+            images, fused, diagnostics = {{}}, [], []
+            node.create_subscription(Image, "/camera/image_raw",
+                                     lambda m: images.__setitem__((m.header.stamp.sec, m.header.stamp.nanosec), m),
+                                     qos_profile_sensor_data)
+            node.create_subscription(FusedOutput, "/kaitian/fused", fused.append, 10)
+            node.create_subscription(DiagnosticArray, "/diagnostics", diagnostics.append, 10)
+
+            def spin_until(done, timeout_s, what):
+                t0 = time.time()
+                while time.time() - t0 < timeout_s and not done():
+                    rclpy.spin_once(node, timeout_sec=0.1)
+                assert done(), what
+
+            def matched():
+                return [(images[k], f) for f in fused if f.complete
+                        and (k := (f.header.stamp.sec, f.header.stamp.nanosec)) in images]
+
+            spin_until(lambda: len(matched()) >= 3, 150, f"3 complete results of seen frames: "
+                       f"{{[(f.complete, f.status) for f in fused]}}")
+            for i, (image, f) in enumerate(matched()[:3]):
+                np.savez("{out_dir}/pair%d.npz" % i, pixels=np.array(image.data, dtype=np.uint8),
+                         height=image.height, width=image.width, encoding=image.encoding,
+                         result=np.array(f.data, dtype=np.uint8), shape=np.array(f.shape),
+                         dtype_code=f.dtype_code, dtype_bits=f.dtype_bits, node_ids=np.array(list(f.node_ids)),
+                         node_rows=np.array(list(f.node_rows)), plan_version=f.plan_version, status=f.status)
+            # the plan went out before this subscriber exists
+            late = []
+            node.create_subscription(LoadAssignment, "/kaitian/plan", late.append,
+                                     QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                                                durability=DurabilityPolicy.TRANSIENT_LOCAL))
+            spin_until(lambda: late, 20, "a late subscriber got no latched plan")
+            served = max(int(f.plan_version) for f in fused if f.complete)
+            assert late[-1].version >= served and late[-1].strategy, (late[-1].version, served)
+
+            # garbage on the camera topic: dropped and counted, the coordinator keeps serving
+            garbage = node.create_publisher(Image, "/camera/image_raw", qos_profile_sensor_data)
+            for junk in (b"\\x00\\x01\\x00\\x00\\xff\\xff\\xff\\x7f", b"\\x00\\x01\\x00\\x00" + b"\\x07" * 9):
+                garbage.publish(junk)
+
+            def rejected():
+                for d in diagnostics[-20:]:
+                    for s in d.status:
+                        values = {{v.key: v.value for v in s.values}}
+                        if "coordinator" in s.name and int(values.get("rejected", "0")) >= 2:
+                            return values
+                return None
+
+            spin_until(rejected, 30, "the coordinator counted the garbage in /diagnostics")
+            reasons = [k for k in rejected() if k.startswith("rejected.malformed")]
+            before = len(fused)
+            spin_until(lambda: any(f.complete for f in fused[before:]), 60, "a result after the garbage")
+            print("GRAPH OK", json.dumps({{"plan": late[-1].version, "strategy": late[-1].strategy,
+                                          "reasons": reasons}}))
+            rclpy.shutdown()
+        """, timeout_s=300.0)
+        assert got.returncode == 0 and "GRAPH OK" in got.stdout, got.stdout[-3000:] + got.stderr[-3000:]
+
+    # the coordinator's model: its declared defaults, then what the parameter file set
+    declared = {d.name: d.default for d in ic.MODEL_PARAMETERS}
+    spec = ic.ModelSpec.from_params(declared | data["coordinator"]["ros__parameters"])
+    graph = ic.build_graph(spec)
+    c, h, w = spec.input_shape
+    for path in sorted(out_dir.glob("pair*.npz")):
+        pair = np.load(path)
+        assert str(pair["status"]) == "ok"
+        height, width = int(pair["height"]), int(pair["width"])
+        arr = image_to_array(pair["pixels"], height, width, str(pair["encoding"]), width * 3)
+        with torch.no_grad():
+            ref = graph.run_head(graph.run_trunk(preprocess(arr, h, w, c, normalise=True)))
+        assert (int(pair["dtype_code"]), int(pair["dtype_bits"])) == (2, 32)
+        result = torch.from_numpy(pair["result"].view(np.float32).reshape(tuple(pair["shape"])).copy())
+        assert relative_error(result, ref) <= 1e-4, path.name
+        assert int(pair["node_rows"].sum()) == graph.trunk_output_shape[1]
+    assert len(list(out_dir.glob("pair*.npz"))) == 3
+
+
+def test_trainer_ranks_on_rclpy_publish_training_telemetry(ros_env: dict[str, str], tmp_path: Path) -> None:
+    """Two trainer ranks (a real gloo process group) as nodes on real rclpy: a plain rclpy
+    subscriber gets kaitian_ros/msg/TrainingTelemetry from both; both ranks finish and exit 0."""
+    from helpers import free_port
+
+    common = {"world_size": 2, "master_addr": "127.0.0.1", "master_port": free_port(), "model": "digits_cnn",
+              "dataset": "digits", "global_batch": 64, "epochs": 3, "lr": 0.05, "policy": "adaptive",
+              "rebalance_every": 3, "timeout_s": 60.0}
+    params = tmp_path / "trainers.yaml"
+    params.write_text(yaml.safe_dump({f"trainer_{r}": {"ros__parameters": common | {
+        "rank": r, "device": f"cpu:{'ab'[r]}", "emulated_slowdown": 1.0 + r}} for r in (0, 1)}))
+    python = str(ROOT / ".ros2" / "venv" / "bin" / "python")
+    listener = subprocess.Popen([python, "-c", textwrap.dedent("""
+        import time
+        import rclpy
+        from kaitian_ros.msg import TrainingTelemetry
+
+        rclpy.init()
+        node = rclpy.create_node("telemetry_check")
+        got = []
+        node.create_subscription(TrainingTelemetry, "/kaitian/training/telemetry", got.append, 100)
+        print("LISTENING", flush=True)
+        t0 = time.time()
+        while time.time() - t0 < 120 and not ({m.rank for m in got} == {0, 1} and len(got) >= 6):
+            rclpy.spin_once(node, timeout_sec=0.1)
+        by_rank = {r: [m for m in got if m.rank == r] for r in (0, 1)}
+        assert all(by_rank.values()), {r: len(v) for r, v in by_rank.items()}
+        for r, msgs in by_rank.items():
+            m = msgs[-1]
+            assert m.device == "cpu:" + "ab"[r] and m.global_batch == 64 and 0 < m.local_batch < 64, m
+            assert m.emulated == (r == 1) and m.emulated_slowdown == 1.0 + r and m.step_ms > 0, m
+        print("TELEMETRY OK", {r: len(v) for r, v in by_rank.items()})
+        rclpy.shutdown()
+    """)], env=ros_env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    trainers = []
+    try:
+        assert listener.stdout.readline().strip() == "LISTENING"
+        for rank in (0, 1):
+            trainers.append(subprocess.Popen(
+                [python, "-m", "kaitian_ros.nodes.trainer", "--ros-args", "-r", f"__node:=trainer_{rank}",
+                 "--params-file", str(params)], env=dict(ros_env, KAITIAN_RUNTIME="ros"), cwd="/",
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        heard, _ = listener.communicate(timeout=150)
+        outs = [t.communicate(timeout=120)[0] for t in trainers]
+    finally:
+        for p in [listener, *trainers]:
+            if p.poll() is None:
+                p.kill()
+    assert "TELEMETRY OK" in heard, heard[-3000:] + "".join(o[-2000:] for o in outs)
+    for t, out in zip(trainers, outs):
+        assert t.returncode == 0 and "Traceback" not in out, out[-3000:]
+
+
+def test_bench_transport_runs_the_rclpy_path_beside_the_embedded_one(ros_env: dict[str, str],
+                                                                     tmp_path: Path) -> None:
+    """`kaitian bench transport --runtime ros` in the ROS 2 environment: one run measures raw
+    zenoh, the embedded runtime and the rclpy runtime and writes JSON + PNG (no speed asserted)."""
+    out = tmp_path / "transport.json"
+    got = subprocess.run([str(ROOT / ".ros2" / "venv" / "bin" / "python"), "-m", "kaitian_ros.cli", "bench",
+                          "transport", "--runtime", "ros", "--quick", "--repeats", "1", "--json", str(out)],
+                         env=ros_env, cwd="/", capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["config"]["runtimes"] == ["embedded", "ros"]
+    for mode in ("raw_4mib", "ours_4mib", "raw_256b", "ours_256b", "ros_4mib", "ros_256b"):
+        (trial,) = summary["repeats"][mode]
+        assert trial["n"] > 1 and trial["msgs_per_s"] > 0, (mode, trial)
+    assert "rclpy runtime" in got.stdout and out.with_suffix(".png").stat().st_size > 0

@@ -12,7 +12,14 @@ hosts on a free port). In the same run, between the same two processes, it measu
 for 4 MiB chunks (GB/s) and 256-byte chunks (messages/s). Rates are taken at the subscriber
 (first to last arrival of a trial); the reported figure is the median over repeats.
 
-Usage: ``kaitian bench transport [--json PATH] [--quick] [--repeats N]``
+With ``--runtime ros`` a second pair of processes runs the same publish/subscribe on the rclpy
+runtime (``RosRuntime``: the same codec, raw CDR through rclpy and the RMW, Fast DDS here), in the
+same run, side by side. It needs rclpy and this package's generated messages importable (a
+sourced ROS 2 workspace, or ``tools/ros2_from_pypi.sh`` then ``source .ros2/env.sh``). A reliable
+keep-last-10 DDS writer may overwrite samples a slow reader has not taken: the rclpy rows report
+what arrived (``lost``) rather than waiting forever.
+
+Usage: ``kaitian bench transport [--json PATH] [--quick] [--repeats N] [--runtime embedded|ros]``
 """
 
 from __future__ import annotations
@@ -39,6 +46,10 @@ TARGET_MSGS = 50_000
 RAW_KEY = "bench/raw"
 OURS_TOPIC = "/bench/chunks"
 MODES = ("raw_4mib", "ours_4mib", "raw_256b", "ours_256b")
+ROS_MODES = ("ros_4mib", "ros_256b")
+ROS_HINT = ("--runtime ros needs rclpy and this package's generated messages: source a ROS 2 workspace "
+            "with kaitian_ros built, or run tools/ros2_from_pypi.sh and source .ros2/env.sh")
+SETTLE_S = 5.0  # after the publisher is done, how long a trial may still be arriving
 
 
 def _size(mode: str) -> int:
@@ -64,11 +75,22 @@ def _commands() -> queue.SimpleQueue[dict[str, Any]]:
     return q
 
 
-def _runtime(name: str) -> Any:
+def _runtime(name: str, kind: str) -> Any:
+    if kind == "ros":
+        from kaitian_ros.runtime.ros import RosRuntime
+
+        return RosRuntime(name, [])
     from kaitian_ros.runtime.embedded import EmbeddedRuntime
     from kaitian_ros.runtime.node_args import NodeArgs
 
     return EmbeddedRuntime(NodeArgs(name), domain=0)
+
+
+def ros_available() -> bool:
+    """rclpy and the generated kaitian_ros messages import here (checked in a child process:
+    importing rclpy in the orchestrator would tie it to one ROS context for nothing)."""
+    code = "import rclpy, kaitian_ros.msg; kaitian_ros.msg.TensorChunk"
+    return subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True).returncode == 0
 
 
 # --- subscriber process ------------------------------------------------------------------------
@@ -95,26 +117,38 @@ class _Trials:
             st[2] = now
             goal = self.expect.get(trial)
             if goal is not None and st[0] == goal[0]:
-                n, size = goal[0], _size(goal[1])
-                elapsed = max(st[2] - st[1], 1e-9)
-                _emit({"trial": trial, "mode": goal[1], "n": n, "seconds": elapsed,
-                       "msgs_per_s": (n - 1) / elapsed, "gbytes_per_s": (n - 1) * size / elapsed / 1e9})
+                self._report(trial)
+
+    def flush(self, trial: int) -> None:
+        """Report a trial with what arrived (some samples were lost)."""
+        with self.lock:
+            if trial in self.expect:
+                self._report(trial)
+
+    def _report(self, trial: int) -> None:
+        n, mode = self.expect.pop(trial)
+        got, first, last = self.state.pop(trial, [0, 0.0, 0.0])
+        elapsed = max(last - first, 1e-9)
+        rate = (got - 1) / elapsed if got > 1 else 0.0
+        _emit({"trial": trial, "mode": mode, "n": got, "lost": n - got, "seconds": elapsed,
+               "msgs_per_s": rate, "gbytes_per_s": rate * _size(mode) / 1e9})
 
 
-def _role_sub() -> int:
+def _role_sub(kind: str) -> int:
     from kaitian_ros.runtime.api import QoS
 
-    rt = _runtime("bench_sub")
+    rt = _runtime("bench_sub", kind)
     trials = _Trials()
+    prefix = "ros" if kind == "ros" else "ours"
 
     def on_raw(sample: Any) -> None:
         data = sample.payload.to_bytes()
         trials.arrived(int.from_bytes(data[:8], "little"), "raw_4mib" if len(data) == BIG else "raw_256b")
 
     def on_ours(msg: Any) -> None:
-        trials.arrived(int(msg.request_id), "ours_4mib" if len(msg.data) == BIG else "ours_256b")
+        trials.arrived(int(msg.request_id), f"{prefix}_4mib" if len(msg.data) == BIG else f"{prefix}_256b")
 
-    raw_sub = rt.session.declare_subscriber(RAW_KEY, on_raw)
+    raw_sub = rt.session.declare_subscriber(RAW_KEY, on_raw) if kind == "embedded" else None
     rt.create_subscription(OURS_TOPIC, "TensorChunk", on_ours, QoS.RELIABLE)
     commands = _commands()
 
@@ -124,6 +158,8 @@ def _role_sub() -> int:
             if cmd["cmd"] == "expect":
                 with trials.lock:
                     trials.expect[cmd["trial"]] = (cmd["n"], cmd["mode"])
+            elif cmd["cmd"] == "flush":
+                trials.flush(cmd["trial"])
             elif cmd["cmd"] == "quit":
                 rt.shutdown()
                 return
@@ -138,16 +174,19 @@ def _role_sub() -> int:
 
 # --- publisher process -------------------------------------------------------------------------
 
-def _role_pub() -> int:
+def _role_pub(kind: str) -> int:
     import numpy as np
 
     from kaitian_ros.runtime import interfaces
-    from kaitian_ros.runtime import zenoh_session as zs
     from kaitian_ros.runtime.api import QoS
 
-    rt = _runtime("bench_pub")
+    rt = _runtime("bench_pub", kind)
     ours = rt.create_publisher(OURS_TOPIC, "TensorChunk", QoS.RELIABLE)
-    raw = rt.session.declare_publisher(RAW_KEY, congestion_control=zs.CongestionControl.BLOCK)
+    raw = None
+    if kind == "embedded":
+        from kaitian_ros.runtime import zenoh_session as zs
+
+        raw = rt.session.declare_publisher(RAW_KEY, congestion_control=zs.CongestionControl.BLOCK)
     tensors = {size: np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8) for size in (BIG, SMALL)}
 
     def chunk(trial: int, size: int) -> Any:
@@ -208,10 +247,14 @@ def _role_pub() -> int:
 # --- orchestrator -------------------------------------------------------------------------------
 
 class _Child:
-    def __init__(self, role: str, env: dict[str, str]) -> None:
-        self.role = role
-        self.p = subprocess.Popen([sys.executable, "-u", "-m", "kaitian_ros.bench.transport", "--role", role],
-                                  env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+    def __init__(self, role: str, env: dict[str, str], kind: str = "embedded") -> None:
+        self.role = f"{role} ({kind})"
+        # rclpy children start outside the source tree: the installed package (with its
+        # generated messages) must not be shadowed by a source checkout in the working directory
+        self.p = subprocess.Popen([sys.executable, "-u", "-m", "kaitian_ros.bench.transport", "--role", role,
+                                   "--runtime", kind], env=dict(env, KAITIAN_RUNTIME=kind),
+                                  cwd="/" if kind == "ros" else None,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -258,20 +301,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(repeats: int, n_big: int, n_small: int, log: Any = print) -> dict[str, list[dict[str, Any]]]:
+def measure(repeats: int, n_big: int, n_small: int, log: Any = print,
+            runtimes: tuple[str, ...] = ("embedded",)) -> dict[str, list[dict[str, Any]]]:
+    """Per mode, one result per repeat; the modes interleave so drift hits every path alike."""
     from kaitian_ros.runtime import zenoh_session as zs
 
     endpoint = f"tcp/127.0.0.1:{_free_port()}"
     router = zs.open_session("router", listen=endpoint)
-    env = dict(os.environ, KAITIAN_ROUTER=endpoint, KAITIAN_RUNTIME="embedded", ROS_DOMAIN_ID="0",
+    env = dict(os.environ, KAITIAN_ROUTER=endpoint, ROS_DOMAIN_ID=os.environ.get("ROS_DOMAIN_ID", "0"),
                PYTHONUNBUFFERED="1")
-    sub = _Child("sub", env)
-    pub = _Child("pub", env)
-    results: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    pairs: dict[str, tuple[_Child, _Child]] = {}
+    modes = MODES + (ROS_MODES if "ros" in runtimes else ())
+    results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     try:
-        sub.expect("ready")
-        pub.expect("ready")
-        for mode in MODES:  # routes (and the peers' direct link) exist before anything is timed
+        for kind in runtimes:
+            pairs[kind] = (_Child("sub", env, kind), _Child("pub", env, kind))
+        for sub, pub in pairs.values():
+            sub.expect("ready")
+            pub.expect("ready")
+        for mode in modes:  # routes (peers' direct links, DDS discovery) exist before anything is timed
+            sub, pub = pairs["ros" if mode in ROS_MODES else "embedded"]
             pub.send(cmd="warm", mode=mode)
             sub.expect("warm")
             time.sleep(0.3)
@@ -279,20 +328,30 @@ def measure(repeats: int, n_big: int, n_small: int, log: Any = print) -> dict[st
             pub.expect("warmed")
         trial = 0
         for rep in range(repeats):
-            for mode in MODES:
+            for mode in modes:
                 trial += 1
+                sub, pub = pairs["ros" if mode in ROS_MODES else "embedded"]
                 n = n_big if mode.endswith("4mib") else n_small
                 sub.send(cmd="expect", trial=trial, n=n, mode=mode)
                 time.sleep(0.05)
                 pub.send(cmd="run", mode=mode, trial=trial, n=n)
-                result = sub.expect("gbytes_per_s")
-                result["pub_msgs_per_s"] = pub.expect("sent")["pub_msgs_per_s"]
+                sent = pub.expect("sent")
+                try:
+                    result = sub.expect("gbytes_per_s", timeout_s=SETTLE_S)
+                except RuntimeError:
+                    if sub.p.poll() is not None:
+                        raise
+                    sub.send(cmd="flush", trial=trial)  # some samples never came: report what did
+                    result = sub.expect("gbytes_per_s")
+                result["pub_msgs_per_s"] = sent["pub_msgs_per_s"]
                 results[mode].append(result)
+                lost = f", {result['lost']} lost" if result["lost"] else ""
                 log(f"  repeat {rep + 1}/{repeats} {mode:10s} {result['gbytes_per_s']:7.3f} GB/s "
-                    f"{result['msgs_per_s']:10.0f} msg/s (publisher loop {result['pub_msgs_per_s']:.0f} msg/s)")
+                    f"{result['msgs_per_s']:10.0f} msg/s (publisher loop {result['pub_msgs_per_s']:.0f} msg/s{lost})")
     finally:
-        pub.close()
-        sub.close()
+        for sub, pub in pairs.values():
+            pub.close()
+            sub.close()
         router.close()
     return results
 
@@ -312,12 +371,20 @@ def summarise(results: dict[str, list[dict[str, Any]]], config: dict[str, Any]) 
                               if med["raw_256b"]["msgs_per_s"] > 0 else 0.0),
         "targets": {"ratio_to_raw": TARGET_RATIO, "msgs_per_s_256b": TARGET_MSGS},
         "medians": med,
-        "repeats": {m: [{k: r[k] for k in ("gbytes_per_s", "msgs_per_s", "pub_msgs_per_s", "n", "seconds")} for r in rs]
+        "repeats": {m: [{k: r[k] for k in ("gbytes_per_s", "msgs_per_s", "pub_msgs_per_s", "n", "lost", "seconds")}
+                         for r in rs]
                     for m, rs in results.items()},
         "config": config,
     }
     out["meets_targets"] = {"ratio_to_raw": out["ratio_to_raw"] >= TARGET_RATIO,
                             "msgs_per_s_256b": out["msgs_per_s_256b"] >= TARGET_MSGS}
+    if "ros_4mib" in med:  # the rclpy path: no target, side by side with the embedded one
+        out["ros"] = {"gbytes_per_s_4mib": med["ros_4mib"]["gbytes_per_s"],
+                      "msgs_per_s_256b": med["ros_256b"]["msgs_per_s"],
+                      "lost": {m: sum(r["lost"] for r in results[m]) for m in ROS_MODES},
+                      "ratio_to_embedded_4mib": med["ros_4mib"]["gbytes_per_s"] / ours_big if ours_big > 0 else 0.0,
+                      "ratio_to_embedded_256b": (med["ros_256b"]["msgs_per_s"] / med["ours_256b"]["msgs_per_s"]
+                                                 if med["ours_256b"]["msgs_per_s"] > 0 else 0.0)}
     return out
 
 
@@ -327,6 +394,9 @@ def table(summary: dict[str, Any]) -> str:
              f"{'raw zenoh':22s} {med['raw_4mib']['gbytes_per_s']:11.3f} {med['raw_256b']['msgs_per_s']:12.0f}",
              f"{'embedded runtime':22s} {med['ours_4mib']['gbytes_per_s']:11.3f} {med['ours_256b']['msgs_per_s']:12.0f}",
              f"{'ours / raw':22s} {summary['ratio_to_raw']:11.2f} {summary['ratio_to_raw_256b']:12.2f}",
+             *([f"{'rclpy runtime':22s} {med['ros_4mib']['gbytes_per_s']:11.3f} {med['ros_256b']['msgs_per_s']:12.0f}"
+                f"   (samples lost: {summary['ros']['lost']['ros_4mib']} x 4 MiB, "
+                f"{summary['ros']['lost']['ros_256b']} x 256 B)"] if "ros" in summary else []),
              f"targets: ratio >= {TARGET_RATIO} ({'met' if summary['meets_targets']['ratio_to_raw'] else 'NOT met'}), "
              f">= {TARGET_MSGS} msg/s at 256 B "
              f"({'met' if summary['meets_targets']['msgs_per_s_256b'] else 'NOT met'})"]
@@ -341,12 +411,16 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
     med, reps = summary["medians"], summary["repeats"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.8))
-    for ax, (raw, ours), key, unit, target in (
-            (a, ("raw_4mib", "ours_4mib"), "gbytes_per_s", "GB/s (4 MiB chunks)", None),
-            (b, ("raw_256b", "ours_256b"), "msgs_per_s", "messages/s (256 B chunks)", TARGET_MSGS)):
-        values = [med[raw][key], med[ours][key]]
-        ax.bar(["raw zenoh", "embedded runtime"], values, color=["#888888", "#2a7ab9"])
-        for x, mode in enumerate((raw, ours)):
+    with_ros = "ros_4mib" in med
+    for ax, paths, key, unit, target in (
+            (a, ("raw_4mib", "ours_4mib") + (("ros_4mib",) if with_ros else ()), "gbytes_per_s",
+             "GB/s (4 MiB chunks)", None),
+            (b, ("raw_256b", "ours_256b") + (("ros_256b",) if with_ros else ()), "msgs_per_s",
+             "messages/s (256 B chunks)", TARGET_MSGS)):
+        values = [med[m][key] for m in paths]
+        ax.bar(["raw zenoh", "embedded runtime", "rclpy runtime"][:len(paths)], values,
+               color=["#888888", "#2a7ab9", "#d9822b"][:len(paths)])
+        for x, mode in enumerate(paths):
             ax.scatter([x] * len(reps[mode]), [r[key] for r in reps[mode]], color="k", s=10, zorder=3)
         if target:
             ax.axhline(target, color="r", ls="--", lw=1, label=f"target {target:,}")
@@ -368,19 +442,27 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", default="bench/results/transport.json", help="output JSON (PNG written next to it)")
     parser.add_argument("--quick", action="store_true", help="fewer, shorter trials (smoke run)")
     parser.add_argument("--repeats", type=int, help="repeats per path (default 5, --quick 2)")
+    parser.add_argument("--runtime", choices=["embedded", "ros"], default="embedded",
+                        help="ros: also measure the rclpy runtime side by side (needs a ROS 2 environment)")
     parser.add_argument("--role", choices=["pub", "sub"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role == "sub":
-        return _role_sub()
+        return _role_sub(args.runtime)
     if args.role == "pub":
-        return _role_pub()
+        return _role_pub(args.runtime)
+    if args.runtime == "ros" and not ros_available():
+        print(f"kaitian bench transport: {ROS_HINT}", file=sys.stderr)
+        return 2
     repeats = args.repeats or (2 if args.quick else 5)
     n_big, n_small = (60, 10_000) if args.quick else (250, 40_000)
+    runtimes = ("embedded", "ros") if args.runtime == "ros" else ("embedded",)
     config = {"repeats": repeats, "messages_4mib": n_big, "messages_256b": n_small, "quick": args.quick,
-              "cpus": os.cpu_count(), "python": sys.version.split()[0]}
-    print(f"kaitian bench transport: {repeats} repeats, {n_big} x 4 MiB and {n_small} x 256 B per trial")
+              "cpus": os.cpu_count(), "python": sys.version.split()[0], "runtimes": list(runtimes),
+              "rmw": os.environ.get("RMW_IMPLEMENTATION", "default (rmw_fastrtps_cpp)") if "ros" in runtimes else None}
+    print(f"kaitian bench transport: {repeats} repeats, {n_big} x 4 MiB and {n_small} x 256 B per trial, "
+          f"runtimes: {', '.join(runtimes)}")
     try:
-        results = measure(repeats, n_big, n_small)
+        results = measure(repeats, n_big, n_small, runtimes=runtimes)
     except RuntimeError as exc:
         print(f"kaitian bench transport: {exc}", file=sys.stderr)
         return 1

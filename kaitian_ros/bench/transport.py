@@ -424,10 +424,10 @@ def plot(summary: dict[str, Any], path: Path) -> None:
             ax.scatter([x] * len(reps[mode]), [r[key] for r in reps[mode]], color="k", s=10, zorder=3)
         if target:
             ax.axhline(target, color="r", ls="--", lw=1, label=f"target {target:,}")
-            ax.legend(loc="lower right")
+            ax.legend(loc="upper right")
         else:
             ax.axhline(TARGET_RATIO * values[0], color="r", ls="--", lw=1, label=f"{TARGET_RATIO} x raw")
-            ax.legend(loc="lower right")
+            ax.legend(loc="upper right")
         ax.set_ylabel(unit)
     a.set_title(f"4 MiB: ours/raw = {summary['ratio_to_raw']:.2f}")
     b.set_title(f"256 B: {summary['msgs_per_s_256b']:,.0f} msg/s")

@@ -2,7 +2,12 @@
 
 Hosts the Zenoh router, starts every node of the scenario as its own process with its
 parameters (same ROS-style command line launch_ros uses), prefixes each output line with the
-node name, forwards Ctrl-C/SIGTERM, and exits non-zero naming the node when one dies.
+node name and forwards Ctrl-C/SIGTERM. While it supervises (``wait``), a node that exits is
+respawned after its ``respawn_delay`` if its scenario says so (compute nodes, coordinator and
+scheduler by default), at most ``respawn_max_retries`` times; each death and restart is printed
+and published on ``/diagnostics`` (as node ``launch``). A node that dies without respawn, or
+beyond its retries, or that refused to start (exit code 2: bad parameters, which a respawn
+would repeat), stops the graph and the launcher exits non-zero naming it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import yaml
 from kaitian_ros.scenario import NodeSpec, Scenario
 
 STOP_GRACE_S = 5.0
+REFUSED_TO_START = 2  # a node's exit code for bad parameters/arguments: a respawn would fail the same way
 _PR_SET_PDEATHSIG = 1
 
 
@@ -117,6 +123,10 @@ class Child:
     spec: NodeSpec
     process: subprocess.Popen
     reader: threading.Thread
+    restarts: int = 0          # respawns so far
+    respawn_at: float = 0.0    # monotonic time of a scheduled respawn (0: none)
+    handled: bool = False      # the current process's exit was seen (respawn scheduled or final)
+    last_exit: int | None = None
 
 
 class Launcher:
@@ -149,17 +159,21 @@ class Launcher:
                                    f"(is another graph running? pick one with --router)") from None
             self.say(f"[launch] router listening on {self.router_endpoint}")
         self.params_file.write_text(yaml.safe_dump(self.scenario.parameter_file_dict(), sort_keys=False))
+        for spec in self.scenario.nodes:
+            process, reader = self._spawn(spec)
+            self.children.append(Child(spec, process, reader))
+
+    def _spawn(self, spec: NodeSpec) -> tuple[subprocess.Popen, threading.Thread]:
         env = dict(os.environ, KAITIAN_ROUTER=self.router_endpoint, KAITIAN_RUNTIME="embedded",
                    PYTHONUNBUFFERED="1")
-        for spec in self.scenario.nodes:
-            process = subprocess.Popen(node_command(spec, self.params_file), env=env,
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-                                       text=True, bufsize=1)
-            reader = threading.Thread(target=self._pump, args=(spec.name, process), daemon=True)
-            reader.start()
-            self.children.append(Child(spec, process, reader))
-            self.say(f"[launch] started {spec.name} ({spec.executable}) pid {process.pid}")
+        process = subprocess.Popen(node_command(spec, self.params_file), env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                                   text=True, bufsize=1)
+        reader = threading.Thread(target=self._pump, args=(spec.name, process), daemon=True)
+        reader.start()
+        self.say(f"[launch] started {spec.name} ({spec.executable}) pid {process.pid}")
+        return process, reader
 
     def _pump(self, name: str, process: subprocess.Popen) -> None:
         assert process.stdout is not None
@@ -167,27 +181,63 @@ class Launcher:
             self.say(f"[{name}] {line.rstrip()}")
 
     def wait(self, duration_s: float | None = None, on_tick: Callable[[], None] | None = None) -> int:
-        """Supervise until all nodes end, one dies, ``duration_s`` passes, or stop() is called."""
+        """Supervise until all nodes end, one dies for good, ``duration_s`` passes, or stop()
+        is called; nodes with respawn are restarted meanwhile."""
         deadline = None if duration_s is None else time.monotonic() + duration_s
-        while not self._stopping.is_set():
-            if on_tick is not None:
-                on_tick()
-            for child in self.children:
-                code = child.process.poll()
-                if code is not None and code != 0:
-                    self.say(f"[launch] node '{child.spec.name}' died unexpectedly (exit code {code}); "
-                             f"stopping the graph")
+        report = Supervision(self)
+        try:
+            while not self._stopping.is_set():
+                if on_tick is not None:
+                    on_tick()
+                failed = self._supervise_once()
+                if failed is not None:
                     self.stop()
-                    return 1
-            if all(c.process.poll() is not None for c in self.children):
-                self.say("[launch] all nodes finished")
-                self.stop()
-                return 0
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-            self._stopping.wait(0.1)
+                    return failed
+                report.maybe_publish()
+                if all(c.process.poll() is not None and not c.respawn_at for c in self.children):
+                    self.say("[launch] all nodes finished")
+                    self.stop()
+                    return 0
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+                self._stopping.wait(0.1)
+        finally:
+            report.close()
         self.stop()
         return 0
+
+    def _supervise_once(self) -> int | None:
+        """Schedule respawns of nodes that exited, start those due; the launcher's exit code
+        if a node died for good, else None."""
+        now = time.monotonic()
+        for child in self.children:
+            if child.respawn_at:
+                if now >= child.respawn_at and not self._stopping.is_set():
+                    child.respawn_at = 0.0
+                    child.restarts += 1
+                    child.process, child.reader = self._spawn(child.spec)
+                    child.handled = False
+                continue
+            code = child.process.poll()
+            if child.handled or code is None:
+                continue
+            child.handled, child.last_exit = True, code
+            policy = child.spec.respawn
+            if code == REFUSED_TO_START:
+                self.say(f"[launch] node '{child.spec.name}' refused to start (exit code {code}: bad parameters "
+                         f"or arguments, see its output); not respawned, stopping the graph")
+                return 1
+            if policy.enabled and child.restarts < policy.max_retries:
+                child.respawn_at = now + policy.delay_s
+                self.say(f"[launch] node '{child.spec.name}' exited (exit code {code}); respawning in "
+                         f"{policy.delay_s:g} s (restart {child.restarts + 1} of {policy.max_retries})")
+            elif code != 0:
+                why = (f"respawned {child.restarts} times already (respawn_max_retries)" if policy.enabled
+                       else "no respawn")
+                self.say(f"[launch] node '{child.spec.name}' died unexpectedly (exit code {code}; {why}); "
+                         f"stopping the graph")
+                return 1
+        return None
 
     def request_stop(self) -> None:
         self._stopping.set()
@@ -206,6 +256,76 @@ class Launcher:
                 pass
             self._router = None
         self._tmpdir.cleanup()
+
+
+class Supervision:
+    """The launcher's own /diagnostics (node ``launch``), once a second: per node its pid,
+    restarts and last exit code; ERROR while a node is down waiting for its respawn, WARN for
+    RECENT_S after a restart, else OK."""
+
+    PERIOD_S = 1.0
+    RECENT_S = 30.0
+
+    def __init__(self, launcher: Launcher) -> None:
+        self.launcher = launcher
+        self.rt: Any = None
+        self.next_s = 0.0
+        self.last_restart_s: dict[str, float] = {}
+        self.seen_restarts: dict[str, int] = {}
+        try:
+            from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher
+            from kaitian_ros.runtime.embedded import EmbeddedRuntime
+            from kaitian_ros.runtime.node_args import NodeArgs
+
+            self.rt = EmbeddedRuntime(NodeArgs("launch"), router=launcher.router_endpoint)
+            self.diagnostics = DiagnosticsPublisher(self.rt, hardware_id="launcher")
+            self.thread = threading.Thread(target=self.rt.spin, daemon=True)  # answers graph queries
+            self.thread.start()
+        except Exception as exc:  # supervision goes on without it
+            launcher.say(f"[launch] no /diagnostics from the launcher: {exc}")
+            self.rt = None
+
+    def maybe_publish(self) -> None:
+        now = time.monotonic()
+        if self.rt is None or now < self.next_s:
+            return
+        self.next_s = now + self.PERIOD_S
+        values: dict[str, Any] = {}
+        down, recent = [], []
+        for child in self.launcher.children:
+            name = child.spec.name
+            if child.restarts != self.seen_restarts.get(name, 0):
+                self.seen_restarts[name] = child.restarts
+                self.last_restart_s[name] = now
+            running = child.process.poll() is None
+            values[f"{name}.pid"] = child.process.pid if running else ""
+            values[f"{name}.restarts"] = child.restarts
+            values[f"{name}.last_exit"] = "" if child.last_exit is None else child.last_exit
+            if child.respawn_at:
+                down.append(f"{name} down (exit code {child.last_exit}), respawn in "
+                            f"{max(0.0, child.respawn_at - now):.1f} s")
+            elif now - self.last_restart_s.get(name, -1e9) < self.RECENT_S:
+                recent.append(f"{name} respawned ({child.restarts} restart{'s' * (child.restarts != 1)}, "
+                              f"last exit code {child.last_exit})")
+        from kaitian_ros.runtime.diagnostics import Level
+
+        if down:
+            level, text = Level.ERROR, "; ".join(down)
+        elif recent:
+            level, text = Level.WARN, "; ".join(recent)
+        else:
+            level, text = Level.OK, f"{len(self.launcher.children)} nodes supervised"
+        try:
+            self.diagnostics.publish(level, text, values)
+        except Exception:  # the router may be going away with the graph
+            pass
+
+    def close(self) -> None:
+        if self.rt is not None:
+            self.rt.shutdown()
+            self.thread.join(timeout=2.0)
+            self.rt.close()
+            self.rt = None
 
 
 class CapturedOutput:

@@ -76,7 +76,24 @@ def node_kwargs(scenario: Scenario, *, runtime: str = "ros") -> list[dict[str, A
         "parameters": [launch_parameters(spec.parameters)],
         "output": "screen",
         "additional_env": {"KAITIAN_RUNTIME": runtime},
+        "respawn": spec.respawn.enabled,
+        "respawn_delay": spec.respawn.delay_s,
+        "respawn_max_retries": spec.respawn.max_retries,
     } for spec in scenario.nodes]
+
+
+def _supported(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` without ``respawn_max_retries`` where this launch lacks it (before Jazzy)."""
+    try:
+        import inspect
+
+        from launch.actions import ExecuteProcess
+
+        if "respawn_max_retries" in inspect.signature(ExecuteProcess.__init__).parameters:
+            return kwargs
+    except (ImportError, TypeError, ValueError):
+        pass
+    return {k: v for k, v in kwargs.items() if k != "respawn_max_retries"}
 
 
 def generate_nodes(scenario_name: str, overrides: Sequence[str] | Sequence[tuple[str, Any]] = ()) -> list:
@@ -84,7 +101,7 @@ def generate_nodes(scenario_name: str, overrides: Sequence[str] | Sequence[tuple
     from launch_ros.actions import Node
 
     scenario = load_scenario(scenario_name, overrides)
-    return [Node(**kwargs) for kwargs in node_kwargs(scenario)]
+    return [Node(**_supported(kwargs)) for kwargs in node_kwargs(scenario)]
 
 
 def launch_description(scenario_name: str) -> Any:

@@ -2,18 +2,25 @@
 
 Each top-level key is a node name with ``ros__parameters``; the extra parameter ``executable``
 names the node program (ROS nodes ignore parameters they do not declare, so the same file is
-passed to them unchanged). Launch arguments ``name:=value`` override parameters:
+passed to them unchanged). Three more extra keys are launch settings, named as launch_ros names
+them: ``respawn`` (restart the node when it exits), ``respawn_delay`` (seconds before a restart)
+and ``respawn_max_retries`` (restarts allowed over the launch's life). By default compute nodes,
+the coordinator and the scheduler respawn (1 s delay, 5 restarts), the others do not. Launch
+arguments ``name:=value`` override parameters:
 
 - ``param:=value`` sets ``param`` in every node that has it in the file,
 - ``node.param:=value`` sets it in one node,
 - ``compute_nodes:=N`` keeps/clones ``compute_*`` nodes to exactly N (clones copy the last one),
 - ``ranks:=N`` does the same for ``trainer_*`` nodes and renumbers ``rank``/``world_size``,
-- ``slowdowns:=[1.0,2.0,...]`` sets ``emulated_slowdown`` of the compute nodes in order.
+- ``slowdowns:=[1.0,2.0,...]`` sets ``emulated_slowdown`` of the compute nodes in order,
+- ``respawn:=false`` (``respawn_delay``, ``respawn_max_retries``) sets a launch setting of every
+  node, ``node.respawn:=false`` of one.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,6 +33,35 @@ from kaitian_ros.runtime.interfaces import find_share_file
 from kaitian_ros.runtime.node_args import parse_value
 
 EXECUTABLES = ("image_source", "compute", "coordinator", "scheduler", "trainer", "monitor")
+RESPAWNED_BY_DEFAULT = ("compute", "coordinator", "scheduler")
+RESPAWN_KEYS = ("respawn", "respawn_delay", "respawn_max_retries")
+
+
+@dataclass(frozen=True)
+class Respawn:
+    """What a launcher does when the node's process exits while the graph runs."""
+
+    enabled: bool = False
+    delay_s: float = 1.0
+    max_retries: int = 5
+
+    @staticmethod
+    def default_for(executable: str) -> Respawn:
+        return Respawn(enabled=executable in RESPAWNED_BY_DEFAULT)
+
+    def with_setting(self, key: str, value: Any, where: str) -> Respawn:
+        """This policy with one ``RESPAWN_KEYS`` setting changed (ScenarioError if invalid)."""
+        if key == "respawn":
+            if not isinstance(value, bool):
+                raise ScenarioError(f"{where}: respawn must be true or false, got {value!r}")
+            return Respawn(value, self.delay_s, self.max_retries)
+        if key == "respawn_delay":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 3600.0:
+                raise ScenarioError(f"{where}: respawn_delay must be seconds in [0, 3600], got {value!r}")
+            return Respawn(self.enabled, float(value), self.max_retries)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1_000_000:
+            raise ScenarioError(f"{where}: respawn_max_retries must be an integer in [0, 1000000], got {value!r}")
+        return Respawn(self.enabled, self.delay_s, value)
 _COMPUTE = re.compile(r"^compute_(\d+)$")
 
 
@@ -38,6 +74,7 @@ class NodeSpec:
     name: str
     executable: str
     parameters: dict[str, Any] = field(default_factory=dict)
+    respawn: Respawn = Respawn()
 
 
 @dataclass(frozen=True)
@@ -111,16 +148,24 @@ def load_scenario(name_or_path: str, overrides: Sequence[tuple[str, Any]] | Sequ
         executable = params.pop("executable", None)
         if executable not in EXECUTABLES:
             raise ScenarioError(f"{path}: node '{name}' needs 'executable' in {list(EXECUTABLES)}, got {executable!r}")
-        nodes.append(NodeSpec(name, executable, params))
+        respawn = Respawn.default_for(executable)
+        for key in RESPAWN_KEYS:
+            if key in params:
+                respawn = respawn.with_setting(key, params.pop(key), f"{path}: node '{name}'")
+        nodes.append(NodeSpec(name, executable, params, respawn))
     pairs = parse_overrides(overrides) if overrides and isinstance(overrides[0], str) else list(overrides)
     nodes = apply_overrides(nodes, pairs)
     return Scenario(path.stem, path, tuple(nodes), tuple(pairs))
 
 
 def apply_overrides(nodes: list[NodeSpec], overrides: Sequence[tuple[str, Any]]) -> list[NodeSpec]:
-    nodes = [NodeSpec(n.name, n.executable, copy.deepcopy(n.parameters)) for n in nodes]
+    nodes = [NodeSpec(n.name, n.executable, copy.deepcopy(n.parameters), n.respawn) for n in nodes]
     for key, value in overrides:
-        if key == "compute_nodes":
+        node_name, _, setting = key.rpartition(".")
+        if setting in RESPAWN_KEYS and (not node_name or node_name in {n.name for n in nodes}):
+            nodes = [dataclasses.replace(n, respawn=n.respawn.with_setting(setting, value, f"{key}:="))
+                     if node_name in ("", n.name) else n for n in nodes]
+        elif key == "compute_nodes":
             nodes = _resize(nodes, "compute", "compute_nodes", value)
         elif key == "ranks":
             nodes = _resize(nodes, "trainer", "ranks", value)
@@ -159,7 +204,8 @@ def _resize(nodes: list[NodeSpec], executable: str, argument: str, count: Any) -
     template = group[-1]
     resized = group[:count]
     for index in range(len(resized), count):
-        resized.append(NodeSpec(f"{executable}_{index}", executable, copy.deepcopy(template.parameters)))
+        resized.append(NodeSpec(f"{executable}_{index}", executable, copy.deepcopy(template.parameters),
+                                template.respawn))
     first = nodes.index(group[0])
     before = [n for n in others if nodes.index(n) < first]
     after = [n for n in others if nodes.index(n) > first]

@@ -31,8 +31,8 @@ STARTED = r"\[launch\] started (\S+) \((\S+)\) pid (\d+)"
 
 def start_launch(scenario: str, *overrides: str) -> tuple[Proc, str]:
     endpoint = f"tcp/127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-u", "-m", "kaitian_ros.cli", "--router", endpoint, "launch", scenario,
-           "--no-view", *overrides]
+    cmd = [sys.executable, "-u", "-m", "kaitian_ros.cli", "--router", endpoint, "launch", scenario, *overrides,
+           "--no-view"]
     return Proc(cmd, child_env(endpoint)), endpoint
 
 
@@ -68,7 +68,8 @@ def test_node_list(camera_demo):
     _, endpoint, _, _ = camera_demo
     result = run_cli("node", "list", router=endpoint)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["/cli_test_probe", "/image_source", "/monitor"]
+    # /launch: the launcher's own node (its /diagnostics on supervision)
+    assert result.stdout.split() == ["/cli_test_probe", "/image_source", "/launch", "/monitor"]
 
 
 def test_topic_list_with_types(camera_demo):
@@ -191,8 +192,50 @@ def test_node_killed_while_running_makes_launch_fail_naming_it():
     finally:
         launch.stop()
     assert code != 0
-    assert "node 'image_source' died unexpectedly (exit code -9)" in launch.output()
+    assert "node 'image_source' died unexpectedly (exit code -9; no respawn)" in launch.output()
     assert_nothing_left(launch, endpoint, pids)
+
+
+def test_respawned_node_comes_back_is_reported_and_the_cap_holds():
+    """image_source with respawn (launch arguments): killed with SIGKILL it is restarted after
+    its delay, frames flow again, the launcher's /diagnostics (node /launch) count the restart;
+    past respawn_max_retries the next death stops the graph naming it."""
+    launch, endpoint = start_launch("camera_demo", "image_source.respawn:=true", "image_source.respawn_delay:=0.2",
+                                    "image_source.respawn_max_retries:=1")
+    probe = None
+    try:
+        pids = started_pids(launch, 2)
+        launch.wait_for(r"\[monitor\] .*frames")
+        probe = Probe(endpoint, "respawn_probe")
+        diagnostics = probe.collect("/diagnostics", "DiagnosticArray")
+        frames = probe.collect("/camera/image_raw", "Image", QoS.BEST_EFFORT)
+        os.kill(pids["image_source"], signal.SIGKILL)
+        launch.wait_for(r"node 'image_source' exited \(exit code -9\); respawning in 0.2 s \(restart 1 of 1\)")
+        (again,) = launch.wait_for(r"\[launch\] started image_source \(image_source\) pid (\d+)", count=2)[1:]
+        respawned = int(again.group(1))
+        assert respawned != pids["image_source"] and pid_running(respawned)
+        before = len(frames)
+        wait_until(lambda: len(frames) > before + 2, "frames from the respawned image_source")
+
+        def launch_status():
+            for array in diagnostics.snapshot():
+                for st in array.status:
+                    values = {kv.key: kv.value for kv in st.values}
+                    if st.name == "kaitian: launch" and values.get("image_source.restarts") == "1":
+                        return st
+            return None
+
+        status = wait_until(launch_status, "/launch diagnostics counting the restart")
+        assert status.level in (1, 2) and "image_source" in status.message  # WARN (or ERROR while down)
+        os.kill(respawned, signal.SIGKILL)
+        code = launch.wait()
+    finally:
+        if probe is not None:
+            probe.close()
+        launch.stop()
+    assert code != 0
+    assert "node 'image_source' died unexpectedly (exit code -9; respawned 1 times already" in launch.output()
+    assert_nothing_left(launch, endpoint, pids | {"image_source_again": respawned})
 
 
 @pytest.mark.parametrize("bad", [
@@ -221,7 +264,7 @@ def test_node_that_crashes_at_start_makes_launch_exit_nonzero_naming_it(tmp_path
         launch.stop()
     assert code != 0
     out = launch.output()
-    assert "node 'broken_camera' died unexpectedly" in out, out
+    assert "node 'broken_camera' refused to start (exit code 2" in out, out
     assert "[broken_camera]" in out and "refusing to start" in out, out
     assert "node 'watcher' died" not in out
     assert_nothing_left(launch, endpoint, pids)

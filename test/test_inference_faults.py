@@ -176,7 +176,7 @@ def test_compute_process_killed_mid_run_loses_no_frame(tmp_path):
         assert g.dead_children() == [victim]
         outputs = g.check_outputs(frames, by_stamp)
         ids = sorted(int(f.request_id) for f in outputs)
-        assert ids == list(range(1, len(frames) + 1)), f"requests lost or duplicated: {ids}"
+        assert ids == list(range(ids[0], ids[0] + len(frames))), f"requests lost or duplicated: {ids}"
         assert len(g.fused) == len(frames), "exactly one FusedOutput per request"
         # the plan without the dead node: when did it arrive (latched topic, collected as it came)
         plans = g.plans.timed()
@@ -209,7 +209,8 @@ def test_unknown_plan_chunk_times_out_while_other_plans_keep_arriving(graph):
     pv = g.latest_plan()
     c, height, width = g.spec.input_shape
     chunks = g.probe.rt.create_publisher(ic.chunk_topic(node), "TensorChunk", QoS.RELIABLE)
-    # the test stands in for a coordinator announcing new versions of the same plan, 0.3 s apart
+    # the test stands in for the coordinator (its incarnation) announcing new versions of the same
+    # plan, 0.3 s apart
     plans = g.probe.rt.create_publisher(ic.PLAN_TOPIC, "LoadAssignment", QoS.LATCHED)
     time.sleep(0.3)
     bogus = pv.version + 5000
@@ -222,7 +223,7 @@ def test_unknown_plan_chunk_times_out_while_other_plans_keep_arriving(graph):
     while time.monotonic() < deadline and not counted:
         version += 1
         plans.publish(ic.assignment_msg(Assignment(version, 0, tuple(pv.node_ids), tuple(pv.shares), "static",
-                                                   "test: re-announced", 0.0)))
+                                                   "test: re-announced", 0.0), int(pv.incarnation)))
         time.sleep(0.3)
         values = latest_values(g, node)
         counted = int(values.get("rejected.unknown plan", "0")) > unknown_before

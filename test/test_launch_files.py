@@ -58,6 +58,11 @@ def test_hetero_inference_with_three_compute_nodes() -> None:
         assert k["additional_env"] == {"KAITIAN_RUNTIME": "ros"}
         (params,) = k["parameters"]
         assert "executable" not in params
+    # launch_ros respawns what `kaitian launch` respawns: the compute nodes, coordinator, scheduler
+    assert {n: k["respawn"] for n, k in by_name.items()} == {
+        "image_source": False, "coordinator": True, "scheduler": True,
+        "compute_0": True, "compute_1": True, "compute_2": True}
+    assert all(k["respawn_delay"] == 1.0 and k["respawn_max_retries"] == 5 for k in kwargs)
     computes = ["compute_0", "compute_1", "compute_2"]
     assert by_name["coordinator"]["parameters"][0]["compute_nodes"] == computes
     assert by_name["scheduler"]["parameters"][0]["compute_nodes"] == computes
@@ -125,6 +130,31 @@ def test_tmp_scenario_drops_empty_lists_and_keeps_order(tmp_path: Path) -> None:
     assert all(v != [] for k in kwargs for v in k["parameters"][0].values())
     assert coordinator["model"] == "tiny_cnn"
     assert coordinator["compute_nodes"] == ["compute_0", "compute_1", "compute_2"]
+
+
+def test_respawn_settings_from_defaults_file_and_launch_arguments(tmp_path: Path) -> None:
+    path = tmp_path / "respawn.yaml"
+    path.write_text(
+        "src:\n  ros__parameters:\n    executable: image_source\n    respawn: true\n    respawn_delay: 0.5\n"
+        "coordinator:\n  ros__parameters:\n    executable: coordinator\n    compute_nodes: [compute_0]\n"
+        "compute_0:\n  ros__parameters:\n    executable: compute\n    respawn_max_retries: 2\n")
+    scenario = load_scenario(str(path))
+    got = {n.name: (n.respawn.enabled, n.respawn.delay_s, n.respawn.max_retries) for n in scenario.nodes}
+    assert got == {"src": (True, 0.5, 5), "coordinator": (True, 1.0, 5), "compute_0": (True, 1.0, 2)}
+    # launch settings, not node parameters: nodes never see them
+    assert all(not set(n.parameters) & {"respawn", "respawn_delay", "respawn_max_retries"} for n in scenario.nodes)
+    assert all(not set(sec["ros__parameters"]) & {"respawn"} for sec in scenario.parameter_file_dict().values())
+    off = load_scenario(str(path), ["respawn:=false", "compute_0.respawn_delay:=2.5", "compute_nodes:=2"])
+    assert {n.name: (n.respawn.enabled, n.respawn.delay_s) for n in off.nodes} == {
+        "src": (False, 0.5), "coordinator": (False, 1.0), "compute_0": (False, 2.5), "compute_1": (False, 2.5)}
+    defaults = load_scenario("hetero_inference")
+    assert {n.name for n in defaults.nodes if n.respawn.enabled} == {
+        "coordinator", "scheduler", "compute_0", "compute_1", "compute_2"}
+    for bad, words in (("respawn:=maybe", "respawn must be true or false"),
+                       ("respawn_max_retries:=-1", "respawn_max_retries"),
+                       ("compute_0.respawn_delay:=1e9", "respawn_delay")):
+        with pytest.raises(ScenarioError, match=words):
+            load_scenario(str(path), [bad])
 
 
 def test_only_user_set_arguments_become_overrides() -> None:

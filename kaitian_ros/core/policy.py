@@ -247,6 +247,9 @@ class NodeEstimate:
     settle: int = 0
 
 
+MAX_REQUEST_ID = 2**64 - 1
+
+
 @dataclass(frozen=True)
 class Assignment:
     """A published plan. Shares align with node_ids and sum to 1."""
@@ -705,6 +708,7 @@ def decide(state: PolicyState, now_s: float, newest_request_id: int, config: Pol
     eff = newest_request_id + lead_requests
     if cur is not None:
         eff = max(eff, cur.effective_from_request + 1)
+    eff = min(eff, MAX_REQUEST_ID)  # a uint64 on the wire
     version = (cur.version + 1) if cur is not None else 1
     assignment = Assignment(version=version, effective_from_request=eff, node_ids=node_ids,
                             shares=shares, policy=config.policy,

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kaitian_ros.core import profiling
+from kaitian_ros.core.authority import AuthorityTracker
 from kaitian_ros.core.costs import CostRefiner, DeviceProfile, LinkMeter
 from kaitian_ros.core.plan import Plan
 from kaitian_ros.core.stripe import StripeRunner
@@ -97,6 +98,7 @@ class ComputeNode:
         self.requests: dict[int, RequestState] = {}
         self.pending: list[tuple[float, Any, Any]] = []  # chunks waiting for their plan
         self.retired_below = 0  # plan versions below this are gone
+        self.coordinator = AuthorityTracker("coordinator")  # whose plan versions these are
         self.completed = 0
         self.pubs: dict[str, Any] = {}
         self.telemetry = rt.create_publisher(ic.TELEMETRY_TOPIC, "NodeTelemetry")
@@ -217,13 +219,23 @@ class ComputeNode:
         except ValueError as exc:
             self.rt.rejected.count(f"bad plan: {exc}")
             return
-        if pv.version in self.plans or pv.version < self.retired_below:
-            return
         try:
             plan = ic.plan_from_msg(self.graph, msg, self.params["slab_rows"])
         except ValueError as exc:
             self.rt.rejected.count(f"bad plan: v{pv.version}: {exc}")
             return
+        verdict = self.coordinator.check(int(msg.incarnation), pv.version)
+        if not verdict.accept:
+            if verdict.rejected:
+                self.rt.rejected.count(verdict.reason)
+            return
+        if verdict.reset:
+            # a restarted coordinator numbers its plans from 1 again; the old run's requests and
+            # plans are gone with it
+            self.rt.logger.info(verdict.reason)
+            self.plans.clear()
+            self.requests.clear()
+            self.retired_below = 0
         self.plans[pv.version] = plan
         self.plans = collections.OrderedDict(sorted(self.plans.items()))
         while len(self.plans) > self.params["max_plans"]:

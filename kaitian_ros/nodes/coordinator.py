@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from kaitian_ros.core import planner
+from kaitian_ros.core.authority import AuthorityTracker, new_incarnation
 from kaitian_ros.core.costs import COORDINATOR, Costs, DeviceProfile, LinkEstimate, LinkMeter, profile_problem
 from kaitian_ros.core.plan import CostModel, Plan, PlanSpec
 from kaitian_ros.core.policy import Assignment
@@ -123,7 +124,11 @@ class Coordinator:
         self.last_replan = 0.0
         self.requests: dict[int, Request] = {}
         self.waiting: Any = None  # newest image waiting for an in-flight slot
-        self.next_request = 1
+        # a restarted coordinator is a new authority: compute nodes reset their plan bookkeeping
+        # on a new incarnation, and its request ids continue above the old run's
+        self.incarnation = new_incarnation()
+        self.next_request = ic.first_request_id()
+        self.scheduler_authority = AuthorityTracker("scheduler")
         self.counts = collections.Counter()
         self.latencies: collections.deque = collections.deque(maxlen=200)
         self.chunk_pubs = {n: rt.create_publisher(ic.chunk_topic(n), "TensorChunk") for n in self.nodes}
@@ -209,8 +214,17 @@ class Coordinator:
         except ValueError as exc:
             self.rt.rejected.count(f"bad assignment: {exc}")
             return
-        if self.assignment is not None and proposal.version <= self.assignment.version:
+        if proposal.effective_from_request > self.next_request + ic.MAX_EFFECTIVE_LEAD:
+            self.rt.rejected.count(f"implausible effective_from_request: scheduler v{proposal.version} from request "
+                                   f"{proposal.effective_from_request}, next request is {self.next_request}")
             return
+        verdict = self.scheduler_authority.check(int(msg.incarnation), proposal.version)
+        if not verdict.accept:
+            if verdict.rejected:
+                self.rt.rejected.count(verdict.reason)
+            return
+        if verdict.reset:
+            self.rt.logger.info(verdict.reason)
         self.assignment = proposal
         self._replan_soon(f"scheduler v{proposal.version}: {proposal.reason}", effective=proposal.effective_from_request,
                           proposal=True)
@@ -414,7 +428,8 @@ class Coordinator:
         self.current = pv
         plan = self.plans[version]
         ru = self.choice.runner_up if self.choice is not None else None
-        self.plan_pub.publish(ic.assignment_msg(pv, plan, ru.label if ru else "", ru.predicted_ms if ru else 0.0))
+        self.plan_pub.publish(ic.assignment_msg(pv, self.incarnation, plan, ru.label if ru else "",
+                                                ru.predicted_ms if ru else 0.0))
         self.rt.logger.info(f"plan v{version}: {pv.reason}")
         in_use = {r.version for r in self.requests.values()} | {version} | (
             {self.pending.version} if self.pending else set())
@@ -635,6 +650,7 @@ class Coordinator:
         rejected = self.rt.rejected
         self.diagnostics.publish(level, text, {
             "plan_version": self.current.version if self.current else 0,
+            "incarnation": f"{self.incarnation:016x}", "scheduler_restarts": self.scheduler_authority.restarts,
             "strategy": plan.strategy if plan is not None else "",
             "plan": self._plan_text(plan) if plan is not None else "",
             "predicted_ms": f"{self.predicted_ms:.1f}",

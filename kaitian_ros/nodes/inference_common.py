@@ -37,6 +37,25 @@ ROLE_INPUT, ROLE_HALO, ROLE_OUTPUT = 0, 1, 2
 ROLE_NAMES = {ROLE_INPUT: "INPUT", ROLE_HALO: "HALO", ROLE_OUTPUT: "OUTPUT"}
 ROLE_OF_NAME = {v: k for k, v in ROLE_NAMES.items()}
 
+# Request ids: a coordinator numbers its requests from its start time in microseconds, so the ids
+# of a restarted coordinator continue above the old ones (no run makes a request per microsecond)
+# and no id is ever far ahead of the wall clock: anything beyond REQUEST_ID_SKEW_S ahead is forged
+# or corrupt (one telemetry message with id 2**64-1 once wedged the scheduler for good).
+REQUEST_ID_SKEW_S = 3600.0  # clocks of the graph's hosts may differ by this much
+MAX_EFFECTIVE_LEAD = 10_000  # an assignment takes effect at most this many requests ahead
+
+
+def first_request_id() -> int:
+    return time.time_ns() // 1000
+
+
+def request_id_problem(request_id: int, now_s: float | None = None) -> str:
+    """'' if ``request_id`` could come from a coordinator, else why not."""
+    limit = int(((time.time() if now_s is None else now_s) + REQUEST_ID_SKEW_S) * 1e6)
+    if not 0 < request_id <= limit:
+        return f"implausible request id: {request_id} (ids are a coordinator's start time in us plus a count)"
+    return ""
+
 MODEL_PARAMETERS = (
     P("model", T.STRING, "resnet18", "reference CNN name or 'package.module:callable'", read_only=True),
     P("input_height", T.INTEGER, 224, "model input height (rows)", 8, 4096, read_only=True),
@@ -127,9 +146,10 @@ def busy_clock(device: torch.device) -> Callable[[], float]:
     return time.perf_counter
 
 
-def assignment_msg(a: Assignment, plan: Plan | None = None, runner_up: str = "",
+def assignment_msg(a: Assignment, incarnation: int, plan: Plan | None = None, runner_up: str = "",
                    runner_up_ms: float = 0.0) -> Any:
-    """LoadAssignment message of a scheduler proposal, or with `plan` of an executed plan."""
+    """LoadAssignment message of a scheduler proposal, or with `plan` of an executed plan, from
+    the publisher's run `incarnation` (`core.authority`)."""
     fields: dict[str, Any] = {}
     if plan is not None:
         spec = plan.spec
@@ -138,7 +158,8 @@ def assignment_msg(a: Assignment, plan: Plan | None = None, runner_up: str = "",
                   "segment_shares": np.asarray([] if uniform and spec.strategy == "stripes" else
                                                [x for row in spec.segment_shares for x in row], np.float64),
                   "runner_up": runner_up, "runner_up_ms": float(runner_up_ms)}
-    return interfaces.make("LoadAssignment", version=a.version, effective_from_request=a.effective_from_request,
+    return interfaces.make("LoadAssignment", incarnation=incarnation, version=a.version,
+                           effective_from_request=a.effective_from_request,
                            node_ids=list(a.node_ids), shares=np.asarray(a.shares, np.float64),
                            policy=a.policy, reason=a.reason, predicted_makespan_ms=a.predicted_makespan_ms,
                            **fields)

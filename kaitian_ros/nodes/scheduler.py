@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kaitian_ros.core import policy as pol
+from kaitian_ros.core.authority import new_incarnation
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.runtime import run_node
 from kaitian_ros.runtime.api import ParameterDescriptor as P
@@ -42,6 +43,9 @@ class Scheduler:
         self.state = pol.initial_state(self.config, tuple(self.params["compute_nodes"]))
         self.newest_request = 0
         self.published = 0
+        self.incarnation = new_incarnation()  # a restarted scheduler is a new authority (core.authority)
+        self.decide_errors = 0
+        self.last_decide_error = ""
         self.last: pol.Assignment | None = None
         self.pub = rt.create_publisher(ic.ASSIGNMENT_TOPIC, "LoadAssignment", QoS.LATCHED)
         self.diagnostics = DiagnosticsPublisher(rt, hardware_id="cpu")
@@ -71,6 +75,10 @@ class Scheduler:
         if msg.request_id == 0:
             self.state = pol.heartbeat(self.state, msg.node_id, now, self.config)
             return
+        problem = ic.request_id_problem(int(msg.request_id))
+        if problem:
+            self.rt.rejected.count(f"{problem} from {msg.node_id}")
+            return
         self.newest_request = max(self.newest_request, int(msg.request_id))
         sample = pol.TelemetrySample(
             node_id=msg.node_id, request_id=int(msg.request_id), rows=int(msg.rows), work=float(msg.work),
@@ -82,13 +90,20 @@ class Scheduler:
         self.state = pol.observe(self.state, sample, self.config)
 
     def _decide(self) -> None:
-        self.state, assignment = pol.decide(self.state, self.rt.now(), self.newest_request, self.config,
-                                            self.params["lead_requests"])
-        if assignment is None:
+        try:
+            self.state, assignment = pol.decide(self.state, self.rt.now(), self.newest_request, self.config,
+                                                self.params["lead_requests"])
+            if assignment is None:
+                return
+            msg = ic.assignment_msg(assignment, self.incarnation)
+        except Exception as exc:  # one bad input must not end adaptation: reported, tried again next period
+            self.decide_errors += 1
+            self.last_decide_error = f"{type(exc).__name__}: {exc}"
+            self.rt.logger.error(f"decision failed: {self.last_decide_error}")
             return
         self.last = assignment
         self.published += 1
-        self.pub.publish(ic.assignment_msg(assignment))
+        self.pub.publish(msg)
         self.rt.logger.info(f"assignment v{assignment.version} from request {assignment.effective_from_request}: "
                             f"{assignment.reason}")
 
@@ -100,11 +115,16 @@ class Scheduler:
             values[f"{node_id}.link_bytes_per_ms"] = f"{est.link_rate:.3g}"
             values[f"{node_id}.samples"] = est.samples
             values[f"{node_id}.alive"] = node_id in self.state.members and node_id not in self.state.dead
+        values["incarnation"] = f"{self.incarnation:016x}"
         if self.last is not None:
             values |= {f"share.{n}": f"{s:.3f}" for n, s in zip(self.last.node_ids, self.last.shares)}
             text, level = f"v{self.last.version}: {self.last.reason}", Level.OK
         else:
             text, level = "waiting for telemetry", Level.WARN
+        if self.decide_errors:
+            values |= {"decide_errors": self.decide_errors, "last_decide_error": self.last_decide_error}
+            text, level = f"decisions failing ({self.decide_errors}): {self.last_decide_error}", Level.ERROR
+            self.decide_errors = 0
         self.diagnostics.publish(level, text, values)
 
 

@@ -1,0 +1,88 @@
+"""Versioned state from a restartable authority (the coordinator's plans, the scheduler's
+assignments): which (incarnation, version) a listener should accept.
+
+An authority picks a random non-zero 64-bit *incarnation* when it starts and numbers what it
+publishes 1, 2, 3, ... within it. A listener tracks the incarnation it follows and the newest
+version it accepted:
+
+- the same incarnation, a version a little ahead (at most ``max_step``): accepted;
+- the same incarnation and version again: a duplicate (a latched re-delivery), ignored quietly;
+- the same incarnation, an older version or one implausibly far ahead: rejected with the reason
+  (a version of 2**32 - 1 once sent all rows to one node for good);
+- another incarnation: the authority restarted. Accepted, the listener resets its version
+  bookkeeping (``reset``), and the incarnation it followed is retired: a late message of a
+  retired incarnation is rejected, so two authorities cannot make a listener flap back;
+- incarnation 0 or a first version above ``max_first``: rejected (not from an authority of this
+  package, or forged).
+
+Pure: no clock, no I/O. The listener owns one ``AuthorityTracker``.
+"""
+
+from __future__ import annotations
+
+import collections
+import secrets
+from dataclasses import dataclass
+
+MAX_VERSION_STEP = 1000   # a listener may miss versions (latched depth 1, a busy executor)
+MAX_FIRST_VERSION = 2**30  # a year of one new version per second is 2**25
+RETIRED_KEPT = 16
+
+
+def new_incarnation() -> int:
+    """A random non-zero 64-bit incarnation id."""
+    return secrets.randbits(64) | 1
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accept: bool
+    reset: bool = False  # a new incarnation: drop what was kept for the old one
+    reason: str = ""     # why not accepted ("" for a quiet duplicate), or the reset's reason
+
+    @property
+    def rejected(self) -> bool:
+        return not self.accept and bool(self.reason)
+
+
+class AuthorityTracker:
+    """The incarnation and newest version a listener follows, for one authority."""
+
+    def __init__(self, what: str, *, max_step: int = MAX_VERSION_STEP, max_first: int = MAX_FIRST_VERSION) -> None:
+        self.what = what
+        self.max_step = max_step
+        self.max_first = max_first
+        self.incarnation = 0
+        self.version = 0
+        self.restarts = 0  # incarnations followed after the first
+        self._retired: collections.deque[int] = collections.deque(maxlen=RETIRED_KEPT)
+
+    def check(self, incarnation: int, version: int) -> Verdict:
+        """Whether to accept ``version`` of ``incarnation``; on accept the tracker moves to it."""
+        who = f"{self.what} incarnation {incarnation:016x}"
+        if incarnation == 0:
+            return Verdict(False, reason=f"no incarnation: {self.what} v{version} carries incarnation 0")
+        if version < 1:
+            return Verdict(False, reason=f"implausible version: {who} v{version}")
+        if incarnation == self.incarnation:
+            if version == self.version:
+                return Verdict(False)
+            if version < self.version:
+                return Verdict(False, reason=f"stale version: {who} v{version} after v{self.version}")
+            if version - self.version > self.max_step:
+                return Verdict(False, reason=f"implausible version: {who} jumps from v{self.version} to "
+                                             f"v{version} (at most +{self.max_step})")
+            self.version = version
+            return Verdict(True)
+        if incarnation in self._retired:
+            return Verdict(False, reason=f"retired incarnation: {who} v{version} (now following "
+                                         f"{self.incarnation:016x})")
+        if version > self.max_first:
+            return Verdict(False, reason=f"implausible version: {who} starts at v{version}")
+        first = self.incarnation == 0
+        if not first:
+            self._retired.append(self.incarnation)
+            self.restarts += 1
+        self.incarnation, self.version = incarnation, version
+        return Verdict(True, reset=not first,
+                       reason="" if first else f"{self.what} restarted: incarnation {incarnation:016x} from v{version}")

@@ -1,0 +1,68 @@
+"""Which (incarnation, version) a listener accepts from a restartable authority."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kaitian_ros.core.authority import MAX_FIRST_VERSION, MAX_VERSION_STEP, AuthorityTracker, new_incarnation
+
+A, B = 0xA1, 0xB1
+
+
+def test_versions_move_forward_within_an_incarnation() -> None:
+    t = AuthorityTracker("plan")
+    assert t.check(A, 5).accept  # a late joiner starts wherever the authority is
+    assert t.check(A, 6).accept and t.check(A, 6 + MAX_VERSION_STEP).accept
+    dup = t.check(A, 6 + MAX_VERSION_STEP)
+    assert not dup.accept and not dup.rejected  # latched re-delivery: quiet
+    stale = t.check(A, 7)
+    assert stale.rejected and stale.reason.startswith("stale version")
+    jump = t.check(A, 2**32 - 1)
+    assert jump.rejected and jump.reason.startswith("implausible version")
+    assert t.version == 6 + MAX_VERSION_STEP
+
+
+def test_a_restart_resets_and_the_old_incarnation_is_retired() -> None:
+    t = AuthorityTracker("plan")
+    assert t.check(A, 40).accept
+    restart = t.check(B, 1)
+    assert restart.accept and restart.reset and "restarted" in restart.reason
+    assert (t.incarnation, t.version, t.restarts) == (B, 1, 1)
+    late = t.check(A, 41)  # the dead authority's message arrives late: no flapping back
+    assert late.rejected and late.reason.startswith("retired incarnation")
+    assert t.check(B, 2).accept
+
+
+def test_first_message_is_not_a_reset_and_forged_starts_are_refused() -> None:
+    t = AuthorityTracker("assignment")
+    assert t.check(0, 1).reason.startswith("no incarnation")
+    assert t.check(A, 0).reason.startswith("implausible version")
+    assert t.check(A, MAX_FIRST_VERSION + 1).reason.startswith("implausible version")
+    first = t.check(A, 1)
+    assert first.accept and not first.reset and first.reason == ""
+    assert t.check(B, 2**32 - 1).rejected and t.incarnation == A
+
+
+def test_new_incarnations_are_nonzero_and_distinct() -> None:
+    ids = {new_incarnation() for _ in range(1000)}
+    assert len(ids) == 1000 and 0 not in ids and all(0 < i < 2**64 for i in ids)
+
+
+@given(st.lists(st.tuples(st.sampled_from([A, B, 0, 7]), st.integers(0, 2**32 - 1)), max_size=60))
+def test_accepted_versions_never_go_back_nor_jump_within_an_incarnation(messages) -> None:
+    t = AuthorityTracker("plan")
+    last: dict[int, int] = {}
+    for inc, version in messages:
+        before = (t.incarnation, t.version)
+        verdict = t.check(inc, version)
+        if verdict.accept:
+            if inc == before[0]:
+                assert before[1] < version <= before[1] + MAX_VERSION_STEP
+            else:
+                assert version <= MAX_FIRST_VERSION and inc != 0 and inc not in last
+                if before[0]:
+                    last[before[0]] = before[1]
+            assert (t.incarnation, t.version) == (inc, version)
+        else:
+            assert (t.incarnation, t.version) == before

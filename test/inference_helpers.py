@@ -121,7 +121,9 @@ class Camera:
 class InferenceGraph:
     """coordinator + compute nodes as real processes, plus an in-process camera/probe node."""
 
-    def __init__(self, tmp_path: Path, **scenario: Any) -> None:
+    def __init__(self, tmp_path: Path, *, supervise: bool = False, **scenario: Any) -> None:
+        """``supervise``: the launcher supervises on a thread as ``kaitian launch`` does (nodes
+        with respawn are restarted; one that dies for good stops the graph)."""
         from kaitian_ros.launcher import CapturedOutput, start_on_free_port
         from kaitian_ros.scenario import load_scenario
 
@@ -137,6 +139,10 @@ class InferenceGraph:
         self._client: Any = None
         self.launcher = start_on_free_port(self.scenario, out=self.out)
         self.endpoint = self.launcher.router_endpoint
+        self.supervisor: threading.Thread | None = None
+        if supervise:
+            self.supervisor = threading.Thread(target=self.launcher.wait, daemon=True)
+            self.supervisor.start()
         try:
             self.probe = Camera(self.endpoint)
             self.fused = self.probe.collect(ic.FUSED_TOPIC, "FusedOutput")
@@ -154,6 +160,7 @@ class InferenceGraph:
 
     # --- lifecycle ------------------------------------------------------------------------
     def pid(self, name: str) -> int:
+        """The pid of ``name``'s current process (a respawned node's new one)."""
         for child in self.launcher.children:
             if child.spec.name == name:
                 return child.process.pid
@@ -186,8 +193,9 @@ class InferenceGraph:
             raise AssertionError(f"{exc}\n--- launcher output ---\n{self.out.text()}") from None
 
     def latest_plan(self) -> Any:
+        """The plan announced last (a restarted coordinator numbers from 1 again)."""
         plans = self.plans.snapshot()
-        return max(plans, key=lambda p: p.version) if plans else None
+        return plans[-1] if plans else None
 
     def probe_client(self) -> Any:
         """A GraphClient on this graph's router (what ``kaitian param`` uses)."""
@@ -205,6 +213,9 @@ class InferenceGraph:
             self.probe.close()
             self.probe = None
         if self.launcher is not None:
+            self.launcher.request_stop()
+            if self.supervisor is not None:
+                self.supervisor.join(timeout=30.0)
             self.launcher.stop()
 
     def __enter__(self) -> InferenceGraph:
@@ -298,7 +309,8 @@ class InferenceGraph:
 
     def executed_plan(self, version: int) -> Any:
         """The Plan of a version the coordinator announced on /kaitian/plan (rebuilt here)."""
-        pv = next((p for p in self.plans.snapshot() if int(p.version) == int(version)), None)
+        # newest first: a restarted coordinator numbers its plans from 1 again
+        pv = next((p for p in reversed(self.plans.snapshot()) if int(p.version) == int(version)), None)
         assert pv is not None, f"plan v{version} was never announced on {ic.PLAN_TOPIC}"
         slab = self.config["coordinator"]["ros__parameters"]["slab_rows"]
         return ic.plan_from_msg(self.graph, pv, slab)

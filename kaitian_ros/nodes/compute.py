@@ -434,8 +434,8 @@ class ComputeNode:
             "profile_trunk_ms": f"{profile.trunk_ms:.1f}" if profile else "",
             "probe_ratio": f"{self.refiner.probe_ratio:.2f}",
             "emulated_slowdown": self.params["emulated_slowdown"], "in_flight": len(self.requests),
-            "plans": ",".join(map(str, self.plans)), "rejected": rejected.total,
-            "last_reject_reason": rejected.last_reason} | {f"rejected.{k}": v for k, v in rejected.counts.items()})
+            "plans": ",".join(map(str, self.plans)),
+            "coordinator_incarnation": f"{self.coordinator.incarnation:016x}"})
 
 
 def _sleep_until(deadline: float) -> None:

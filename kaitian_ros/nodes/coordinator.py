@@ -647,7 +647,6 @@ class Coordinator:
         if self.counts["timeouts"]:
             level, text = Level.WARN, text + f", {self.counts['timeouts']} timed out"
         ru = self.choice.runner_up if self.choice is not None else None
-        rejected = self.rt.rejected
         self.diagnostics.publish(level, text, {
             "plan_version": self.current.version if self.current else 0,
             "incarnation": f"{self.incarnation:016x}", "scheduler_restarts": self.scheduler_authority.restarts,
@@ -662,9 +661,8 @@ class Coordinator:
             "links_in": ",".join(f"{n}:{e.bytes_per_ms * 8e-3:.0f}Mbit/{e.latency_ms:.2f}ms" for n, m in
                                  sorted(self.meters.items()) if (e := m.estimate()) is not None),
             "alive": ",".join(self.alive), "in_flight": len(self.requests),
-            "latency_p50_ms": f"{p50:.1f}", "latency_p95_ms": f"{p95:.1f}",
-            "rejected": rejected.total, "last_reject_reason": rejected.last_reason}
-            | {k: v for k, v in self.counts.items()} | {f"rejected.{k}": v for k, v in rejected.counts.items()})
+            "latency_p50_ms": f"{p50:.1f}", "latency_p95_ms": f"{p95:.1f}"}
+            | {k: v for k, v in self.counts.items()})
 
 
 SPEED_CHANGE = 1.3  # a profile whose trunk time moved this much is a device that changed speed

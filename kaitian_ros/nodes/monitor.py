@@ -60,10 +60,7 @@ class Monitor:
             level, text = Level.WARN, f"{rate:.1f} Hz, expected {expected:.1f} Hz"
         else:
             level, text = Level.OK, f"{rate:.1f} Hz"
-        values = {"frames": self.frames, "rate_hz": f"{rate:.2f}", "rejected": self.rt.rejected.total}
-        # dropped messages by reason (malformed, type hash mismatch, wrong type, ...) and the last one
-        values |= {f"rejected.{reason}": n for reason, n in sorted(dict(self.rt.rejected.counts).items())}
-        values["last_reject_reason"] = self.rt.rejected.last_reason
+        values: dict = {"frames": self.frames, "rate_hz": f"{rate:.2f}"}  # dropped messages: added by publish
         if self.last is not None:
             values |= {"width": self.last.width, "height": self.last.height, "encoding": self.last.encoding,
                        "latency_ms": f"{(time.time() - interfaces.stamp_to_s(self.last.header.stamp)) * 1e3:.1f}"}

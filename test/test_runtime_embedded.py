@@ -210,3 +210,43 @@ def test_in_process_subscription_rejects_with_reasons(router, probe):
         assert all(m.data == "ok" for m in got.snapshot())
     finally:
         session.close()
+
+
+def test_a_flood_on_a_reliable_subscription_is_bounded_dropped_and_counted(router, monkeypatch):
+    """A node whose callback is stuck while 500 messages arrive keeps at most QUEUE_MAX_MESSAGES
+    of them (here 50) and counts the rest as "queue full"; once it is unstuck it serves again."""
+    import threading
+
+    from kaitian_ros.runtime import embedded
+
+    monkeypatch.setattr(embedded, "QUEUE_MAX_MESSAGES", 50)
+    node = Probe(router.endpoint, "flooded")
+    sender = Probe(router.endpoint, "flooder")
+    try:
+        gate = threading.Event()
+        got: list[str] = []
+
+        def stuck(msg) -> None:
+            gate.wait(30.0)
+            got.append(msg.data)
+
+        sub = node.rt.create_subscription("/flood", "String", stuck, QoS.RELIABLE)
+        pub = sender.rt.create_publisher("/flood", "String", QoS.RELIABLE)
+        wait_until(lambda: (pub.publish(interfaces.make("String", data="probe")), len(sub.pending) or got)[1],
+                   "the subscription to receive", interval_s=0.1)
+        for i in range(500):
+            pub.publish(interfaces.make("String", data=f"m{i}"))
+        try:
+            wait_until(lambda: node.rt.rejected.counts.get("queue full", 0) >= 400, "the overflow counted")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {node.rt.rejected.counts}, {len(sub.pending)} queued") from None
+        assert len(sub.pending) <= 50, len(sub.pending)
+        assert "queue full" in node.rt.rejected.last_reason and "/flood" in node.rt.rejected.last_reason
+        gate.set()
+        wait_until(lambda: not sub.pending, "the queue drained")
+        pub.publish(interfaces.make("String", data="after"))
+        wait_until(lambda: got and got[-1] == "after", "a message after the flood")
+        assert len(got) <= 50 + 3, (len(got), node.rt.rejected.counts)
+    finally:
+        sender.close()
+        node.close()

@@ -35,6 +35,11 @@ from kaitian_ros.runtime.node_args import NodeArgs, resolve_topic
 
 DELIVER_BATCH = 64  # messages one executor task hands to a subscription before yielding
 BEST_EFFORT_DEPTH = 5  # qos_profile_sensor_data keeps the last 5
+# A reliable subscription whose node falls behind queues what arrives; past these bounds the new
+# message is dropped and counted ("queue full"), so a flood costs a bounded amount of memory
+# instead of growing a node by gigabytes (a 20 s flood of chunks once took a compute node to 4 GB).
+QUEUE_MAX_MESSAGES = 4096
+QUEUE_MAX_BYTES = 128 * 1024 * 1024
 PARAM_SET_TIMEOUT_S = 5.0
 _QOS_TOKEN = {QoS.RELIABLE: "1:2:1,10", QoS.BEST_EFFORT: "2:2:1,5", QoS.LATCHED: "1:1:1,1"}
 
@@ -148,6 +153,10 @@ class EmbeddedSubscription:
         self.expected_hash = interfaces.type_hash(msg_type)
         depth = BEST_EFFORT_DEPTH if qos is QoS.BEST_EFFORT else None
         self.pending: collections.deque = collections.deque(maxlen=depth)
+        self._bounded = qos is not QoS.BEST_EFFORT  # best effort: the deque keeps the newest few
+        self._max_messages, self._max_bytes = QUEUE_MAX_MESSAGES, QUEUE_MAX_BYTES
+        self._queued_bytes = 0
+        self._bytes_lock = threading.Lock()
         self._scheduled = False
         self._key_verdict: dict[str, str | None] = {}  # key -> None (accepted) or reject reason
         self._sub = rt.session.declare_subscriber(zs.topic_key_any_type(rt.domain, topic), self._on_sample)
@@ -172,13 +181,27 @@ class EmbeddedSubscription:
         if verdict is not None:
             self._rt.reject(verdict)
             return
+        raw = sample.payload.to_bytes()
+        size = len(raw)
+        if self._bounded:
+            with self._bytes_lock:
+                if len(self.pending) >= self._max_messages or self._queued_bytes + size > self._max_bytes:
+                    full = True
+                else:
+                    full = False
+                    self._queued_bytes += size
+            if full:
+                self._rt.reject(f"queue full: {len(self.pending)} messages, {self._queued_bytes} bytes waiting "
+                                f"on {self.topic} (node behind or flooded)")
+                return
         try:
-            msg = interfaces.decode(sample.payload.to_bytes(), self.msg_type)
+            msg = interfaces.decode(raw, self.msg_type)
         except interfaces.DecodeError as exc:
+            self._unqueue(size)
             self._rt.reject(f"malformed: {exc} on {self.topic}")
             return
         if not self.with_info:  # nobody asked for delivery facts: skip the attachment
-            self.pending.append((msg, None))
+            self.pending.append((msg, None, size))
             if not self._scheduled:
                 self._scheduled = True
                 self._rt.post(self._deliver)
@@ -191,10 +214,15 @@ class EmbeddedSubscription:
                 source_s = stamp_ns * 1e-9
             except ValueError:
                 pass  # foreign publishers may attach nothing useful; the message still counts
-        self.pending.append((msg, MessageInfo(received_s, source_s, sequence)))
+        self.pending.append((msg, MessageInfo(received_s, source_s, sequence), size))
         if not self._scheduled:  # one executor task drains a burst: fewer queue hand-offs
             self._scheduled = True
             self._rt.post(self._deliver)
+
+    def _unqueue(self, size: int) -> None:
+        if self._bounded:
+            with self._bytes_lock:
+                self._queued_bytes -= size
 
     def _check_key(self, key: str) -> str | None:
         """None if samples on ``key`` are ours to decode, else the reason to reject them."""
@@ -213,9 +241,10 @@ class EmbeddedSubscription:
         self._scheduled = False
         for _ in range(DELIVER_BATCH):
             try:
-                msg, info = self.pending.popleft()
+                msg, info, size = self.pending.popleft()
             except IndexError:  # drained (a best-effort queue may also have dropped the oldest)
                 return
+            self._unqueue(size)
             try:
                 if self.with_info:
                     self.callback(msg, info)

@@ -337,8 +337,11 @@ def test_hetero_inference_graph_on_rclpy_equals_the_single_device_result(ros_env
 
             # garbage on the camera topic: dropped and counted, the coordinator keeps serving
             garbage = node.create_publisher(Image, "/camera/image_raw", qos_profile_sensor_data)
-            for junk in (b"\\x00\\x01\\x00\\x00\\xff\\xff\\xff\\x7f", b"\\x00\\x01\\x00\\x00" + b"\\x07" * 9):
-                garbage.publish(junk)
+
+            def send_garbage():  # best effort, and discovery of a new publisher takes a while: repeat
+                for junk in (b"\\x00\\x01\\x00\\x00\\xff\\xff\\xff\\x7f", b"\\x00\\x01\\x00\\x00" + b"\\x07" * 9):
+                    garbage.publish(junk)
+                return rejected()
 
             def rejected():
                 for d in diagnostics[-20:]:
@@ -348,8 +351,9 @@ def test_hetero_inference_graph_on_rclpy_equals_the_single_device_result(ros_env
                             return values
                 return None
 
-            spin_until(rejected, 30, "the coordinator counted the garbage in /diagnostics")
+            spin_until(send_garbage, 30, "the coordinator counted the garbage in /diagnostics")
             reasons = [k for k in rejected() if k.startswith("rejected.malformed")]
+            assert reasons, rejected()
             before = len(fused)
             spin_until(lambda: any(f.complete for f in fused[before:]), 60, "a result after the garbage")
             print("GRAPH OK", json.dumps({{"plan": late[-1].version, "strategy": late[-1].strategy,

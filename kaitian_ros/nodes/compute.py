@@ -224,15 +224,12 @@ class ComputeNode:
         except ValueError as exc:
             self.rt.rejected.count(f"bad plan: v{pv.version}: {exc}")
             return
-        verdict = self.coordinator.check(int(msg.incarnation), pv.version)
-        if not verdict.accept:
-            if verdict.rejected:
-                self.rt.rejected.count(verdict.reason)
+        verdict = ic.accept_versioned(self.rt, self.coordinator, msg)
+        if verdict is None:
             return
         if verdict.reset:
             # a restarted coordinator numbers its plans from 1 again; the old run's requests and
             # plans are gone with it
-            self.rt.logger.info(verdict.reason)
             self.plans.clear()
             self.requests.clear()
             self.retired_below = 0

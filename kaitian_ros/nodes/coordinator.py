@@ -218,13 +218,8 @@ class Coordinator:
             self.rt.rejected.count(f"implausible effective_from_request: scheduler v{proposal.version} from request "
                                    f"{proposal.effective_from_request}, next request is {self.next_request}")
             return
-        verdict = self.scheduler_authority.check(int(msg.incarnation), proposal.version)
-        if not verdict.accept:
-            if verdict.rejected:
-                self.rt.rejected.count(verdict.reason)
+        if ic.accept_versioned(self.rt, self.scheduler_authority, msg) is None:
             return
-        if verdict.reset:
-            self.rt.logger.info(verdict.reason)
         self.assignment = proposal
         self._replan_soon(f"scheduler v{proposal.version}: {proposal.reason}", effective=proposal.effective_from_request,
                           proposal=True)

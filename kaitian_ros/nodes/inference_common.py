@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kaitian_ros.core.authority import AuthorityTracker, Verdict
 from kaitian_ros.core.costs import DeviceProfile, LinkEstimate, OpCost, model_key
 from kaitian_ros.core.graph import ModelGraph, split_model
 from kaitian_ros.core.models import build_model
@@ -163,6 +164,19 @@ def assignment_msg(a: Assignment, incarnation: int, plan: Plan | None = None, ru
                            node_ids=list(a.node_ids), shares=np.asarray(a.shares, np.float64),
                            policy=a.policy, reason=a.reason, predicted_makespan_ms=a.predicted_makespan_ms,
                            **fields)
+
+
+def accept_versioned(rt: Any, tracker: AuthorityTracker, msg: Any) -> Verdict | None:
+    """The tracker's verdict on a LoadAssignment's (incarnation, version) if accepted (a restart
+    is logged); None if not, a refusal counted with its reason (a re-delivery is not)."""
+    verdict = tracker.check(int(msg.incarnation), int(msg.version))
+    if not verdict.accept:
+        if verdict.rejected:
+            rt.rejected.count(verdict.reason)
+        return None
+    if verdict.reset:
+        rt.logger.info(verdict.reason)
+    return verdict
 
 
 def assignment_from_msg(msg: Any) -> Assignment:

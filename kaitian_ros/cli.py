@@ -279,9 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
     q = psub.add_parser("dump")
     q.add_argument("node")
 
-    p = sub.add_parser("bench", help="benchmarks (compare baselines side by side, write JSON + PNG)")
+    # bench/train parse their own options (and -h) in their modules: no help option here
+    p = sub.add_parser("bench", help="benchmarks (compare baselines side by side, write JSON + PNG)",
+                       add_help=False)
     p.add_argument("bench", choices=BENCHES)
-    sub.add_parser("train", help="collaborative training across this host's devices")
+    sub.add_parser("train", help="collaborative training across this host's devices", add_help=False)
     return parser
 
 

@@ -133,9 +133,14 @@ def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
 def load_scenario(name_or_path: str, overrides: Sequence[tuple[str, Any]] | Sequence[str] = ()) -> Scenario:
     path = scenario_path(name_or_path)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ScenarioError(f"{path}: not a text file (byte {exc.start} is not UTF-8); a scenario is "
+                            f"YAML in ROS 2 parameter-file form") from None
+    except OSError as exc:
+        raise ScenarioError(f"{path}: cannot read: {exc.strerror}") from None
     except yaml.YAMLError as exc:
-        raise ScenarioError(f"{path}: invalid YAML: {exc}") from None
+        raise ScenarioError(f"{path}: invalid YAML: {' '.join(str(exc).split())}") from None
     if not isinstance(data, dict) or not data:
         raise ScenarioError(f"{path}: expected a mapping of node names to ros__parameters")
     nodes: list[NodeSpec] = []
@@ -183,7 +188,9 @@ def apply_overrides(nodes: list[NodeSpec], overrides: Sequence[tuple[str, Any]])
             node_name, param = key.split(".", 1)
             next(n for n in nodes if n.name == node_name).parameters[param] = value
         else:
-            hits = [n for n in nodes if key in n.parameters]
+            # the nodes whose file sets it, else those whose executable declares it (weights:=PATH)
+            hits = [n for n in nodes if key in n.parameters] or \
+                [n for n in nodes if key in declared_parameters(n.executable)]
             if not hits:
                 raise ScenarioError(f"launch argument '{key}' matches no parameter of any node "
                                     f"(use node.param:=value to add one to a node)")
@@ -191,6 +198,14 @@ def apply_overrides(nodes: list[NodeSpec], overrides: Sequence[tuple[str, Any]])
                 spec.parameters[key] = value
     _sync_compute_lists(nodes)
     return nodes
+
+
+def declared_parameters(executable: str) -> frozenset[str]:
+    """Names of the parameters a node executable declares (imports the node module)."""
+    import importlib
+
+    module = importlib.import_module(f"kaitian_ros.nodes.{executable}")
+    return frozenset(d.name for d in module.PARAMETERS)
 
 
 def _resize(nodes: list[NodeSpec], executable: str, argument: str, count: Any) -> list[NodeSpec]:

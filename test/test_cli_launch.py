@@ -314,6 +314,22 @@ def test_bench_transport_on_rclpy_without_ros_is_one_line():
     assert "rclpy" in line and "ros2_from_pypi.sh" in line
 
 
+def test_train_and_bench_help_show_their_own_options():
+    train = run_cli("train", "--help")
+    assert train.returncode == 0 and "--ranks" in train.stdout and "--global-batch" in train.stdout, train.stdout
+    bench = run_cli("bench", "training", "--help")
+    assert bench.returncode == 0 and "--quick" in bench.stdout and "--json" in bench.stdout, bench.stdout
+    transport = run_cli("bench", "transport", "--help")
+    assert transport.returncode == 0 and "--runtime" in transport.stdout
+
+
+def test_binary_scenario_file_is_one_line(tmp_path):
+    path = tmp_path / "binary.yaml"
+    path.write_bytes(b"\xff\xfe\x00\x01 not text")
+    line = _one_line_error(run_cli("launch", str(path)))
+    assert "not a text file" in line and "binary.yaml" in line
+
+
 def test_param_get_on_missing_node(router):
     line = _one_line_error(run_cli("param", "get", "/ghost", "rate_hz", router=router.endpoint))
     assert "node '/ghost' not found" in line

@@ -157,6 +157,16 @@ def test_respawn_settings_from_defaults_file_and_launch_arguments(tmp_path: Path
             load_scenario(str(path), [bad])
 
 
+def test_a_declared_parameter_not_in_the_file_is_a_launch_argument() -> None:
+    """weights:=PATH reaches every node that declares `weights` (coordinator, compute nodes),
+    though the scenario file does not list it; an unknown name is still refused."""
+    scenario = load_scenario("hetero_inference", ["weights:=/models/resnet18.pt"])
+    got = {n.name for n in scenario.nodes if n.parameters.get("weights") == "/models/resnet18.pt"}
+    assert got == {"coordinator", "compute_0", "compute_1", "compute_2"}
+    with pytest.raises(ScenarioError, match="matches no parameter"):
+        load_scenario("hetero_inference", ["no_such_parameter:=1"])
+
+
 def test_only_user_set_arguments_become_overrides() -> None:
     names = ["compute_nodes", "model", "policy", "slowdowns"]
     values = {"compute_nodes": "3", "model": "", "policy": "  ", "slowdowns": "[1.0, 2.0, 3.0]"}

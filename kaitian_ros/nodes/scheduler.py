@@ -34,11 +34,13 @@ NODE_PARAMETERS = (
       0, 1000),
 )
 
+PARAMETERS = NODE_PARAMETERS + POLICY_PARAMETERS
+
 
 class Scheduler:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
-        self.params = rt.declare_parameters(NODE_PARAMETERS + POLICY_PARAMETERS)
+        self.params = rt.declare_parameters(PARAMETERS)
         self.config = pol.config_from_params({d.name: self.params[d.name] for d in pol.PARAMETERS})
         self.state = pol.initial_state(self.config, tuple(self.params["compute_nodes"]))
         self.newest_request = 0

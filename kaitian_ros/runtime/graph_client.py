@@ -13,6 +13,7 @@ from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime import zenoh_session as zs
 
 QUERY_TIMEOUT_S = 3.0
+DISCOVERY_WAIT_S = 2.0  # how long a lookup by name keeps asking before "not found"
 SETTLE_S = 0.3
 
 
@@ -81,11 +82,17 @@ class GraphClient:
             info[e.kind] += 1
         return [TopicInfo(name, tuple(sorted(v["types"])), v["MP"], v["MS"]) for name, v in sorted(found.items())]
 
-    def topic_type(self, topic: str) -> str:
-        for info in self.topics():
-            if info.name == topic:
-                return info.types[0]
-        raise GraphError(f"topic '{topic}' not found (is its publisher running?)")
+    def topic_type(self, topic: str, wait_s: float = DISCOVERY_WAIT_S) -> str:
+        """The type of a published topic. Asked again for up to ``wait_s``: a session that
+        just connected may not have every liveliness token yet (echo once failed that way)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for info in self.topics():
+                if info.name == topic:
+                    return info.types[0]
+            if time.monotonic() >= deadline:
+                raise GraphError(f"topic '{topic}' not found (is its publisher running?)")
+            time.sleep(0.2)
 
     def subscribe(self, topic: str, msg_type: str, callback: Callable[[Any, int], None]) -> Any:
         """Raw subscription for echo/hz: callback(decoded message or None, payload bytes)."""

@@ -43,6 +43,10 @@ def _die_with_parent() -> None:
     except OSError:
         pass
     os.setsid()  # own process group: the terminal's Ctrl-C reaches only the launcher, which forwards it
+    # SIGINT ignored until the node's run_node installs its handler: a graph stopped in its first
+    # seconds would otherwise print a KeyboardInterrupt traceback per node still importing torch
+    # (the stop escalates to SIGTERM after STOP_GRACE_S, which ends such a node quietly)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def node_command(spec: NodeSpec, params_file: Path) -> list[str]:

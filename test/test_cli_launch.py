@@ -181,6 +181,21 @@ def test_launch_interrupted_leaves_no_process(sig):
     assert_nothing_left(launch, endpoint, pids)
 
 
+def test_stopped_in_its_first_seconds_the_graph_prints_no_traceback():
+    """Ctrl-C right after every node started (they are still importing torch): no node prints a
+    KeyboardInterrupt traceback, and nothing is left behind."""
+    launch, endpoint = start_launch("hetero_inference", "compute_nodes:=2")
+    try:
+        pids = started_pids(launch, 5)
+        launch.p.send_signal(signal.SIGINT)
+        code = launch.wait()
+    finally:
+        launch.stop()
+    assert code == 0, launch.output()
+    assert "Traceback" not in launch.output(), launch.output()
+    assert_nothing_left(launch, endpoint, pids)
+
+
 def test_node_killed_while_running_makes_launch_fail_naming_it():
     launch, endpoint = start_launch("camera_demo")
     try:

@@ -14,6 +14,7 @@ from kaitian_ros.runtime.api import ParameterType as T
 from kaitian_ros.runtime.api import QoS, Runtime, SetParametersResult
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".ppm", ".pgm", ".tif", ".tiff")
+MAX_SOURCE_BYTES = 4096  # PATH_MAX on Linux
 
 PARAMETERS = (
     P("source", T.STRING, "synthetic", "'synthetic', a video file, or a folder of images"),
@@ -45,16 +46,26 @@ class FrameReader:
     def __init__(self, source: str, height: int, width: int, loop: bool) -> None:
         import cv2  # only needed for file sources
 
+        # a source path is refused with a reason, never with an exception from the OS
+
         self._cv2 = cv2
         self.height, self.width, self.loop = height, width, loop
+        if len(source.encode()) > MAX_SOURCE_BYTES:
+            raise ValueError(f"source path is {len(source.encode())} bytes long, at most {MAX_SOURCE_BYTES}")
+        if any(ord(c) < 32 or ord(c) == 127 for c in source):
+            raise ValueError(f"source path {source!r} contains control characters")
         path = Path(source)
         self._files: list[Path] = []
         self._video = None
-        if path.is_dir():
+        try:
+            kind = "dir" if path.is_dir() else "file" if path.is_file() else ""
+        except OSError as exc:  # too long a component, no permission, ...
+            raise ValueError(f"source {source!r}: {exc.strerror}") from None
+        if kind == "dir":
             self._files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
             if not self._files:
                 raise ValueError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in folder {source}")
-        elif path.is_file():
+        elif kind == "file":
             self._video = cv2.VideoCapture(str(path))
             if not self._video.isOpened():
                 raise ValueError(f"cannot open video {source}")

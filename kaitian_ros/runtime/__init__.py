@@ -61,6 +61,10 @@ def run_node(node_factory: Callable[[Runtime], Any], default_name: str,
         rt.logger.error(f"refusing to start: {exc}")
         rt.close()
         return 2
+    except Exception:  # a bug or an unexpected OS error: say so and exit (the middleware's threads
+        rt.logger.exception("failed to start")  # would otherwise keep a half-built node alive)
+        rt.close()
+        return 1
     try:
         rt.spin()
     finally:

@@ -232,8 +232,14 @@ def test_a_flood_on_a_reliable_subscription_is_bounded_dropped_and_counted(route
 
         sub = node.rt.create_subscription("/flood", "String", stuck, QoS.RELIABLE)
         pub = sender.rt.create_publisher("/flood", "String", QoS.RELIABLE)
-        wait_until(lambda: (pub.publish(interfaces.make("String", data="probe")), len(sub.pending) or got)[1],
-                   "the subscription to receive", interval_s=0.1)
+        sent = {"n": 0}
+
+        def probe_once() -> int:
+            pub.publish(interfaces.make("String", data="probe"))
+            sent["n"] += 1
+            return len(sub.pending)
+
+        wait_until(probe_once, "the subscription to receive", interval_s=0.1)
         for i in range(500):
             pub.publish(interfaces.make("String", data=f"m{i}"))
         try:
@@ -246,7 +252,11 @@ def test_a_flood_on_a_reliable_subscription_is_bounded_dropped_and_counted(route
         wait_until(lambda: not sub.pending, "the queue drained")
         pub.publish(interfaces.make("String", data="after"))
         wait_until(lambda: got and got[-1] == "after", "a message after the flood")
-        assert len(got) <= 50 + 3, (len(got), node.rt.rejected.counts)
+        # every message either reached the node or was counted; none is lost silently (the queue
+        # itself never held more than 50: checked above, while the node was stuck)
+        total = sent["n"] + 500 + 1
+        wait_until(lambda: len(got) + node.rt.rejected.counts.get("queue full", 0) == total,
+                   "every message delivered or counted")
     finally:
         sender.close()
         node.close()

@@ -128,6 +128,7 @@ class Child:
     process: subprocess.Popen
     reader: threading.Thread
     restarts: int = 0          # respawns so far
+    restarted_at: float = 0.0  # monotonic time of the last respawn (0: never)
     respawn_at: float = 0.0    # monotonic time of a scheduled respawn (0: none)
     handled: bool = False      # the current process's exit was seen (respawn scheduled or final)
     last_exit: int | None = None
@@ -219,6 +220,7 @@ class Launcher:
                 if now >= child.respawn_at and not self._stopping.is_set():
                     child.respawn_at = 0.0
                     child.restarts += 1
+                    child.restarted_at = now
                     child.process, child.reader = self._spawn(child.spec)
                     child.handled = False
                 continue
@@ -274,13 +276,12 @@ class Supervision:
         self.launcher = launcher
         self.rt: Any = None
         self.next_s = 0.0
-        self.last_restart_s: dict[str, float] = {}
-        self.seen_restarts: dict[str, int] = {}
         try:
-            from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher
+            from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher, Level
             from kaitian_ros.runtime.embedded import EmbeddedRuntime
             from kaitian_ros.runtime.node_args import NodeArgs
 
+            self.level = Level
             self.rt = EmbeddedRuntime(NodeArgs("launch"), router=launcher.router_endpoint)
             self.diagnostics = DiagnosticsPublisher(self.rt, hardware_id="launcher")
             self.thread = threading.Thread(target=self.rt.spin, daemon=True)  # answers graph queries
@@ -298,9 +299,6 @@ class Supervision:
         down, recent = [], []
         for child in self.launcher.children:
             name = child.spec.name
-            if child.restarts != self.seen_restarts.get(name, 0):
-                self.seen_restarts[name] = child.restarts
-                self.last_restart_s[name] = now
             running = child.process.poll() is None
             values[f"{name}.pid"] = child.process.pid if running else ""
             values[f"{name}.restarts"] = child.restarts
@@ -308,17 +306,15 @@ class Supervision:
             if child.respawn_at:
                 down.append(f"{name} down (exit code {child.last_exit}), respawn in "
                             f"{max(0.0, child.respawn_at - now):.1f} s")
-            elif now - self.last_restart_s.get(name, -1e9) < self.RECENT_S:
+            elif child.restarted_at and now - child.restarted_at < self.RECENT_S:
                 recent.append(f"{name} respawned ({child.restarts} restart{'s' * (child.restarts != 1)}, "
                               f"last exit code {child.last_exit})")
-        from kaitian_ros.runtime.diagnostics import Level
-
         if down:
-            level, text = Level.ERROR, "; ".join(down)
+            level, text = self.level.ERROR, "; ".join(down)
         elif recent:
-            level, text = Level.WARN, "; ".join(recent)
+            level, text = self.level.WARN, "; ".join(recent)
         else:
-            level, text = Level.OK, f"{len(self.launcher.children)} nodes supervised"
+            level, text = self.level.OK, f"{len(self.launcher.children)} nodes supervised"
         try:
             self.diagnostics.publish(level, text, values)
         except Exception:  # the router may be going away with the graph

@@ -82,18 +82,16 @@ def node_kwargs(scenario: Scenario, *, runtime: str = "ros") -> list[dict[str, A
     } for spec in scenario.nodes]
 
 
-def _supported(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` without ``respawn_max_retries`` where this launch lacks it (before Jazzy)."""
+def _has_respawn_max_retries() -> bool:
+    """Whether this launch takes ``respawn_max_retries`` (Jazzy and later)."""
     try:
         import inspect
 
         from launch.actions import ExecuteProcess
 
-        if "respawn_max_retries" in inspect.signature(ExecuteProcess.__init__).parameters:
-            return kwargs
+        return "respawn_max_retries" in inspect.signature(ExecuteProcess.__init__).parameters
     except (ImportError, TypeError, ValueError):
-        pass
-    return {k: v for k, v in kwargs.items() if k != "respawn_max_retries"}
+        return False
 
 
 def generate_nodes(scenario_name: str, overrides: Sequence[str] | Sequence[tuple[str, Any]] = ()) -> list:
@@ -101,7 +99,8 @@ def generate_nodes(scenario_name: str, overrides: Sequence[str] | Sequence[tuple
     from launch_ros.actions import Node
 
     scenario = load_scenario(scenario_name, overrides)
-    return [Node(**_supported(kwargs)) for kwargs in node_kwargs(scenario)]
+    unsupported = () if _has_respawn_max_retries() else ("respawn_max_retries",)
+    return [Node(**{k: v for k, v in kwargs.items() if k not in unsupported}) for kwargs in node_kwargs(scenario)]
 
 
 def launch_description(scenario_name: str) -> Any:

@@ -62,6 +62,8 @@ class Respawn:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1_000_000:
             raise ScenarioError(f"{where}: respawn_max_retries must be an integer in [0, 1000000], got {value!r}")
         return Respawn(self.enabled, self.delay_s, value)
+
+
 _COMPUTE = re.compile(r"^compute_(\d+)$")
 
 

@@ -23,6 +23,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "ros2_from_pypi.sh"
+VENV_PYTHON = str(ROOT / ".ros2" / "venv" / "bin" / "python")  # the ROS 2 environment's interpreter
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +42,9 @@ def ros_env() -> dict[str, str]:
 
 
 def _ros_python(env: dict[str, str], code: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
-    python = str(ROOT / ".ros2" / "venv" / "bin" / "python")
     # not from the repository root: there the source tree's kaitian_ros (no generated msg/)
     # would shadow the installed one on sys.path
-    return subprocess.run([python, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+    return subprocess.run([VENV_PYTHON, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
                           timeout=timeout_s, cwd="/")
 
 
@@ -53,7 +53,7 @@ def _ros_node(env: dict[str, str], module: str, name: str, params: Path) -> Iter
     """A package node on rclpy, started as `ros2 launch` starts it; on leaving, it must still be
     running (a refused parameter or a bad message must not end it) and must not have printed a
     traceback."""
-    node = subprocess.Popen([str(ROOT / ".ros2" / "venv" / "bin" / "python"), "-m", module, "--ros-args", "-r",
+    node = subprocess.Popen([VENV_PYTHON, "-m", module, "--ros-args", "-r",
                              f"__node:={name}", "--params-file", str(params)], env=dict(env, KAITIAN_RUNTIME="ros"),
                             cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -83,7 +83,7 @@ def test_rclpy_adapter_checks_on_real_rclpy(ros_env: dict[str, str]) -> None:
     descriptor mapping, garbage counted, refusal wording equal to the embedded runtime's),
     run by pytest inside the ROS 2 environment."""
     checks = ROOT / "test" / "ros2"
-    got = subprocess.run([str(ROOT / ".ros2" / "venv" / "bin" / "python"), "-m", "pytest", "-q", "-c",
+    got = subprocess.run([VENV_PYTHON, "-m", "pytest", "-q", "-c",
                           str(checks / "pytest.ini"), str(checks / "check_runtime_ros.py")],
                          env=ros_env, cwd="/", capture_output=True, text=True, timeout=300)
     assert got.returncode == 0, got.stdout[-5000:] + got.stderr[-2000:]
@@ -392,8 +392,7 @@ def test_trainer_ranks_on_rclpy_publish_training_telemetry(ros_env: dict[str, st
     params = tmp_path / "trainers.yaml"
     params.write_text(yaml.safe_dump({f"trainer_{r}": {"ros__parameters": common | {
         "rank": r, "device": f"cpu:{'ab'[r]}", "emulated_slowdown": 1.0 + r}} for r in (0, 1)}))
-    python = str(ROOT / ".ros2" / "venv" / "bin" / "python")
-    listener = subprocess.Popen([python, "-c", textwrap.dedent("""
+    listener = subprocess.Popen([VENV_PYTHON, "-c", textwrap.dedent("""
         import time
         import rclpy
         from kaitian_ros.msg import TrainingTelemetry
@@ -420,7 +419,7 @@ def test_trainer_ranks_on_rclpy_publish_training_telemetry(ros_env: dict[str, st
         assert listener.stdout.readline().strip() == "LISTENING"
         for rank in (0, 1):
             trainers.append(subprocess.Popen(
-                [python, "-m", "kaitian_ros.nodes.trainer", "--ros-args", "-r", f"__node:=trainer_{rank}",
+                [VENV_PYTHON, "-m", "kaitian_ros.nodes.trainer", "--ros-args", "-r", f"__node:=trainer_{rank}",
                  "--params-file", str(params)], env=dict(ros_env, KAITIAN_RUNTIME="ros"), cwd="/",
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         heard, _ = listener.communicate(timeout=150)
@@ -439,7 +438,7 @@ def test_bench_transport_runs_the_rclpy_path_beside_the_embedded_one(ros_env: di
     """`kaitian bench transport --runtime ros` in the ROS 2 environment: one run measures raw
     zenoh, the embedded runtime and the rclpy runtime and writes JSON + PNG (no speed asserted)."""
     out = tmp_path / "transport.json"
-    got = subprocess.run([str(ROOT / ".ros2" / "venv" / "bin" / "python"), "-m", "kaitian_ros.cli", "bench",
+    got = subprocess.run([VENV_PYTHON, "-m", "kaitian_ros.cli", "bench",
                           "transport", "--runtime", "ros", "--quick", "--repeats", "1", "--json", str(out)],
                          env=ros_env, cwd="/", capture_output=True, text=True, timeout=300)
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -136,8 +136,13 @@ class Child:
 
 class Launcher:
     def __init__(self, scenario: Scenario, router_endpoint: str, *, out: TextIO = sys.stdout,
-                 host_router: bool = True) -> None:
+                 host_router: bool = True, node_prefix: Mapping[str, Sequence[str]] | None = None,
+                 node_env: Mapping[str, Mapping[str, str]] | None = None) -> None:
         self.scenario = scenario
+        # per node: a command prefix and extra environment, kept on respawn (benchmarks run a
+        # node inside a network namespace: `ip netns exec NS`, its own listen address)
+        self.node_prefix = {name: list(prefix) for name, prefix in (node_prefix or {}).items()}
+        self.node_env = {name: dict(env) for name, env in (node_env or {}).items()}
         self.router_endpoint = router_endpoint
         self.out = out
         self.host_router = host_router
@@ -170,8 +175,9 @@ class Launcher:
 
     def _spawn(self, spec: NodeSpec) -> tuple[subprocess.Popen, threading.Thread]:
         env = dict(os.environ, KAITIAN_ROUTER=self.router_endpoint, KAITIAN_RUNTIME="embedded",
-                   PYTHONUNBUFFERED="1")
-        process = subprocess.Popen(node_command(spec, self.params_file), env=env,
+                   PYTHONUNBUFFERED="1") | self.node_env.get(spec.name, {})
+        command = self.node_prefix.get(spec.name, []) + node_command(spec, self.params_file)
+        process = subprocess.Popen(command, env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
                                    text=True, bufsize=1)
@@ -364,13 +370,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_on_free_port(scenario: Scenario, *, out: TextIO = sys.stdout, attempts: int = 5) -> Launcher:
-    """Start a graph whose router listens on a fresh loopback port (``launcher.router_endpoint``).
+def start_on_free_port(scenario: Scenario, *, out: TextIO = sys.stdout, attempts: int = 5,
+                       host: str = "127.0.0.1", **launcher_options: Any) -> Launcher:
+    """Start a graph whose router listens on a fresh port of ``host`` (loopback by default;
+    ``launcher.router_endpoint``); ``launcher_options`` go to :class:`Launcher`.
 
     A port can be taken between ``free_port()`` and the router's listen: retry a few times.
     """
     for _ in range(attempts):
-        launcher = Launcher(scenario, f"tcp/127.0.0.1:{free_port()}", out=out)
+        launcher = Launcher(scenario, f"tcp/{host}:{free_port()}", out=out, **launcher_options)
         try:
             launcher.start()
         except RuntimeError:

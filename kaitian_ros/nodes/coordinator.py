@@ -645,6 +645,9 @@ class Coordinator:
         self.diagnostics.publish(level, text, {
             "plan_version": self.current.version if self.current else 0,
             "incarnation": f"{self.incarnation:016x}", "scheduler_restarts": self.scheduler_authority.restarts,
+            # which scheduler run and version it follows (a forged or replayed proposal shows here)
+            "scheduler_incarnation": f"{self.scheduler_authority.incarnation:016x}",
+            "scheduler_version": self.scheduler_authority.version,
             "strategy": plan.strategy if plan is not None else "",
             "plan": self._plan_text(plan) if plan is not None else "",
             "predicted_ms": f"{self.predicted_ms:.1f}",

@@ -7,7 +7,8 @@ Topology (device i = 0, 1, ...)::
     root namespace (router, coordinator, bench driver, local devices)
       ktr<i>  10.231.<i>.1/24  --tbf-->  |  <--tbf--  ktn<i>  10.231.<i>.2/24   namespace kaitian_dev<i>
 
-Root forwards between the veths, so device-to-device traffic (halos) crosses both devices'
+(Default names and subnet; a ``Links`` may choose its own, so that two benchmarks can run at
+once.) Root forwards between the veths, so device-to-device traffic (halos) crosses both devices'
 links and root-to-device traffic (input slabs, outputs) crosses one. A *local* device (the
 robot's own processor, co-located with the coordinator) gets no namespace and no veth: its
 processes run in the root namespace and listen on ``root_ip()``, so its traffic with the
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 PREFIX = "kaitian_dev"
 SUBNET = "10.231"
+VETH_PREFIX = "kt"  # root side <prefix>r<i>, namespace side <prefix>n<i> (interface names <= 15 chars)
 
 
 class LinkSetupError(RuntimeError):
@@ -57,6 +59,11 @@ class Links:
     n: int
     mbit: float
     local: tuple[int, ...] = ()
+    # names and addresses of this set of links: two benchmarks running at once (the chaos bench
+    # uses its own) must neither share addresses nor remove each other's links as stale
+    netns_prefix: str = PREFIX
+    veth_prefix: str = VETH_PREFIX
+    subnet: str = SUBNET
     names: list[str] = field(default_factory=list)
     _made: list[int] = field(default_factory=list)  # devices whose namespace exists (for close)
     _forward_before: str | None = None
@@ -78,7 +85,7 @@ class Links:
 
     def host_ip(self, i: int) -> str:
         """Root-side address of remote device i's link (reachable from every namespace)."""
-        return f"{SUBNET}.{i}.1"
+        return f"{self.subnet}.{i}.1"
 
     def root_ip(self) -> str:
         """A root-namespace address every namespace reaches (root routes for all of them): where
@@ -89,10 +96,16 @@ class Links:
 
     def device_ip(self, i: int) -> str:
         """Where device i's processes listen: its namespace's address, or root's when local."""
-        return self.root_ip() if self.is_local(i) else f"{SUBNET}.{i}.2"
+        return self.root_ip() if self.is_local(i) else f"{self.subnet}.{i}.2"
 
     def netns(self, i: int) -> str:
-        return f"{PREFIX}{i}"
+        return f"{self.netns_prefix}{i}"
+
+    def root_veth(self, i: int) -> str:
+        return f"{self.veth_prefix}r{i}"
+
+    def netns_veth(self, i: int) -> str:
+        return f"{self.veth_prefix}n{i}"
 
     def exec_prefix(self, i: int) -> list[str]:
         """Prefix a command with this to run it in device i's namespace (nothing when local)."""
@@ -111,7 +124,7 @@ class Links:
             raise LinkSetupError(why)
         if not self.remote:
             raise LinkSetupError("no remote device: nothing to emulate a link for")
-        cleanup_stale(max(16, self.n))
+        cleanup_stale(max(16, self.n), self.netns_prefix, self.veth_prefix)
         atexit.register(self.close)
         try:
             with open("/proc/sys/net/ipv4/ip_forward") as f:
@@ -123,11 +136,23 @@ class Links:
             self.close()
             raise
 
-    def _add_link(self, i: int) -> None:
-        ns, host, dev = self.netns(i), f"ktr{i}", f"ktn{i}"
-        rate = f"{self.mbit:g}mbit"
+    @staticmethod
+    def _tbf(mbit: float) -> list[str]:
         # burst >= one 64 KiB GSO super-packet (tbf would otherwise segment/drop them)
-        burst = str(max(65536, int(self.mbit * 1e6 / 8 / 250)))
+        return ["tbf", "rate", f"{mbit:g}mbit", "burst", str(max(65536, int(mbit * 1e6 / 8 / 250))),
+                "latency", "50ms"]
+
+    def set_rate(self, i: int, mbit: float) -> None:
+        """Change remote device i's link rate, both directions, while processes use it (the
+        chaos bench collapses a link and restores it)."""
+        if i not in self._made:
+            raise LinkSetupError(f"device {i} has no emulated link")
+        inside = ["ip", "netns", "exec", self.netns(i)]
+        for where, ifname in (([], self.root_veth(i)), (inside, self.netns_veth(i))):
+            _run(*where, "tc", "qdisc", "change", "dev", ifname, "root", *self._tbf(mbit))
+
+    def _add_link(self, i: int) -> None:
+        ns, host, dev = self.netns(i), self.root_veth(i), self.netns_veth(i)
         _run("ip", "netns", "add", ns)
         self.names.append(ns)
         self._made.append(i)  # from here on close() removes this device's namespace and veth
@@ -141,8 +166,7 @@ class Links:
         _run(*inside, "ip", "link", "set", "lo", "up")
         _run(*inside, "ip", "route", "add", "default", "via", self.host_ip(i))
         for where, ifname in (([], host), (inside, dev)):
-            _run(*where, "tc", "qdisc", "add", "dev", ifname, "root", "tbf", "rate", rate,
-                 "burst", burst, "latency", "50ms")
+            _run(*where, "tc", "qdisc", "add", "dev", ifname, "root", *self._tbf(self.mbit))
 
     def describe(self) -> str:
         text = (f"{len(self.remote)} network namespaces ({', '.join(self.netns(i) for i in self.remote)}), "
@@ -157,8 +181,9 @@ class Links:
         """`tc -s qdisc` of every link end (to show bytes really went through tbf)."""
         out = {}
         for i in self._made:
-            out[f"ktr{i}"] = _run("tc", "-s", "qdisc", "show", "dev", f"ktr{i}", check=False).stdout
-            out[f"ktn{i}"] = _run(*self.exec_prefix(i), "tc", "-s", "qdisc", "show", "dev", f"ktn{i}",
+            host, dev = self.root_veth(i), self.netns_veth(i)
+            out[host] = _run("tc", "-s", "qdisc", "show", "dev", host, check=False).stdout
+            out[dev] = _run(*self.exec_prefix(i), "tc", "-s", "qdisc", "show", "dev", dev,
                                   check=False).stdout
         return out
 
@@ -167,7 +192,7 @@ class Links:
             return
         self._closed = True
         for i in self._made:
-            _run("ip", "link", "del", f"ktr{i}", check=False)  # removes the peer and both qdiscs
+            _run("ip", "link", "del", self.root_veth(i), check=False)  # removes the peer and both qdiscs
             _run("ip", "netns", "del", self.netns(i), check=False)
         self._made.clear()
         self.names.clear()
@@ -175,10 +200,10 @@ class Links:
             _run("sysctl", "-qw", f"net.ipv4.ip_forward={self._forward_before}", check=False)
 
 
-def cleanup_stale(n: int = 16) -> None:
+def cleanup_stale(n: int = 16, netns_prefix: str = PREFIX, veth_prefix: str = VETH_PREFIX) -> None:
     """Remove leftovers of an earlier run that was killed before it could clean up."""
     listed = _run("ip", "netns", "list", check=False).stdout.split()
     for i in range(n):
-        _run("ip", "link", "del", f"ktr{i}", check=False)
-        if f"{PREFIX}{i}" in listed:
-            _run("ip", "netns", "del", f"{PREFIX}{i}", check=False)
+        _run("ip", "link", "del", f"{veth_prefix}r{i}", check=False)
+        if f"{netns_prefix}{i}" in listed:
+            _run("ip", "netns", "del", f"{netns_prefix}{i}", check=False)

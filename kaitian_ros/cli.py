@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-BENCHES = ("transport", "inference", "adaptivity", "training")
+BENCHES = ("transport", "inference", "adaptivity", "training", "chaos")
 
 
 class CliError(Exception):

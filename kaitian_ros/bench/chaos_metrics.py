@@ -14,14 +14,17 @@ Definitions (also in docs/chaos.md):
 - ``out_of_order``: answers (of the window's frames, in arrival order) whose frame is older than
   the frame of an answer that arrived before them.
 - ``coordinator_down``: unanswered frames received while no coordinator process could take them
-  (from its kill until the respawned one finished starting).
-- ``by_design``: frames the coordinator dropped on purpose in the window, read from its
-  /diagnostics counters (``dropped_busy``: a newer frame replaced one waiting for an in-flight
-  slot, ``max_in_flight``; ``dropped_no_plan``: no plan yet).
-- ``lost`` = ``incomplete`` + max(0, ``unanswered`` - ``coordinator_down`` - ``by_design``): frames
-  the graph should have answered and did not. Frames that the best-effort camera topic dropped
-  before the coordinator took them (sensor-data QoS keeps the newest 5) count as lost: they are
-  not told apart from frames lost inside the graph.
+  (from its kill until the respawned one finished starting): not lost, nobody was there.
+- ``lost`` = ``incomplete`` + ``unanswered`` - ``coordinator_down``: frames published while a
+  coordinator was up that got no complete result, whatever the reason - what a consumer of
+  ``/kaitian/fused`` misses.
+- ``dropped_by_design``: how many of the lost frames the coordinator dropped on purpose, read
+  from its /diagnostics counters over the window (``dropped_busy``: a newer frame replaced one
+  waiting for an in-flight slot, ``max_in_flight`` backpressure; ``dropped_no_plan``: no plan
+  yet), at most the unanswered frames. ``lost_not_by_design`` = ``lost`` -
+  ``dropped_by_design``: frames the graph took on and did not answer, or that vanished. Frames
+  the best-effort camera topic dropped before the coordinator took them (sensor-data QoS keeps
+  the newest 5) count there too: they are not told apart from frames lost inside the graph.
 - Recovery: ``first_complete_s`` is the time from the reference (the kill, or the end of a
   fault that lasts) to the first complete answer after it; ``latency_back_s`` to the last answer
   of the first ``ROLLING`` consecutive complete answers whose median end-to-end latency is within
@@ -70,8 +73,9 @@ class FrameCounts:
     duplicated: int
     out_of_order: int
     coordinator_down: int
-    by_design: int
     lost: int
+    dropped_by_design: int
+    lost_not_by_design: int
 
     def as_dict(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -106,9 +110,10 @@ def count_frames(frames: Sequence[Frame], answers: Sequence[Answer], start: floa
             newest = a.stamp
     down_n = sum(1 for f in unanswered_frames if in_any(f.t, down))
     unanswered = len(unanswered_frames)
-    lost = incomplete + max(0, unanswered - down_n - by_design)
-    return FrameCounts(len(window), complete, incomplete, unanswered, duplicated, out_of_order, down_n,
-                       by_design, lost)
+    designed = min(by_design, unanswered - down_n)  # counters are read once a second: never more than missing
+    lost = incomplete + unanswered - down_n
+    return FrameCounts(len(window), complete, incomplete, unanswered, duplicated, out_of_order, down_n, lost,
+                       designed, lost - designed)
 
 
 @dataclass(frozen=True)

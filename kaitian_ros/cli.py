@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 import threading
 import time
@@ -91,6 +92,10 @@ def cmd_router(args: argparse.Namespace) -> int:
     from kaitian_ros.runtime import zenoh_session as zs
 
     endpoint = args.listen or zs.router_endpoint()
+    # a launcher starts its children with SIGINT ignored until they are ready; SIGTERM (the
+    # launcher's escalation, or its death) ends the router as quietly as Ctrl-C
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         session = zs.open_session("router", listen=endpoint)
     except Exception as exc:

@@ -1,6 +1,8 @@
 """``kaitian launch``: the embedded launcher (what ``ros2 launch`` is on a ROS 2 machine).
 
-Hosts the Zenoh router, starts every node of the scenario as its own process with its
+Hosts the Zenoh router as a supervised child process (``kaitian router``, respawned after
+``ROUTER_RESPAWN.delay_s`` if it dies: peers keep talking to each other directly meanwhile and
+reconnect to the new one), starts every node of the scenario as its own process with its
 parameters (same ROS-style command line launch_ros uses), prefixes each output line with the
 node name and forwards Ctrl-C/SIGTERM. While it supervises (``wait``), a node that exits is
 respawned after its ``respawn_delay`` if its scenario says so (compute nodes, coordinator and
@@ -29,11 +31,15 @@ from typing import Any, TextIO
 
 import yaml
 
-from kaitian_ros.scenario import NodeSpec, Scenario
+from kaitian_ros.scenario import NodeSpec, Respawn, Scenario
 
 STOP_GRACE_S = 5.0
 REFUSED_TO_START = 2  # a node's exit code for bad parameters/arguments: a respawn would fail the same way
 _PR_SET_PDEATHSIG = 1
+ROUTER = "router"  # name and executable of the router's child process
+ROUTER_RESPAWN = Respawn(enabled=True, delay_s=0.5, max_retries=20)
+ROUTER_READY_S = 20.0
+ROUTER_READY_LINE = "router listening on"
 
 
 def _die_with_parent() -> None:
@@ -50,6 +56,8 @@ def _die_with_parent() -> None:
 
 
 def node_command(spec: NodeSpec, params_file: Path) -> list[str]:
+    if spec.executable == ROUTER:
+        return [sys.executable, "-u", "-m", "kaitian_ros.cli", "router", "--listen", spec.parameters["listen"]]
     return [sys.executable, "-u", "-m", f"kaitian_ros.nodes.{spec.executable}", "--ros-args",
             "-r", f"__node:={spec.name}", "--params-file", str(params_file)]
 
@@ -147,7 +155,6 @@ class Launcher:
         self.out = out
         self.host_router = host_router
         self.children: list[Child] = []
-        self._router: Any = None
         self._stopping = threading.Event()
         self._print_lock = threading.Lock()
         self._tmpdir = tempfile.TemporaryDirectory(prefix="kaitian_launch_")
@@ -160,20 +167,32 @@ class Launcher:
 
     def start(self) -> None:
         if self.host_router:
-            from kaitian_ros.runtime import zenoh_session as zs
-
-            try:
-                self._router = zs.open_session("router", listen=self.router_endpoint)
-            except Exception as exc:
-                raise RuntimeError(f"cannot host the router on {self.router_endpoint}: {exc} "
-                                   f"(is another graph running? pick one with --router)") from None
-            self.say(f"[launch] router listening on {self.router_endpoint}")
+            self.children.append(self._start_router())
         self.params_file.write_text(yaml.safe_dump(self.scenario.parameter_file_dict(), sort_keys=False))
         for spec in self.scenario.nodes:
             process, reader = self._spawn(spec)
             self.children.append(Child(spec, process, reader))
 
-    def _spawn(self, spec: NodeSpec) -> tuple[subprocess.Popen, threading.Thread]:
+    @property
+    def nodes(self) -> list[Child]:
+        """The scenario's nodes (every child but the router)."""
+        return [c for c in self.children if c.spec.executable != ROUTER]
+
+    def _start_router(self) -> Child:
+        """The router's process, once it listens; RuntimeError if it cannot (port taken, ...)."""
+        spec = NodeSpec(ROUTER, ROUTER, {"listen": self.router_endpoint}, ROUTER_RESPAWN)
+        ready = threading.Event()
+        process, reader = self._spawn(spec, ready)
+        end = time.monotonic() + ROUTER_READY_S
+        while not ready.wait(0.05):
+            if process.poll() is not None or time.monotonic() > end:
+                stop_process_groups([process])
+                reader.join(timeout=1.0)
+                raise RuntimeError(f"cannot host the router on {self.router_endpoint} "
+                                   f"(is another graph running? pick one with --router)")
+        return Child(spec, process, reader)
+
+    def _spawn(self, spec: NodeSpec, ready: threading.Event | None = None) -> tuple[subprocess.Popen, threading.Thread]:
         env = dict(os.environ, KAITIAN_ROUTER=self.router_endpoint, KAITIAN_RUNTIME="embedded",
                    PYTHONUNBUFFERED="1") | self.node_env.get(spec.name, {})
         command = self.node_prefix.get(spec.name, []) + node_command(spec, self.params_file)
@@ -181,15 +200,17 @@ class Launcher:
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
                                    text=True, bufsize=1)
-        reader = threading.Thread(target=self._pump, args=(spec.name, process), daemon=True)
+        reader = threading.Thread(target=self._pump, args=(spec.name, process, ready), daemon=True)
         reader.start()
         self.say(f"[launch] started {spec.name} ({spec.executable}) pid {process.pid}")
         return process, reader
 
-    def _pump(self, name: str, process: subprocess.Popen) -> None:
+    def _pump(self, name: str, process: subprocess.Popen, ready: threading.Event | None = None) -> None:
         assert process.stdout is not None
         for line in process.stdout:
             self.say(f"[{name}] {line.rstrip()}")
+            if ready is not None and line.startswith(ROUTER_READY_LINE):
+                ready.set()
 
     def wait(self, duration_s: float | None = None, on_tick: Callable[[], None] | None = None) -> int:
         """Supervise until all nodes end, one dies for good, ``duration_s`` passes, or stop()
@@ -205,7 +226,7 @@ class Launcher:
                     self.stop()
                     return failed
                 report.maybe_publish()
-                if all(c.process.poll() is not None and not c.respawn_at for c in self.children):
+                if all(c.process.poll() is not None and not c.respawn_at for c in self.nodes):
                     self.say("[launch] all nodes finished")
                     self.stop()
                     return 0
@@ -257,16 +278,12 @@ class Launcher:
     def stop(self) -> None:
         """SIGINT every node, then SIGTERM, then SIGKILL; never leave a process behind."""
         self._stopping.set()
-        stop_process_groups([c.process for c in self.children])
-        for child in self.children:
-            child.process.wait()
-            child.reader.join(timeout=1.0)
-        if self._router is not None:
-            try:
-                self._router.close()
-            except Exception:
-                pass
-            self._router = None
+        # the router last: nodes shutting down still talk to each other through it
+        for group in (self.nodes, [c for c in self.children if c.spec.executable == ROUTER]):
+            stop_process_groups([c.process for c in group])
+            for child in group:
+                child.process.wait()
+                child.reader.join(timeout=1.0)
         self._tmpdir.cleanup()
 
 

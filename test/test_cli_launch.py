@@ -37,7 +37,8 @@ def start_launch(scenario: str, *overrides: str) -> tuple[Proc, str]:
 
 
 def started_pids(launch: Proc, count: int) -> dict[str, int]:
-    return {m.group(1): int(m.group(3)) for m in launch.wait_for(STARTED, count=count)}
+    """Pids of the router (a child of the launcher, started first) and of ``count`` nodes."""
+    return {m.group(1): int(m.group(3)) for m in launch.wait_for(STARTED, count=count + 1)}
 
 
 def assert_nothing_left(launch: Proc, endpoint: str, pids: dict[str, int]) -> None:
@@ -172,7 +173,7 @@ def test_launch_interrupted_leaves_no_process(sig):
     launch, endpoint = start_launch("camera_demo")
     try:
         pids = started_pids(launch, 2)
-        assert set(pids) == {"image_source", "monitor"}
+        assert set(pids) == {"router", "image_source", "monitor"}
         launch.wait_for(r"\[monitor\] .*frames")
         assert all(pid_running(p) for p in pids.values())
         launch.p.send_signal(sig)

@@ -6,7 +6,9 @@
 - the coordinator follows a restarted scheduler (a new incarnation) and refuses what no real
   scheduler sends: an old incarnation, a version jump to 2**32-1, an effective request far ahead;
 - compute nodes refuse a plan version jump to 2**32-1 in the coordinator's incarnation;
-- the scheduler refuses telemetry with request id 2**64-1 and keeps deciding.
+- the scheduler refuses telemetry with request id 2**64-1 and keeps deciding;
+- the router killed with SIGKILL is respawned; the graph keeps serving, and a compute node
+  restarted after that finds the others through the new router and rejoins the plan.
 
 Every refusal is counted with its reason in the node's /diagnostics. No timing assertion.
 """
@@ -66,6 +68,33 @@ def test_coordinator_killed_is_respawned_and_the_graph_serves_again(tmp_path):
         assert {n: g.pid(n) for n in g.compute_names} == computes  # the compute nodes lived on
         assert "coordinator restarted: incarnation" in g.out.text()  # the compute nodes' log line
         # the killed coordinator's planner child went with it, quietly
+        assert "Traceback" not in g.out.text(), g.out.text(last=60)
+
+
+def test_router_killed_is_respawned_and_a_node_started_after_it_rejoins(tmp_path):
+    with InferenceGraph(tmp_path, **MODEL, slowdowns=[1.0, 1.0], shares=[1.0, 1.0], supervise=True,
+                        coordinator={"strategy": "stripes"}) as g:
+        g.wait_ready()
+        old_router = g.pid("router")
+        os.kill(old_router, signal.SIGKILL)
+        wait_until(lambda: g.pid("router") != old_router and "router listening" in g.out.text().split(
+            "node 'router' exited (exit code -9)")[-1], "the launcher respawning the router", 30.0)
+        frames = g.frames(3, first=20)
+        g.check_outputs(frames, g.stream(frames))  # peers kept their direct links meanwhile
+        # a node started after the router's restart knows nobody but the new router
+        old_compute = g.pid("compute_1")
+        os.kill(old_compute, signal.SIGKILL)
+        wait_until(lambda: g.pid("compute_1") != old_compute, "the launcher respawning compute_1", 30.0)
+
+        def rejoined():
+            plan = g.latest_plan()
+            return plan if plan is not None and list(plan.node_ids) == g.compute_names \
+                and g.out.text().count("[compute_1] ") > 0 and "compute_1 joined" in \
+                g.out.text().split("node 'compute_1' exited")[-1] else None
+
+        wait_until(rejoined, "compute_1 rejoining the plan after its respawn", 60.0, interval_s=0.1)
+        frames = g.frames(3, first=40)
+        g.check_outputs(frames, g.stream(frames))
         assert "Traceback" not in g.out.text(), g.out.text(last=60)
 
 

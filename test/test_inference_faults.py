@@ -234,3 +234,39 @@ def test_unknown_plan_chunk_times_out_while_other_plans_keep_arriving(graph):
     # the node still serves the coordinator's (real) plan
     frames = g.frames(2, first=300)
     g.check_outputs(frames, g.stream(frames))
+
+
+def test_forged_chunks_cost_bounded_memory_and_oversized_ones_nothing(graph):
+    """A chunk whose header declares a batch of 64 (or another shape the plan does not have) is
+    refused from its header, before any buffer exists; made-up request ids beyond the node's
+    request table (max_requests, 64 by default) evict the entry fed least recently, counted,
+    and the real frames that follow still complete."""
+    g = graph
+    node = "compute_0"
+    base = wait_values(g, node, lambda v: True, "anything")
+    pv = g.latest_plan()
+    plan = ic.plan_from_msg(g.graph, pv, 4)
+    lo, _ = plan.input_rows_for(node)
+    c, height, width = g.spec.input_shape
+    pub = g.probe.rt.create_publisher(ic.chunk_topic(node), "TensorChunk", QoS.RELIABLE)
+    time.sleep(0.3)
+
+    def chunk(request_id: int, rows: torch.Tensor) -> object:
+        return ic.chunk_message(request_id=request_id, plan_version=pv.version, producer=ic.COORDINATOR,
+                                consumer=node, segment=0, role=ic.ROLE_INPUT, row_offset=lo,
+                                total_rows=height, rows=rows)
+
+    bad_before = int(base.get("rejected.bad chunk", "0"))
+    pub.publish(chunk(40_000, torch.randn(64, c, 4, width)))
+    values = wait_values(g, node, lambda v: int(v.get("rejected.bad chunk", "0")) > bad_before, "the batch-64 chunk")
+    assert "does not fit segment 0" in values["last_reject_reason"] and "(64, " in values["last_reject_reason"]
+
+    evicted_before = int(base.get("rejected.evicted", "0"))
+    forged = 70
+    for i in range(forged):  # one slab each: none of them can ever complete
+        pub.publish(chunk(50_000 + i, torch.randn(1, c, 4, width)))
+    values = wait_values(g, node, lambda v: int(v.get("rejected.evicted", "0")) - evicted_before >= forged - 64,
+                         f"{forged - 64} evictions")
+    assert int(values["in_flight"]) <= 64, values
+    frames = g.frames(3, first=400)
+    g.check_outputs(frames, g.stream(frames))  # a real request evicts a forged one, never the reverse

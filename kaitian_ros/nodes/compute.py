@@ -34,11 +34,16 @@ from kaitian_ros.core.plan import Plan
 from kaitian_ros.core.stripe import StripeRunner
 from kaitian_ros.core.tensors import normalise_input
 from kaitian_ros.nodes import inference_common as ic
-from kaitian_ros.runtime import interfaces, run_node
+from kaitian_ros.runtime import interfaces, memory, run_node
 from kaitian_ros.runtime.api import MessageInfo, QoS, Runtime, SetParametersResult
 from kaitian_ros.runtime.api import ParameterDescriptor as P
 from kaitian_ros.runtime.api import ParameterType as T
 from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher, Level
+
+# chunks of a plan version not announced yet, held for pending_timeout_s: bounded, since anyone
+# can send chunks naming a future version
+MAX_PENDING = 256
+MAX_PENDING_BYTES = 64 * 1024 * 1024
 
 PARAMETERS = ic.MODEL_PARAMETERS + (
     P("device", T.STRING, "cpu", "torch device this node computes on (cpu, cuda:0, ...; checked at start)",
@@ -50,6 +55,9 @@ PARAMETERS = ic.MODEL_PARAMETERS + (
     P("heartbeat_hz", T.DOUBLE, 4.0, "heartbeat telemetry rate", 2.0, 100.0),
     P("request_timeout_s", T.DOUBLE, 10.0, "forget an unfinished request after this long", 0.1, 3600.0),
     P("max_plans", T.INTEGER, 8, "plan versions kept for requests still in flight", 2, 1000),
+    # default: the coordinator's largest max_in_flight, so a real graph never evicts its own
+    P("max_requests", T.INTEGER, 64,
+      "requests held at once; a new one beyond this evicts the one fed least recently", 1, 1024),
     P("pending_timeout_s", T.DOUBLE, 2.0, "hold chunks of a not-yet-known plan this long", 0.0, 60.0),
     P("profile_budget_s", T.DOUBLE, 10.0, "time limit of the start-up cost measurement", 0.5, 120.0,
       read_only=True),
@@ -77,6 +85,7 @@ class RequestState:
     bytes_out: int = 0
     frame_id: str = ""
     slab_counts: dict = field(default_factory=dict)
+    last_fed_s: float = 0.0  # monotonic time of its latest chunk (the eviction order)
 
 
 class ComputeNode:
@@ -96,7 +105,9 @@ class ComputeNode:
         self.busy_clock = ic.busy_clock(self.device)
         self.plans: collections.OrderedDict[int, Plan] = collections.OrderedDict()
         self.requests: dict[int, RequestState] = {}
-        self.pending: list[tuple[float, Any, Any]] = []  # chunks waiting for their plan
+        self.pending: list[tuple[float, Any, Any]] = []  # chunks waiting for their plan (MAX_PENDING)
+        self.pending_bytes = 0
+        self.evicted_since_trim = 0
         self.retired_below = 0  # plan versions below this are gone
         self.coordinator = AuthorityTracker("coordinator")  # whose plan versions these are
         self.completed = 0
@@ -238,7 +249,7 @@ class ComputeNode:
         while len(self.plans) > self.params["max_plans"]:
             old, _ = self.plans.popitem(last=False)
             self.retired_below = max(self.retired_below, old + 1)
-        waiting, self.pending = self.pending, []
+        waiting, self.pending, self.pending_bytes = self.pending, [], 0
         for _, chunk, info in waiting:
             self._on_chunk(chunk, info)
 
@@ -275,10 +286,19 @@ class ComputeNode:
             else:
                 # plan message still on its way; held from its first arrival (re-examined on
                 # every new plan, which must not restart its pending_timeout_s clock)
+                if len(self.pending) >= MAX_PENDING or self.pending_bytes + len(msg.data) > MAX_PENDING_BYTES:
+                    self.rt.rejected.count(f"pending full: chunk of unknown plan v{version} "
+                                           f"({len(self.pending)} chunks held)")
+                    return
                 self.pending.append((arrived, msg, info))
+                self.pending_bytes += len(msg.data)
             return
         if self.node_id not in plan.active_nodes():
             self.rt.rejected.count(f"not in plan: v{version} has no rows for {self.node_id}")
+            return
+        problem = ic.chunk_shape_problem(self.graph, plan, msg)
+        if problem:
+            self.rt.rejected.count(f"bad chunk: request {msg.request_id}: {problem}")
             return
         state = self.requests.get(int(msg.request_id))
         if state is not None and state.plan_version != version:
@@ -295,6 +315,7 @@ class ComputeNode:
                 # fail inside the convolutions (uncounted RuntimeError), so refuse it here
                 raise ValueError(f"chunk dtype {rows.dtype}, the model computes in float32")
             if state is None:
+                self._make_room()
                 state = RequestState(int(msg.request_id), version,
                                      StripeRunner(self.graph, plan, self.node_id,
                                                   min_run_rows=self.params["min_run_rows"], on_run=self._on_run),
@@ -303,7 +324,7 @@ class ComputeNode:
         except (ValueError, interfaces.DecodeError) as exc:
             self.rt.rejected.count(f"bad chunk: request {msg.request_id}: {exc}")
             return
-        self.last_run_s = time.monotonic()
+        self.last_run_s = state.last_fed_s = time.monotonic()
         # this chunk's handling outside compute: decode was on the middleware thread, the rest here
         outside = max(0.0, (time.perf_counter() - t_in - wall) * 1e3)
         self.message_ms += 0.1 * (outside - self.message_ms)
@@ -316,6 +337,17 @@ class ComputeNode:
         state.compute_s += spent
         if state.runner.done:
             self._finish(state, plan)
+
+    def _make_room(self) -> None:
+        """Evict the request fed least recently while the table is full: a real request in
+        flight gets chunks every few milliseconds, a forged or abandoned one got its last long
+        ago, so a flood of made-up request ids displaces its own kind, and memory stays bounded."""
+        while len(self.requests) >= self.params["max_requests"]:
+            victim = min(self.requests.values(), key=lambda r: r.last_fed_s)
+            del self.requests[victim.request_id]
+            self.evicted_since_trim += 1
+            self.rt.rejected.count(f"evicted: request {victim.request_id} (table full, "
+                                   f"{self.params['max_requests']} requests held)")
 
     def _feed(self, state: RequestState, plan: Plan, msg: Any, rows: torch.Tensor) -> tuple[float, float]:
         """Feed rows to the request's runner, publishing every emission the moment its rows
@@ -411,14 +443,20 @@ class ComputeNode:
         timeout = self.params["request_timeout_s"]
         for rid in [r for r, s in self.requests.items() if now - s.started_s > timeout]:
             del self.requests[rid]
+            self.evicted_since_trim += 1
             self.rt.rejected.count(f"request timeout: request {rid} never completed (missing rows)")
         keep = []
         for stamp, chunk, info in self.pending:
             if now - stamp > self.params["pending_timeout_s"]:
                 self.rt.rejected.count(f"unknown plan: v{chunk.plan_version} never announced")
+                self.evicted_since_trim += 1
             else:
                 keep.append((stamp, chunk, info))
         self.pending = keep
+        self.pending_bytes = sum(len(chunk.data) for _, chunk, _ in keep)
+        if self.evicted_since_trim and not self.requests:  # a burst of junk is over: give memory back
+            self.evicted_since_trim = 0
+            memory.trim_heap()
         rejected = self.rt.rejected
         level = Level.OK
         text = f"{self.completed} requests" + (f", {rejected.total} dropped" if rejected.total else "")

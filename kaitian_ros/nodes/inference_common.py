@@ -260,6 +260,28 @@ def chunk_message(*, request_id: int, plan_version: int, producer: str, consumer
                            slab_index=slab_index, last_slab=last_slab, **interfaces.tensor_fields(rows))
 
 
+FRAME_BATCH = 1  # a request is one camera frame: every chunk of it carries batch size 1
+
+
+def chunk_shape_problem(graph: ModelGraph, plan: Plan, msg: Any) -> str:
+    """Why a compute node's chunk cannot belong to ``plan`` ('' if it can), read from the
+    header fields alone: checked before its rows are decoded or any buffer is allocated, so a
+    forged shape (batch 64, a huge width) costs nothing."""
+    segment = int(msg.segment)
+    if not 0 <= segment < plan.num_segments:
+        return f"segment {segment} not in v{int(msg.plan_version)} (0..{plan.num_segments - 1})"
+    c, h, w = graph.value_shapes[plan.segments[segment].in_value]
+    shape = tuple(int(d) for d in msg.shape)
+    if len(shape) != 4:
+        return f"chunk shape {shape} is not (N,C,rows,W)"
+    n, rc, r, rw = shape
+    offset = int(msg.row_offset)
+    if n != FRAME_BATCH or rc != c or rw != w or r < 1 or offset + r > h or int(msg.total_rows) != h:
+        return (f"chunk shape {shape} at row {offset} of {int(msg.total_rows)} does not fit segment {segment} "
+                f"of v{int(msg.plan_version)}: ({FRAME_BATCH},{c},rows,{w}) within {h} rows")
+    return ""
+
+
 def chunk_rows(msg: Any) -> torch.Tensor:
     """The rows a chunk carries (N, C, r, W); DecodeError if inconsistent.
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kaitian_ros.runtime import fast_cdr, interfaces
+from kaitian_ros.runtime import fast_cdr, interfaces, memory
 from kaitian_ros.runtime import zenoh_session as zs
 from kaitian_ros.runtime.api import (
     MessageInfo,
@@ -156,6 +156,7 @@ class EmbeddedSubscription:
         self._bounded = qos is not QoS.BEST_EFFORT  # best effort: the deque keeps the newest few
         self._max_messages, self._max_bytes = QUEUE_MAX_MESSAGES, QUEUE_MAX_BYTES
         self._queued_bytes = 0
+        self._overflowed = False  # dropped "queue full" since the queue was last empty
         self._bytes_lock = threading.Lock()
         self._scheduled = False
         self._key_verdict: dict[str, str | None] = {}  # key -> None (accepted) or reject reason
@@ -191,6 +192,7 @@ class EmbeddedSubscription:
                     full = False
                     self._queued_bytes += size
             if full:
+                self._overflowed = True
                 self._rt.reject(f"queue full: {len(self.pending)} messages, {self._queued_bytes} bytes waiting "
                                 f"on {self.topic} (node behind or flooded)")
                 return
@@ -243,7 +245,7 @@ class EmbeddedSubscription:
             try:
                 msg, info, size = self.pending.popleft()
             except IndexError:  # drained (a best-effort queue may also have dropped the oldest)
-                return
+                break
             self._unqueue(size)
             try:
                 if self.with_info:
@@ -252,9 +254,13 @@ class EmbeddedSubscription:
                     self.callback(msg)
             except Exception:  # same policy as any callback: log, keep the node running
                 self._rt.logger.exception("callback raised")
-        if self.pending and not self._scheduled:  # let timers and other subscriptions run too
-            self._scheduled = True
-            self._rt.post(self._deliver)
+        if self.pending:
+            if not self._scheduled:  # let timers and other subscriptions run too
+                self._scheduled = True
+                self._rt.post(self._deliver)
+        elif self._overflowed:  # a flood is over: give its memory back
+            self._overflowed = False
+            memory.trim_heap()
 
 
 class EmbeddedTimer:

@@ -54,6 +54,11 @@ def open_session(mode: str = "peer", *, connect: str | None = None, listen: str 
     # processes of one host through /dev/shm, bypassing the network - and any emulated link.
     if os.environ.get("KAITIAN_SHM", "1") == "0":
         config.insert_json5("transport/shared_memory/enabled", "false")
+    else:
+        # zenoh's own pool serves messages between 3 KB and SHM_PUT_MIN_BYTES only (larger ones go
+        # through ours): a small one, since a receiver never unmaps a departed sender's pool
+        config.insert_json5("transport/shared_memory/transport_optimization/pool_size",
+                            str(TRANSPORT_SHM_POOL_BYTES))
     # large tensor chunks: bigger batches; never drop reliable data locally
     config.insert_json5("transport/link/tx/batch_size", "65535")
     return zenoh.open(config)
@@ -190,8 +195,15 @@ def as_zenoh_payload(cdr: bytes | bytearray | memoryview) -> bytes | bytearray:
 # large message once more into shared memory for a peer on the same host. Writing the encoded
 # message into a buffer of our own SHM provider costs one copy and put sends it as it is
 # (measured in docs/transport.md: publisher loop ~2x, 4 MiB GB/s ~1.5x). KAITIAN_SHM=0 or
-# KAITIAN_SHM_PUT=0 turns it off; KAITIAN_SHM_POOL_MB sizes the pool (default 64).
+# KAITIAN_SHM_PUT=0 turns it off; KAITIAN_SHM_POOL_MB sizes the pool (default 16).
+#
+# Pools are sized small on purpose: zenoh (1.10) never unmaps a sender's pool in a receiver, even
+# after the sender exits (upstream eclipse-zenoh/zenoh#2787), so every restart of a publisher
+# costs each of its receivers up to the publisher's pool in resident memory. 16 MB holds a dozen
+# 1 MB slabs in flight, more than a graph has.
 SHM_PUT_MIN_BYTES = 64 * 1024
+SHM_POOL_MB_DEFAULT = 16
+TRANSPORT_SHM_POOL_BYTES = 4 * 1024 * 1024
 _shm_provider: Any = None
 _shm_failed = False
 
@@ -206,7 +218,7 @@ def shm_payload(buf: bytes | bytearray) -> Any:
             if os.environ.get("KAITIAN_SHM", "1") == "0" or os.environ.get("KAITIAN_SHM_PUT", "1") == "0":
                 _shm_failed = True
                 return None
-            pool = int(os.environ.get("KAITIAN_SHM_POOL_MB", "64")) * 1024 * 1024
+            pool = int(os.environ.get("KAITIAN_SHM_POOL_MB", str(SHM_POOL_MB_DEFAULT))) * 1024 * 1024
             _shm_provider = zenoh.shm.ShmProvider.default_backend(pool)
         shm = _shm_provider.alloc(len(buf), policy=zenoh.shm.GarbageCollect())
     except Exception:  # no /dev/shm, pool exhausted by in-flight messages, ...: plain put

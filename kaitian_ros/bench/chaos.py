@@ -730,16 +730,27 @@ class Run:
         return Injected(end=t, ref=t, after=after)
 
     # --- flood -------------------------------------------------------------------------
-    def flood(self) -> Injected:
+    def flood_prepare(self) -> None:
+        """Start the flood's attacker before the pre-fault window (its imports and model build
+        take seconds of CPU); it floods on "go"."""
         g, s = self.g, self.s
         victim = g.busiest_compute()
         p = g.scenario.node(victim).parameters
         cmd = [sys.executable, "-u", "-m", "kaitian_ros.bench.chaos_attack", "flood", "--node", victim,
                "--seconds", str(s.flood_s), "--rate", str(s.flood_rate), "--model", str(p["model"]),
                "--height", str(p["input_height"]), "--width", str(p["input_width"]),
-               "--num-classes", str(p["num_classes"]), "--slab-rows", str(p["slab_rows"])]
-        proc = subprocess.Popen(cmd, env=dict(os.environ, KAITIAN_ROUTER=g.endpoint), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+               "--num-classes", str(p["num_classes"]), "--slab-rows", str(p["slab_rows"]), "--wait-go"]
+        proc = subprocess.Popen(cmd, env=dict(os.environ, KAITIAN_ROUTER=g.endpoint), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        line = proc.stdout.readline()
+        if '"ready"' not in line:
+            proc.kill()
+            raise RuntimeError(f"the flood attacker did not start: {line.strip()} {proc.stderr.read()[-600:]}")
+        self._flood = (victim, proc)
+
+    def flood(self) -> Injected:
+        g, s = self.g, self.s
+        victim, proc = self._flood
         stopped: list[str] = []
 
         def guard(why: str) -> None:
@@ -748,9 +759,11 @@ class Run:
                 proc.send_signal(signal.SIGTERM)
 
         g.guards.append(guard)
-        t0 = time.monotonic()
+        start = time.monotonic()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
         try:
-            out, err = proc.communicate(timeout=s.flood_s + 90.0)
+            out, err = proc.communicate(timeout=s.flood_s + 60.0)
         except subprocess.TimeoutExpired:
             proc.kill()
             out, err = proc.communicate()
@@ -759,8 +772,6 @@ class Run:
         end = time.monotonic()
         lines = [ln for ln in out.splitlines() if ln.startswith("{")]
         stats = json.loads(lines[-1]) if lines else {"error": err.strip()[-400:]}
-        seconds = float(stats.get("seconds") or 0.0)
-        start = end - seconds if seconds else t0  # the attacker's start-up (imports, model) is not flood
 
         def after(start: float, until: float) -> dict[str, Any]:
             plans = g.plans_between(start, until)
@@ -1172,7 +1183,7 @@ def run_fault(run: Run, name: str, link_reason: str) -> dict[str, Any]:
             return skipped(name, "the router runs inside the launcher's own process (no router child to kill)")
         return run.run(name, run.kill_router)
     if name == "flood":
-        return run.run(name, run.flood)
+        return run.run(name, run.flood, prepare=run.flood_prepare)
     if name == "link_collapse":
         if g.links is None:
             return skipped(name, link_reason or "no emulated link")

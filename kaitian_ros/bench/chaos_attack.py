@@ -10,7 +10,8 @@ Two modes (the router comes from ``KAITIAN_ROUTER``, like every node)::
 ``flood`` publishes unsolicited, valid-looking INPUT TensorChunks at one compute node's chunk
 topic: pixel rows of the node's part of the newest plan that uses it (its version, its rows,
 the model's width), each chunk a request id of its own in the range a coordinator uses, for
-``--seconds`` at ``--rate`` chunks per second; it prints one JSON line with what it sent.
+``--seconds`` at ``--rate`` chunks per second; it prints one JSON line with what it sent
+(``--wait-go``: first ``{"ready": ...}`` once set up, and the flood starts on a line on stdin).
 
 ``serve`` declares a publisher per ``--topic`` (and one of another type on the same name, for
 wrong-type messages), prints ``{"ready": ...}`` and then takes JSON commands on stdin, one per
@@ -105,6 +106,12 @@ def flood(args: argparse.Namespace) -> int:
         rt.shutdown()
         rt.close()
         return 1
+    if args.wait_go:  # set up (imports, model, plan) outside the measured windows; flood on "go"
+        _say({"ready": {"node": args.node, "plan_version": aim[0], "rows": [aim[1], aim[2]]}})
+        if not sys.stdin.readline():
+            rt.shutdown()
+            rt.close()
+            return 0
     rng = np.random.default_rng(args.seed)
     pixels = torch.from_numpy(rng.integers(0, 256, (1, args.channels, args.slab_rows, args.width), dtype=np.uint8))
     first_id = ic.first_request_id() + 10_000_000  # a coordinator's id range, ahead of its own
@@ -328,6 +335,7 @@ def main(argv: list[str]) -> int:
     f.add_argument("--num-classes", type=int, default=1000)
     f.add_argument("--slab-rows", type=int, default=64)
     f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--wait-go", action="store_true", help="print {\"ready\": ...} when set up, flood after a line on stdin")
     s = sub.add_parser("serve")
     s.add_argument("--topic", action="append", default=[], help="TOPIC=Type, repeated")
     args = p.parse_args(argv)

@@ -362,23 +362,52 @@ class ChaosGraph:
         return out
 
     # --- state ---------------------------------------------------------------------------
+    def incarnations(self, node: str) -> set[str]:
+        """Every incarnation the real ``node`` (coordinator, scheduler) reported on /diagnostics."""
+        with self.rec.lock:
+            return {v["incarnation"] for _, _, _, v in self.rec.diags.get(node, []) if v.get("incarnation")}
+
+    def _real(self, msgs: list[tuple[float, Any]], node: str) -> list[tuple[float, Any]]:
+        """The messages of the real authority: the probe also receives what the attacker forges."""
+        real = self.incarnations(node)
+        return [(t, m) for t, m in msgs if not real or _hex(m.incarnation) in real]
+
     def latest_plan(self, before: float = math.inf) -> Any:
         with self.rec.lock:
             plans = [(t, m) for t, m in self.rec.plans if t <= before]
+        plans = self._real(plans, "coordinator")
         return plans[-1][1] if plans else None
 
     def latest_assignment(self, before: float = math.inf) -> Any:
         with self.rec.lock:
             msgs = [(t, m) for t, m in self.rec.assignments if t <= before]
+        msgs = self._real(msgs, "scheduler")
         return msgs[-1][1] if msgs else None
 
     def plans_between(self, t0: float, t1: float) -> list[tuple[float, Any]]:
         with self.rec.lock:
-            return [(t, m) for t, m in self.rec.plans if t0 <= t <= t1]
+            plans = [(t, m) for t, m in self.rec.plans if t0 <= t <= t1]
+        return self._real(plans, "coordinator")
 
     def assignments_between(self, t0: float, t1: float) -> list[tuple[float, Any]]:
         with self.rec.lock:
-            return [(t, m) for t, m in self.rec.assignments if t0 <= t <= t1]
+            msgs = [(t, m) for t, m in self.rec.assignments if t0 <= t <= t1]
+        return self._real(msgs, "scheduler")
+
+    def takeovers(self) -> list[str]:
+        """Listeners that follow an authority run other than the real one's (a forged or fuzzed
+        LoadAssignment with a new incarnation was taken for a restart)."""
+        out = []
+        coordinator = self.diag("coordinator").get("incarnation")
+        for n in self.compute_names:
+            follows = self.diag(n).get("coordinator_incarnation")
+            if coordinator and follows and follows != coordinator:
+                out.append(f"{n} follows coordinator run {follows}, the coordinator is {coordinator}")
+        scheduler = self.diag("scheduler").get("incarnation")
+        follows = self.diag("coordinator").get("scheduler_incarnation")
+        if scheduler and follows and follows != scheduler:
+            out.append(f"coordinator follows scheduler run {follows}, the scheduler is {scheduler}")
+        return out
 
     def diag(self, node: str, before: float = math.inf) -> dict[str, str]:
         with self.rec.lock:
@@ -849,20 +878,30 @@ class Run:
         inj = Injected(end=end, ref=end, start=t0, details={"variants": done}, effect=effect)
         inj.details["attacker"] = "no certificate (security option off)"
         if effect:
-            inj.repair = lambda: self.repair(repair_target)
+            inj.repair = lambda: self.repair([repair_target])
         return inj
 
-    def repair(self, name: str) -> str:
-        """Kill -9 an authority a forgery took over; the launcher respawns it (a new
+    def repair(self, names: Sequence[str]) -> str:
+        """Kill -9 the authorities a forgery took over; the launcher respawns them (a new
         incarnation, which every listener follows)."""
         g = self.g
-        t, _ = g.kill(name)
-        try:
-            g.wait_serving(60.0)
-        except RuntimeError:
-            pass
-        ok, waited = g.wait_healthy(60.0, self.baseline_ms)
-        return f"{name} killed and respawned; graph {'healthy' if ok else 'NOT healthy'} after {time.monotonic() - t:.1f} s"
+        t = time.monotonic()
+        for name in names:
+            old = g.diag(name).get("incarnation")
+            g.kill(name)
+            end = time.monotonic() + 60.0
+            while time.monotonic() < end:
+                g.check()
+                new = g.diag(name).get("incarnation")
+                mine = [x for x in g.takeovers() if x.startswith("coordinator follows") == (name == "scheduler")]
+                if new and new != old and not mine:
+                    break
+                time.sleep(0.2)
+        ok, _ = g.wait_healthy(60.0, self.baseline_ms)
+        left = g.takeovers()
+        return (f"{', '.join(names)} killed and respawned; after {time.monotonic() - t:.1f} s every listener follows "
+                f"the real authorities: {'yes' if not left else 'NO (' + '; '.join(left) + ')'}, graph "
+                f"{'healthy' if ok else 'NOT healthy'}")
 
     # --- fuzz --------------------------------------------------------------------------
     def fuzz(self) -> Injected:
@@ -872,6 +911,7 @@ class Run:
         t0 = time.monotonic()
         restarts0 = g.restarts()
         topics: dict[str, Any] = {}
+        takeovers: dict[str, str] = {}  # what a fuzzed LoadAssignment took over -> by which topic
         uncounted, hangs = 0, 0
         for topic, (type_name, seed, listeners) in seeds.items():
             g.check()
@@ -900,10 +940,17 @@ class Run:
                 per[n] = {"rejected": reasons, "expected_runtime_rejects": expected,
                           "runtime_rejects": runtime, "accounting": "exact" if exact else "at least (queue full)",
                           "missing": missing, "unhandled_exceptions": exc, "diagnostics_after": fresh}
+            g.wait_diag_after(g.compute_names + ["coordinator", "scheduler"], te)
+            taken = g.takeovers()
+            for line in taken:
+                if line not in takeovers:
+                    takeovers[line] = topic
             topics[topic] = {"type": type_name, "sent": reply["sent"], "undecodable": reply["undecodable"],
                              "wrong_type": reply["wrong_type"], "decodable": reply["decodable"],
                              "by_class": reply["by_class"], "rate": round(rate), "seconds": reply["seconds"],
-                             "counts_settled": settled, "subscribers": per}
+                             "counts_settled": settled, "subscribers": per,
+                             "serving_after": len(g.latencies(te, time.monotonic())) > 0,
+                             "authority_taken_over": [line for line, by in takeovers.items() if by == topic]}
             print(f"    fuzz {topic}: {reply['sent']} sent ({reply['undecodable']} undecodable, "
                   f"{reply['wrong_type']} wrong type) in {reply['seconds']} s; "
                   + ", ".join(f"{n}: {v['runtime_rejects']} counted, {v['missing']} missing" for n, v in per.items()),
@@ -917,8 +964,13 @@ class Run:
             return {"topics": topics, "serving_after": len(g.latencies(until - 5.0, until)) > 0}
 
         inj.after = after
-        inj.top = {"crashes": crashes, "hangs": hangs, "uncounted": uncounted}
+        inj.top = {"crashes": crashes, "hangs": hangs, "uncounted": uncounted,
+                   "authority_taken_over": sorted(takeovers)}
         inj.details = {"per_topic": s.fuzz_count}
+        if takeovers:
+            names = [n for n in ("coordinator", "scheduler")
+                     if any(line.startswith("coordinator follows") == (n == "scheduler") for line in takeovers)]
+            inj.repair = lambda: self.repair(names)
         return inj
 
     def _wait_counts_settle(self, nodes: Sequence[str], t: float, timeout_s: float = 15.0) -> bool:

@@ -38,6 +38,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -515,11 +516,18 @@ def _hex(incarnation: int) -> str:
 class Attacker:
     """A ``chaos_attack serve`` process: publishes what the bench hands it, fuzzes."""
 
-    def __init__(self, endpoint: str, topics: dict[str, str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, endpoint: str, topics: dict[str, str], env: dict[str, str | None] | None = None) -> None:
+        """``env``: variables set for the attacker (None: removed, e.g. its certificate)."""
         cmd = [sys.executable, "-u", "-m", "kaitian_ros.bench.chaos_attack", "serve"]
         for topic, type_name in topics.items():
             cmd += ["--topic", f"{topic}={type_name}"]
-        self.proc = subprocess.Popen(cmd, env=dict(os.environ, KAITIAN_ROUTER=endpoint, **(env or {})),
+        full = dict(os.environ, KAITIAN_ROUTER=endpoint)
+        for key, value in (env or {}).items():
+            if value is None:
+                full.pop(key, None)
+            else:
+                full[key] = value
+        self.proc = subprocess.Popen(cmd, env=full,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, bufsize=1)
         ready = self._reply(60.0)
@@ -586,9 +594,11 @@ class Injected:
 class Run:
     """One bench run: the graph, the settings, the attacker and the results."""
 
-    def __init__(self, g: ChaosGraph, s: Settings) -> None:
+    def __init__(self, g: ChaosGraph, s: Settings, secure_dir: str | None = None) -> None:
         self.g, self.s = g, s
+        self.secure_dir = secure_dir  # the graph runs with the security option (these certificates)
         self.attacker: Attacker | None = None
+        self.secure_attackers: list[tuple[str, Attacker | None, str]] = []
         self.baseline_ms: float | None = None
         self.results: dict[str, Any] = {}
 
@@ -599,6 +609,25 @@ class Run:
         if self.attacker is None:
             self.attacker = Attacker(self.g.endpoint, fuzz_topics(self.g))
         return self.attacker
+
+    def attackers(self) -> list[tuple[str, Attacker | None, str]]:
+        """(who, attacker or None, why it could not join): without the security option the one
+        attacker; with it, one holding the graph's ``node`` certificate and one without any."""
+        if self.secure_dir is None:
+            return [("no certificate (security option off)", self.attacker_for(), "")]
+        if not self.secure_attackers:
+            for who, env in (("node certificate", {"KAITIAN_SECURITY": self.secure_dir, "KAITIAN_SECURITY_ROLE": "node"}),
+                             ("no certificate", {"KAITIAN_SECURITY": None, "KAITIAN_SECURITY_ROLE": None})):
+                try:
+                    self.secure_attackers.append((who, Attacker(self.g.endpoint, fuzz_topics(self.g), env), ""))
+                except RuntimeError as exc:  # refused by the graph: it sends nothing
+                    self.secure_attackers.append((who, None, " ".join(str(exc).split())[:300]))
+        return self.secure_attackers
+
+    def close_attackers(self) -> None:
+        for a in [self.attacker] + [a for _, a, _ in self.secure_attackers]:
+            if a is not None:
+                a.close()
 
     def run(self, name: str, inject: Callable[[], Injected], prepare: Callable[[], None] | None = None) -> dict[str, Any]:
         g, s = self.g, self.s
@@ -850,33 +879,43 @@ class Run:
 
     # --- forgeries ---------------------------------------------------------------------
     def forge(self, kind: str) -> Injected:
+        """Each forged message of ``kind`` from each attacker in turn; with the security option,
+        the plausible one of an attacker holding a node certificate goes last (it may take an
+        authority over)."""
         g, s = self.g, self.s
-        attacker = self.attacker_for()
-        variants = forgery_variants(g, kind)
+        attackers = self.attackers()
         t0 = time.monotonic()
         done = []
-        for v in variants:
-            before = {n: g.diag(n) for n in v.listeners}
-            marker_before = v.marker()
-            tv = time.monotonic()
-            attacker.publish(v.topic, v.cdr)
-            time.sleep(s.variant_s)
-            g.wait_diag_after(v.listeners, tv + 1.05)
-            counts = {n: cm.reason_increase([("", before[n]), ("", g.diag(n))]) for n in v.listeners}
-            counted = bool(v.reason) and all(
-                (sum(counts[n].values()) if v.reason == ANY_REASON else counts[n].get(v.reason, 0)) >= 1
-                for n in v.listeners)
-            seen = v.marker()
-            effect = None if seen is None else bool(seen and not marker_before)
-            done.append({"name": v.name, "implausible": v.implausible, "what": v.what,
-                         "listeners": list(v.listeners), "expected_reason": v.reason, "counted": counted,
-                         "rejected": counts, "effect": effect, "consequence": v.consequence if effect else ""})
+        joined = [(who, a) for who, a, _ in attackers if a is not None]
+        joined.sort(key=lambda x: x[0] == "node certificate")
+        for who, attacker in joined:
+            for v in forgery_variants(g, kind):
+                before = {n: g.diag(n) for n in v.listeners}
+                marker_before = v.marker()
+                tv = time.monotonic()
+                attacker.publish(v.topic, v.cdr)
+                time.sleep(s.variant_s)
+                g.wait_diag_after(v.listeners, tv + 1.05)
+                counts = {n: cm.reason_increase([("", before[n]), ("", g.diag(n))]) for n in v.listeners}
+                counted = bool(v.reason) and all(
+                    (sum(counts[n].values()) if v.reason == ANY_REASON else counts[n].get(v.reason, 0)) >= 1
+                    for n in v.listeners)
+                seen = v.marker()
+                effect = None if seen is None else bool(seen and not marker_before)
+                done.append({"name": v.name, "attacker": who, "implausible": v.implausible, "what": v.what,
+                             "listeners": list(v.listeners), "expected_reason": v.reason, "counted": counted,
+                             "rejected": counts, "effect": effect, "consequence": v.consequence if effect else ""})
+        for who, attacker, why in attackers:
+            if attacker is None:  # it could not join: nothing it could send reached anyone
+                done.append({"name": "all", "attacker": who, "implausible": None, "what": "could not join the graph",
+                             "listeners": [], "expected_reason": "", "counted": False, "rejected": {},
+                             "effect": False, "consequence": "", "refused": why})
         end = time.monotonic()
         effects = [d["effect"] for d in done]
         effect = True if any(e is True for e in effects) else (None if any(e is None for e in effects) else False)
         repair_target = {"plan": "coordinator", "assignment": "scheduler", "telemetry": "scheduler"}[kind]
         inj = Injected(end=end, ref=end, start=t0, details={"variants": done}, effect=effect)
-        inj.details["attacker"] = "no certificate (security option off)"
+        inj.details["attackers"] = [who for who, _, _ in attackers]
         if effect:
             inj.repair = lambda: self.repair([repair_target])
         return inj
@@ -1241,8 +1280,8 @@ def run_fault(run: Run, name: str, link_reason: str) -> dict[str, Any]:
             return skipped(name, link_reason or "no emulated link")
         return run.run(name, run.link_collapse)
     if name.startswith("forge_"):
-        kind = name.split("_", 1)[1]
-        return run.run(name, lambda: run.forge(kind), prepare=run.attacker_for)
+        kind = name.split("_")[1]
+        return run.run(name, lambda: run.forge(kind), prepare=run.attackers)
     if name == "fuzz":
         return run.run(name, run.fuzz, prepare=run.attacker_for)
     raise ValueError(name)
@@ -1294,7 +1333,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for k, (name, f) in enumerate(summary["faults"].items()):
         w = f.get("window")
-        if not w:
+        if not w or f.get("graph") == "secure":  # another graph, another timeline
             continue
         c = colours[k % len(colours)]
         for a in (ax, ax2):
@@ -1354,6 +1393,50 @@ def print_one(name: str, f: dict[str, Any]) -> None:
           f"+{_fmt(f['settled_rss_delta_mb'])} MB, forgery effect {_fmt(f['forgery_effect'])} | {met}", flush=True)
 
 
+def run_graph(s: Settings, names: Sequence[str], results: dict[str, Any], *, links: Any = None,
+              link_text: str = "", secure_dir: str | None = None, echo: bool = False) -> tuple[dict[str, Any], str]:
+    """Start a graph (with the security option when ``secure_dir``), run ``names`` on it one
+    after another into ``results``; (what to record about the graph, why it failed or "")."""
+    g = ChaosGraph(s, links=links, echo=echo,
+                   overrides=[f"security:={secure_dir}"] if secure_dir else [])
+    if secure_dir:  # the probe joins as a member (role node), like any tool
+        g._setenv("KAITIAN_SECURITY", secure_dir)
+        g._setenv("KAITIAN_SECURITY_ROLE", "node")
+    run = Run(g, s, secure_dir)
+    info: dict[str, Any] = {"security": bool(secure_dir), "startup_s": None, "baseline_latency_ms": None,
+                            "scenario": g.scenario}
+    failure = ""
+    try:
+        g.start()
+        info["startup_s"] = _r(g.wait_serving(180.0))
+        time.sleep(s.warmup_s)  # the planner's first rounds: the plan settles
+        now = time.monotonic()
+        lat = g.latencies(now - s.warmup_s, now)
+        run.baseline_ms = statistics.median(lat) if lat else None
+        info["baseline_latency_ms"] = _r(run.baseline_ms)
+        info["plan_at_start"] = _plan_text(g.latest_plan())
+        print(f"  graph{' (security on)' if secure_dir else ''} serving after {info['startup_s']} s; baseline "
+              f"end-to-end latency {_fmt(run.baseline_ms)} ms, plan {info['plan_at_start']}", flush=True)
+        for name in names:
+            print(f"  {name} ...", flush=True)
+            try:
+                results[name] = run_fault(run, name, link_text)
+            except GraphFailed as exc:
+                failure = str(exc).splitlines()[0]
+                results[name] = skipped(name, failure)
+                break
+            if secure_dir:
+                results[name]["graph"] = "secure"
+            print_one(name, results[name])
+    except (GraphFailed, RuntimeError) as exc:
+        failure = failure or " ".join(str(exc).split())[:400]
+    finally:
+        info["series"] = _series(g) if g.launcher is not None else {"answers": [], "rss_mb": {}}
+        run.close_attackers()
+        g.close()
+    return info, failure
+
+
 def main(argv: list[str]) -> int:
     p = BenchArgumentParser(
         prog="kaitian bench chaos",
@@ -1408,46 +1491,31 @@ def main(argv: list[str]) -> int:
             link_text = f"no emulated link: {why}"
     results: dict[str, Any] = {}
     t_all = time.monotonic()
-    g = ChaosGraph(s, links=links, echo=args.echo)
-    run = Run(g, s)
-    startup = None
+    plain = [n for n in order if n not in SECURE_FAULTS]
+    secure_names = [n for n in order if n in SECURE_FAULTS]
+    graphs: dict[str, Any] = {}
     failure = ""
-    try:
-        g.start()
-        startup = g.wait_serving(180.0)
-        time.sleep(s.warmup_s)  # the planner's first rounds: the plan settles
-        now = time.monotonic()
-        lat = g.latencies(now - s.warmup_s, now)
-        run.baseline_ms = statistics.median(lat) if lat else None
-        print(f"  graph serving after {startup:.1f} s; baseline end-to-end latency {_fmt(run.baseline_ms)} ms, "
-              f"plan {_plan_text(g.latest_plan())}", flush=True)
-        for name in order:
-            if name in SECURE_FAULTS:
-                continue
-            print(f"  {name} ...", flush=True)
-            try:
-                results[name] = run_fault(run, name, link_text)
-            except GraphFailed as exc:
-                failure = str(exc).splitlines()[0]
-                results[name] = skipped(name, failure)
-                break
-            print_one(name, results[name])
-    except GraphFailed as exc:
-        failure = str(exc).splitlines()[0]
-    finally:
-        series = _series(g) if g.launcher is not None else {"answers": [], "rss_mb": {}}
-        if run.attacker is not None:
-            run.attacker.close()
-        g.close()
-        if links is not None:
-            links.close()
-    secure = security_status()
+    if plain:
+        graphs["plain"], failure = run_graph(s, plain, results, links=links, link_text=link_text, echo=args.echo)
+    if links is not None:
+        links.close()
+    secure = security_status() if secure_names else ""
+    if secure_names and not secure and not failure:
+        with tempfile.TemporaryDirectory(prefix="kaitian_chaos_certs_") as certs:
+            made = subprocess.run([sys.executable, "-m", "kaitian_ros.cli", "certs", "create", certs],
+                                  capture_output=True, text=True)
+            if made.returncode != 0:
+                secure = f"kaitian certs create failed: {(made.stderr or made.stdout).strip()[-300:]}"
+            else:
+                print(f"  a second graph with the security option (certificates from kaitian certs create)", flush=True)
+                graphs["secure"], failure = run_graph(s, secure_names, results, secure_dir=certs, echo=args.echo)
     for name in order:
-        if name in SECURE_FAULTS:
-            results[name] = skipped(name, secure or "not run")
-        elif name not in results:
-            results[name] = skipped(name, failure or "not run")
-    scenario = g.scenario
+        if name not in results:
+            results[name] = skipped(name, secure if name in SECURE_FAULTS and secure else failure or "not run")
+    scenario = graphs["plain"]["scenario"] if "plain" in graphs else None
+    from kaitian_ros.scenario import load_scenario
+
+    scenario = load_scenario(SCENARIO)
     summary = {
         "setup": {
             "graph": SCENARIO, "emulated": True,
@@ -1457,11 +1525,13 @@ def main(argv: list[str]) -> int:
             "camera_hz": scenario.node("image_source").parameters.get("rate_hz"),
             "quick": s.quick, "settings": s.__dict__, "answer_s": ANSWER_S, "lead_s": LEAD_S,
             "link": link_text or "not used", "security": secure or "available",
-            "startup_s": _r(startup), "baseline_latency_ms": _r(run.baseline_ms), "cpus": os.cpu_count(),
-            "commit": _commit(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "graphs": {k: {kk: v for kk, v in g.items() if kk not in ("series", "scenario")} for k, g in graphs.items()},
+            "baseline_latency_ms": graphs["plain"]["baseline_latency_ms"] if "plain" in graphs else None,
+            "cpus": os.cpu_count(), "commit": _commit(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "wall_s": round(time.monotonic() - t_all, 1), "failure": failure or None},
         "faults": {n: results[n] for n in order},
-        "series": series,
+        "series": graphs["plain"]["series"] if "plain" in graphs else {"answers": [], "rss_mb": {}},
+        "series_secure": graphs["secure"]["series"] if "secure" in graphs else None,
     }
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(summary, indent=1, default=str))

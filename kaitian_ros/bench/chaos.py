@@ -1311,43 +1311,55 @@ def _series(g: ChaosGraph) -> dict[str, Any]:
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
+    """Latency and RSS over time per graph (the plain one, and the secured one when it ran),
+    each fault's window shaded (dark: the fault; light: its observation)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = summary["series"]
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(13, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
-    ok = [(t, ms) for t, ms, complete in series["answers"] if complete and ms is not None]
-    bad = [t for t, _, complete in series["answers"] if not complete]
-    if ok:
-        ts, ms = zip(*ok)
-        ax.plot(ts, ms, "k.", ms=2.5, label="complete frame: end-to-end latency")
-        top = max(ms) * 1.6  # log scale: a collapsed link's seconds and the usual tens of ms both show
-        ax.set_yscale("log")
-        ax.set_ylim(min(ms) * 0.8, top)
-        for t in bad:
-            ax.plot([t], [top / 1.25], "rx", ms=5)
-        if bad:
-            ax.plot([], [], "rx", label="incomplete (coordinator timeout)")
+    parts = [(title, series, {n: f for n, f in summary["faults"].items() if (f.get("graph") == "secure") == secure})
+             for title, series, secure in (("", summary["series"], False),
+                                           ("security option on: ", summary.get("series_secure"), True))
+             if series and series["answers"]]
+    if not parts:
+        return
+    fig, axes = plt.subplots(2 * len(parts), 1, figsize=(13, 7.5 * len(parts)), squeeze=False,
+                             gridspec_kw={"height_ratios": [3, 2] * len(parts)})
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for k, (name, f) in enumerate(summary["faults"].items()):
-        w = f.get("window")
-        if not w or f.get("graph") == "secure":  # another graph, another timeline
-            continue
-        c = colours[k % len(colours)]
-        for a in (ax, ax2):
-            a.axvspan(w["start"], max(w["end"], w["start"] + 0.3), color=c, alpha=0.35)
-            a.axvspan(max(w["end"], w["start"] + 0.3), w["until"], color=c, alpha=0.08)
-        ax.text(w["start"], ax.get_ylim()[1] / 1.1, name, rotation=90, fontsize=7, va="top", ha="right")
-    ax.set_ylabel("latency (ms)")
-    ax.legend(fontsize=7, loc="upper left")
-    for node, pts in sorted(series["rss_mb"].items()):
-        ts, mb = zip(*pts)
-        ax2.plot(ts, mb, lw=1, label=node)
-    ax2.set_ylabel("RSS (MB)")
-    ax2.set_xlabel("seconds since the graph started (fault: dark; observation: light)")
-    ax2.legend(fontsize=7, loc="upper left", ncol=4)
+    for k, (title, series, faults) in enumerate(parts):
+        ax, ax2 = axes[2 * k, 0], axes[2 * k + 1, 0]
+        ax2.sharex(ax)
+        ok = [(t, ms) for t, ms, complete in series["answers"] if complete and ms is not None]
+        bad = [t for t, _, complete in series["answers"] if not complete]
+        if ok:
+            ts, ms = zip(*ok)
+            ax.plot(ts, ms, "k.", ms=2.5, label="complete frame: end-to-end latency")
+            top = max(ms) * 1.6  # log scale: a collapsed link's seconds and the usual tens of ms both show
+            ax.set_yscale("log")
+            ax.set_ylim(min(ms) * 0.8, top)
+            for t in bad:
+                ax.plot([t], [top / 1.25], "rx", ms=5)
+            if bad:
+                ax.plot([], [], "rx", label="incomplete (coordinator timeout)")
+        for j, (name, f) in enumerate(faults.items()):
+            w = f.get("window")
+            if not w:
+                continue
+            c = colours[j % len(colours)]
+            for a in (ax, ax2):
+                a.axvspan(w["start"], max(w["end"], w["start"] + 0.3), color=c, alpha=0.35)
+                a.axvspan(max(w["end"], w["start"] + 0.3), w["until"], color=c, alpha=0.08)
+            ax.text(w["start"], ax.get_ylim()[1] / 1.1, name, rotation=90, fontsize=7, va="top", ha="right")
+        ax.set_ylabel("latency (ms)")
+        ax.set_title(f"{title}{summary['setup']['graph']}", loc="left", fontsize=9)
+        ax.legend(fontsize=7, loc="upper left")
+        for node, pts in sorted(series["rss_mb"].items()):
+            ts, mb = zip(*pts)
+            ax2.plot(ts, mb, lw=1, label=node)
+        ax2.set_ylabel("RSS (MB)")
+        ax2.set_xlabel("seconds since the graph started (fault: dark; observation: light)")
+        ax2.legend(fontsize=7, loc="upper left", ncol=4)
     setup = summary["setup"]
     fig.suptitle(f"kaitian bench chaos{' --quick' if setup['quick'] else ''}: {setup['graph']} (EMULATED device speeds), "
                  f"commit {setup['commit']}", fontsize=10)

@@ -1,6 +1,6 @@
 """``kaitian launch``: the embedded launcher (what ``ros2 launch`` is on a ROS 2 machine).
 
-Hosts the Zenoh router as a supervised child process (``kaitian router``, respawned after
+Runs the Zenoh router as a supervised child process (``kaitian router``, respawned after
 ``ROUTER_RESPAWN.delay_s`` if it dies: peers keep talking to each other directly meanwhile and
 reconnect to the new one), starts every node of the scenario as its own process with its
 parameters (same ROS-style command line launch_ros uses), prefixes each output line with the

@@ -32,7 +32,7 @@ class LiveView:
         self.started = time.monotonic()
 
     def _connect(self) -> None:
-        # the launcher hosts the router; connect once it is up
+        # the launcher starts the router; connect once it is up
         if self.client is not None or time.monotonic() - self.started < 1.0:
             return
         try:

@@ -29,6 +29,7 @@ from typing import Any, TextIO
 
 import yaml
 
+from kaitian_ros.runtime import security
 from kaitian_ros.scenario import NodeSpec, Scenario
 
 STOP_GRACE_S = 5.0
@@ -147,6 +148,8 @@ class Launcher:
         self._print_lock = threading.Lock()
         self._tmpdir = tempfile.TemporaryDirectory(prefix="kaitian_launch_")
         self.params_file = Path(self._tmpdir.name) / f"{scenario.name}.yaml"
+        # TLS + access control for every process of the graph (SecurityError: unusable directory)
+        self.security = security.for_launch(scenario.security)
 
     def say(self, line: str) -> None:
         with self._print_lock:
@@ -154,15 +157,18 @@ class Launcher:
             self.out.flush()
 
     def start(self) -> None:
+        if self.security is not None:
+            self.say(f"[launch] security on: TLS + access control, certificates in {self.security.cert_dir}")
         if self.host_router:
             from kaitian_ros.runtime import zenoh_session as zs
 
             try:
-                self._router = zs.open_session("router", listen=self.router_endpoint)
+                self._router = zs.open_session("router", listen=self.router_endpoint, security=self.security)
             except Exception as exc:
                 raise RuntimeError(f"cannot host the router on {self.router_endpoint}: {exc} "
                                    f"(is another graph running? pick one with --router)") from None
-            self.say(f"[launch] router listening on {self.router_endpoint}")
+            shown = self.router_endpoint if self.security is None else security.secure_endpoint(self.router_endpoint)
+            self.say(f"[launch] router listening on {shown}")
         self.params_file.write_text(yaml.safe_dump(self.scenario.parameter_file_dict(), sort_keys=False))
         for spec in self.scenario.nodes:
             process, reader = self._spawn(spec)
@@ -171,6 +177,7 @@ class Launcher:
     def _spawn(self, spec: NodeSpec) -> tuple[subprocess.Popen, threading.Thread]:
         env = dict(os.environ, KAITIAN_ROUTER=self.router_endpoint, KAITIAN_RUNTIME="embedded",
                    PYTHONUNBUFFERED="1")
+        env.update(security.child_env(self.security, spec.executable))  # each presents its role's certificate
         process = subprocess.Popen(node_command(spec, self.params_file), env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
@@ -282,7 +289,8 @@ class Supervision:
             from kaitian_ros.runtime.node_args import NodeArgs
 
             self.level = Level
-            self.rt = EmbeddedRuntime(NodeArgs("launch"), router=launcher.router_endpoint)
+            self.rt = EmbeddedRuntime(NodeArgs("launch"), router=launcher.router_endpoint,
+                                      security=launcher.security)
             self.diagnostics = DiagnosticsPublisher(self.rt, hardware_id="launcher")
             self.thread = threading.Thread(target=self.rt.spin, daemon=True)  # answers graph queries
             self.thread.start()

@@ -272,7 +272,8 @@ class EmbeddedTimer:
 class EmbeddedRuntime:
     """A node's runtime on a zenoh peer session connected to the graph's router."""
 
-    def __init__(self, args: NodeArgs, *, router: str | None = None, domain: int | None = None) -> None:
+    def __init__(self, args: NodeArgs, *, router: str | None = None, domain: int | None = None,
+                 security: Any = zs.FROM_ENV) -> None:
         self.node_name = args.node_name
         self.namespace = args.namespace
         self.fqn = args.fqn
@@ -283,7 +284,8 @@ class EmbeddedRuntime:
         self.rejected = RejectCounter()
         tune_allocator()
         self._reject_lock = threading.Lock()
-        self.session = zs.open_session("peer", connect=router or zs.router_endpoint())
+        # security: a runtime/security.Security, None (off) or zs.FROM_ENV (KAITIAN_SECURITY)
+        self.session = zs.open_session("peer", connect=router or zs.router_endpoint(), security=security)
         self.zid = str(self.session.zid())
         self.zid_bytes = bytes.fromhex(self.zid.rjust(32, "0"))[:16]
         self.entity_ids = itertools.count(1)

@@ -150,6 +150,27 @@ def test_access_control_rules_deny_publishing_protected_topics_to_other_roles() 
     assert {s["id"]: s["cert_common_names"] for s in acl["subjects"]} == {r: [r] for r in security.ROLES}
 
 
+def test_sros2_policy_denies_the_same_topics_as_the_embedded_rules() -> None:
+    """The ROS 2 path's policy (docs/security.md) says what the embedded rules say: an enclave
+    per role, and every enclave but the owner's is denied publishing a protected topic. Only
+    checked as a file here: sros2 is not installable from PyPI."""
+    import xml.etree.ElementTree as ET
+
+    root = ET.parse(REPO / "config" / "kaitian_sros2.policy.xml").getroot()
+    assert root.tag == "policy" and root.get("version") == "0.2.0"
+    denied: dict[str, set[str]] = {}
+    for enclave in root.iter("enclave"):
+        role = enclave.get("path").removeprefix("/kaitian/")
+        assert role in security.ROLES
+        for topics in enclave.iter("topics"):
+            if topics.get("publish") == "DENY":
+                for topic in topics.iter("topic"):
+                    denied.setdefault(topic.text, set()).add(role)
+            else:
+                assert [t.text for t in topics.iter("topic")] == ["/*"] and topics.get("subscribe") == "ALLOW"
+    assert denied == {topic: set(security.ROLES) - {owner} for topic, owner in security.PROTECTED_TOPICS.items()}
+
+
 def test_scenario_security_key_and_launch_argument(tmp_path: Path, cert_dir: Path) -> None:
     base = REPO / "config" / "camera_demo.yaml"
     assert load_scenario(str(base)).security == ""

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kaitian_ros.runtime import interfaces
+from kaitian_ros.runtime import interfaces, security
 from kaitian_ros.runtime import zenoh_session as zs
 
 QUERY_TIMEOUT_S = 3.0
@@ -35,8 +35,11 @@ class GraphClient:
         self.router = router or zs.router_endpoint()
         try:
             self.session = zs.open_session("peer", connect=self.router)
+        except security.SecurityError as exc:  # KAITIAN_SECURITY names unusable certificates
+            raise GraphError(str(exc)) from None
         except Exception as exc:
-            raise GraphError(f"cannot reach a router at {self.router}: {exc}") from None
+            hint = "" if security.from_env() else " (a secure graph needs KAITIAN_SECURITY=<cert dir>)"
+            raise GraphError(f"cannot reach a router at {self.router}: {exc}{hint}") from None
         # a fresh session needs a moment before the router routes queries to it
         time.sleep(SETTLE_S)
 

@@ -312,6 +312,8 @@ def test_cli_tools_need_the_certificate(secure_graph, cert_dir: Path) -> None:
     listed = _cli("--router", endpoint, "node", "list", env=_secure_env(endpoint, cert_dir, "node"))
     assert listed.returncode == 0, listed.stderr
     assert {"/pub_coordinator", "/pub_scheduler", "/pub_node", "/sub"} <= set(listed.stdout.split())
+    params = _cli("--router", endpoint, "param", "list", "/sub", env=_secure_env(endpoint, cert_dir, "node"))
+    assert (params.returncode, params.stdout.strip()) == (0, "/sub:"), params.stderr  # parameter queries pass
     refused = _cli("--router", endpoint, "node", "list", env=_plain_env(endpoint))  # no KAITIAN_SECURITY
     assert refused.returncode == 1
     assert refused.stderr.startswith(f"cannot reach a router at {endpoint}"), refused.stderr
@@ -472,7 +474,7 @@ def _child_outsider(variant: str, cert_dir: str, other_ca_dir: str) -> None:
         if b"outsider-" not in sample.payload.to_bytes():
             received["n"] += 1
 
-    _sub = session.declare_subscriber("**", count)
+    subscriber = session.declare_subscriber("**", count)
     plan_key = zs.topic_key(0, TOPICS["plan"], "LoadAssignment")
     telemetry_key = zs.topic_key(0, TOPICS["telemetry"], "NodeTelemetry")
     stop = {"now": False}
@@ -490,6 +492,7 @@ def _child_outsider(variant: str, cert_dir: str, other_ca_dir: str) -> None:
                                     "routers": len(list(session.info.routers_zid())),
                                     "peers": len(list(session.info.peers_zid()))}}), flush=True)
         time.sleep(0.1)
+    subscriber.undeclare()
     session.close()
 
 

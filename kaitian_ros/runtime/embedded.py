@@ -32,6 +32,7 @@ from kaitian_ros.runtime.api import (
     coerce_parameter,
 )
 from kaitian_ros.runtime.node_args import NodeArgs, resolve_topic
+from kaitian_ros.runtime.security import Security
 
 DELIVER_BATCH = 64  # messages one executor task hands to a subscription before yielding
 BEST_EFFORT_DEPTH = 5  # qos_profile_sensor_data keeps the last 5
@@ -273,7 +274,7 @@ class EmbeddedRuntime:
     """A node's runtime on a zenoh peer session connected to the graph's router."""
 
     def __init__(self, args: NodeArgs, *, router: str | None = None, domain: int | None = None,
-                 security: Any = zs.FROM_ENV) -> None:
+                 security: Security | None | str = zs.FROM_ENV) -> None:
         self.node_name = args.node_name
         self.namespace = args.namespace
         self.fqn = args.fqn

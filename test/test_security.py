@@ -331,7 +331,7 @@ def test_secure_hetero_inference_delivers_fused_results(cert_dir: Path) -> None:
     rt, spinner = None, None
     try:
         launch.wait_for(r"\[launch\] security on: TLS \+ access control")
-        launch.wait_for(r"\[launch\] router listening on tls/")
+        launch.wait_for(r"\] router listening on tls/")  # [launch] (in-process router) or [router] (child)
         launch.wait_for(r"\[launch\] started compute_1")
         rt = EmbeddedRuntime(NodeArgs("fused_probe"), router=endpoint, domain=0,
                              security=security.Security(cert_dir, "node"))

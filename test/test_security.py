@@ -372,6 +372,7 @@ def _child_publisher(role: str) -> None:
     only get it from their caches), then every 0.1 s ``ROLE:i`` on plain publishers of the same
     topics followed by telemetry ``ROLE:i``, in that order, on one session."""
     from kaitian_ros.runtime import interfaces
+    from kaitian_ros.runtime import zenoh_session as zs
     from kaitian_ros.runtime.api import QoS
 
     rt = _child_runtime(f"pub_{role}")
@@ -385,10 +386,20 @@ def _child_publisher(role: str) -> None:
     telemetry = rt.create_publisher(TOPICS["telemetry"], "NodeTelemetry", QoS.RELIABLE)
     count = {"i": 0}
 
+    # wildcard key expressions that intersect the plan/assignment keys without being included in
+    # the access rules' (zs.is_concrete_key): zenoh delivers them, the subscribers must drop them
+    type_and_hash = "/".join(zs.topic_key(0, TOPICS["plan"], "LoadAssignment").split("/")[-2:])
+    wild_keys = [f"0/kaitian/*/{type_and_hash}", f"0/*/plan/{type_and_hash}", f"*/*/assignment/{type_and_hash}"]
+
     def tick() -> None:
         count["i"] += 1
         for pub in live:
             pub.publish(plan_like(count["i"]))
+        if role == security.NODE:
+            wild = bytes(interfaces.encode(interfaces.make("LoadAssignment", incarnation=7, version=count["i"] + 1,
+                                                           reason=f"{role}-wildcard:{count['i']}"), "LoadAssignment"))
+            for key in wild_keys:
+                rt.session.put(key, wild, congestion_control=zs.CongestionControl.BLOCK)
         telemetry.publish(interfaces.make("NodeTelemetry", node_id=f"{role}:{count['i']}"))
 
     rt.create_timer(0.1, tick)

@@ -227,6 +227,8 @@ class EmbeddedSubscription:
 
     def _check_key(self, key: str) -> str | None:
         """None if samples on ``key`` are ours to decode, else the reason to reject them."""
+        if not zs.is_concrete_key(key):  # a wildcard put only intersects our key: forged or foreign
+            return f"wildcard key: {key}"
         try:
             _, _, dds_type, type_hash = zs.parse_topic_key(key)
         except ValueError:

@@ -102,6 +102,8 @@ class GraphClient:
         key = zs.topic_key(self.domain, topic, msg_type)
 
         def on_sample(sample: Any) -> None:
+            if not zs.is_concrete_key(str(sample.key_expr)):  # not a publisher's key (zs.is_concrete_key)
+                return
             raw = sample.payload.to_bytes()
             try:
                 msg = interfaces.decode(raw, msg_type)

@@ -97,6 +97,15 @@ def topic_key_any_type(domain: int, topic: str) -> str:
     return f"{domain}/{topic.lstrip('/')}/*/*"
 
 
+def is_concrete_key(key: str) -> bool:
+    """False for a key expression with wildcards. Publishers put on their one data key; a put on
+    a wildcard key expression reaches every subscriber whose key intersects it, and zenoh's
+    access control only applies a rule whose key expression *includes* the message's, so
+    ``0/kaitian/*/<type>/<hash>`` passes a deny rule on ``*/kaitian/plan/**``. Subscribers drop
+    such samples instead (docs/security.md)."""
+    return "*" not in key
+
+
 def parse_topic_key(key: str) -> tuple[int, str, str, str]:
     """(domain, topic, dds type name, hash) of a data key."""
     parts = key.split("/")

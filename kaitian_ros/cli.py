@@ -61,17 +61,30 @@ def _client(args: argparse.Namespace) -> Any:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    import os
+
     from kaitian_ros.launcher import launch, preflight
+    from kaitian_ros.runtime import security
     from kaitian_ros.runtime import zenoh_session as zs
-    from kaitian_ros.scenario import ScenarioError, load_scenario
+    from kaitian_ros.scenario import SECURITY_KEY, ScenarioError, load_scenario, parse_overrides
 
     try:
-        scenario = load_scenario(args.scenario, args.overrides)
+        overrides = parse_overrides(args.overrides)
+        if args.secure is not None:  # --secure DIR: security:=DIR, given last so that it wins
+            overrides.append((SECURITY_KEY, args.secure))
+        scenario = load_scenario(args.scenario, overrides)
     except ScenarioError as exc:
         raise CliError(str(exc)) from None
     problem = preflight(scenario)
     if problem:
         raise CliError(f"kaitian launch {scenario.name}: {problem}")
+    try:
+        secure = security.for_launch(scenario.security)
+    except security.SecurityError as exc:
+        raise CliError(f"kaitian launch {scenario.name}: {exc}") from None
+    if secure is not None:
+        # this process's own sessions (live view, router, /launch) join as role node
+        os.environ.update({security.ENV_DIR: str(secure.cert_dir), security.ENV_ROLE: security.NODE})
     router = args.router or zs.router_endpoint()
     view = None
     if not args.no_view and any(n.executable == "coordinator" for n in scenario.nodes):
@@ -100,7 +113,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         session = zs.open_session("router", listen=endpoint)
     except Exception as exc:
         raise CliError(f"cannot listen on {endpoint}: {exc}", 1) from None
-    print(f"router listening on {endpoint} (Ctrl-C to stop)", flush=True)
+    print(f"router listening on {_shown_endpoint(endpoint)} (Ctrl-C to stop)", flush=True)
     try:
         while True:
             time.sleep(3600)
@@ -108,6 +121,33 @@ def cmd_router(args: argparse.Namespace) -> int:
         pass
     finally:
         session.close()
+    return 0
+
+
+def _shown_endpoint(endpoint: str) -> str:
+    """The endpoint as the session uses it: tls/ and a note when KAITIAN_SECURITY is on."""
+    from kaitian_ros.runtime import security
+
+    secure = security.from_env()
+    if secure is None:
+        return endpoint
+    return f"{security.secure_endpoint(endpoint)} (TLS + access control, role {secure.role})"
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    from kaitian_ros import certs
+
+    try:
+        made = certs.create(args.directory, hosts=args.host, days=args.days, force=args.force)
+    except certs.CertError as exc:
+        raise CliError(f"kaitian certs create: {exc}") from None
+    except OSError as exc:
+        raise CliError(f"kaitian certs create: {exc.filename or args.directory}: {exc.strerror}", 1) from None
+    print(f"wrote {', '.join(made.files)} in {made.directory} (valid {args.days} days; "
+          f"hosts {', '.join(made.hosts)}; keys 0600)")
+    print(f"use it: kaitian launch <scenario> --secure {made.directory}   "
+          f"(tools: KAITIAN_SECURITY={made.directory} kaitian topic list)")
+    print(f"keep {made.directory / 'ca.key'} away from the robot: whoever holds it can mint any role")
     return 0
 
 
@@ -242,6 +282,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="launch arguments name:=value")
     p.add_argument("--duration", type=float, help="stop after this many seconds")
     p.add_argument("--no-view", action="store_true", help="no live terminal view")
+    p.add_argument("--secure", metavar="DIR", help="TLS + access control with the certificates in DIR "
+                                                   "(made by `kaitian certs create DIR`; same as security:=DIR)")
+
+    p = sub.add_parser("certs", help="make a graph's TLS certificates (CA + coordinator/scheduler/node)")
+    csub = p.add_subparsers(dest="certs_cmd", required=True, parser_class=_Parser)
+    q = csub.add_parser("create", help="write ca.pem/ca.key and <role>.pem/<role>.key into DIR")
+    q.add_argument("directory", metavar="DIR")
+    q.add_argument("--force", action="store_true", help="replace certificates already in DIR")
+    q.add_argument("--host", action="append", default=[], metavar="NAME_OR_IP",
+                   help="another host name or address the graph's peers are reached at (repeatable; "
+                        "localhost, 127.0.0.1 and ::1 are always included)")
+    q.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
 
     p = sub.add_parser("router", help="run a zenoh router for a graph")
     p.add_argument("--listen", help="endpoint to listen on (default tcp/127.0.0.1:7447)")
@@ -304,6 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_launch(args)
         if args.command == "router":
             return cmd_router(args)
+        if args.command == "certs":
+            return cmd_certs(args)
         if args.command == "node":
             return cmd_node(args)
         if args.command == "topic":

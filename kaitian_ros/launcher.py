@@ -1,6 +1,6 @@
 """``kaitian launch``: the embedded launcher (what ``ros2 launch`` is on a ROS 2 machine).
 
-Hosts the Zenoh router as a supervised child process (``kaitian router``, respawned after
+Runs the Zenoh router as a supervised child process (``kaitian router``, respawned after
 ``ROUTER_RESPAWN.delay_s`` if it dies: peers keep talking to each other directly meanwhile and
 reconnect to the new one), starts every node of the scenario as its own process with its
 parameters (same ROS-style command line launch_ros uses), prefixes each output line with the
@@ -31,6 +31,7 @@ from typing import Any, TextIO
 
 import yaml
 
+from kaitian_ros.runtime import security
 from kaitian_ros.scenario import NodeSpec, Respawn, Scenario
 
 STOP_GRACE_S = 5.0
@@ -159,6 +160,8 @@ class Launcher:
         self._print_lock = threading.Lock()
         self._tmpdir = tempfile.TemporaryDirectory(prefix="kaitian_launch_")
         self.params_file = Path(self._tmpdir.name) / f"{scenario.name}.yaml"
+        # TLS + access control for every process of the graph (SecurityError: unusable directory)
+        self.security = security.for_launch(scenario.security)
 
     def say(self, line: str) -> None:
         with self._print_lock:
@@ -166,6 +169,8 @@ class Launcher:
             self.out.flush()
 
     def start(self) -> None:
+        if self.security is not None:
+            self.say(f"[launch] security on: TLS + access control, certificates in {self.security.cert_dir}")
         if self.host_router:
             self.children.append(self._start_router())
         self.params_file.write_text(yaml.safe_dump(self.scenario.parameter_file_dict(), sort_keys=False))
@@ -194,7 +199,9 @@ class Launcher:
 
     def _spawn(self, spec: NodeSpec, ready: threading.Event | None = None) -> tuple[subprocess.Popen, threading.Thread]:
         env = dict(os.environ, KAITIAN_ROUTER=self.router_endpoint, KAITIAN_RUNTIME="embedded",
-                   PYTHONUNBUFFERED="1") | self.node_env.get(spec.name, {})
+                   PYTHONUNBUFFERED="1")
+        env.update(security.child_env(self.security, spec.executable))  # each presents its role's certificate
+        env.update(self.node_env.get(spec.name, {}))
         command = self.node_prefix.get(spec.name, []) + node_command(spec, self.params_file)
         process = subprocess.Popen(command, env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -305,7 +312,8 @@ class Supervision:
             from kaitian_ros.runtime.node_args import NodeArgs
 
             self.level = Level
-            self.rt = EmbeddedRuntime(NodeArgs("launch"), router=launcher.router_endpoint)
+            self.rt = EmbeddedRuntime(NodeArgs("launch"), router=launcher.router_endpoint,
+                                      security=launcher.security)
             self.diagnostics = DiagnosticsPublisher(self.rt, hardware_id="launcher")
             self.thread = threading.Thread(target=self.rt.spin, daemon=True)  # answers graph queries
             self.thread.start()

@@ -23,14 +23,16 @@ class LiveView:
         self.client: GraphClient | None = None
         self.lock = threading.Lock()
         self.fused: collections.deque = collections.deque(maxlen=500)  # (arrival, latency, complete)
-        self.nodes: dict[str, dict[str, Any]] = {}
+        self.nodes: dict[str, dict[str, Any]] = {}  # the scenario's compute nodes only
+        self.compute_names = {n.name for n in scenario.compute_nodes()}
+        self.strangers = 0  # telemetry from node ids the scenario does not have (counted, not kept)
         self.plan: Any = None
         self.subs: list[Any] = []
         self.last_render = time.monotonic()
         self.started = time.monotonic()
 
     def _connect(self) -> None:
-        # the launcher hosts the router; connect once it is up
+        # the launcher starts the router; connect once it is up
         if self.client is not None or time.monotonic() - self.started < 1.0:
             return
         try:
@@ -52,6 +54,9 @@ class LiveView:
         if msg is None:
             return
         with self.lock:
+            if msg.node_id not in self.compute_names:  # anyone can publish telemetry: keep no state for it
+                self.strangers += 1
+                return
             entry = self.nodes.setdefault(msg.node_id, {"ms": collections.deque(maxlen=20), "rows": 0})
             entry.update(device=msg.device, emulated=msg.emulated, slowdown=msg.emulated_slowdown,
                          seen=time.monotonic(), rejected=msg.rejected_count)
@@ -81,6 +86,7 @@ class LiveView:
             shares = dict(zip(plan.node_ids, plan.shares)) if plan is not None else {}
             version = plan.version if plan is not None else 0
             nodes = {k: dict(v, ms=list(v["ms"])) for k, v in self.nodes.items()}
+            strangers = self.strangers
         fps = len(recent) / 5.0
         p50 = lat[len(lat) // 2] if lat else float("nan")
         p95 = lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else float("nan")
@@ -97,8 +103,11 @@ class LiveView:
             med = ms[len(ms) // 2] if ms else float("nan")
             alive = "alive" if now - n.get("seen", 0) < 2.0 else "SILENT"
             emu = f" EMULATED x{n['slowdown']:.1f}" if n.get("emulated") else ""
-            lines.append(f"[view]   {name:<12} {n.get('device', '?'):<6}{emu:<16} share {shares.get(name, 0.0):5.2f}"
-                         f"  rows {n['rows']:4d}  {med:7.1f} ms  {alive}  dropped {n.get('rejected', 0)}")
+            lines.append(_printable(
+                f"[view]   {name:<12} {n.get('device', '?'):<6}{emu:<16} share {shares.get(name, 0.0):5.2f}"
+                f"  rows {n['rows']:4d}  {med:7.1f} ms  {alive}  dropped {n.get('rejected', 0)}"))
+        if strangers:
+            lines.append(f"[view]   {strangers} telemetry messages from nodes not in the scenario (ignored)")
         return "\n".join(lines)
 
     def close(self) -> None:

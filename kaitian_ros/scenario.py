@@ -15,6 +15,17 @@ arguments ``name:=value`` override parameters:
 - ``slowdowns:=[1.0,2.0,...]`` sets ``emulated_slowdown`` of the compute nodes in order,
 - ``respawn:=false`` (``respawn_delay``, ``respawn_max_retries``) sets a launch setting of every
   node, ``node.respawn:=false`` of one.
+
+One launch setting is for the whole graph: ``security``, a certificate directory (made by
+``kaitian certs create``) that runs the embedded graph on TLS with access control
+(docs/security.md). It lives in the file's ``/**`` section, which ROS 2 reads as parameters of
+every node (nodes ignore it: none declares it), so the file stays a valid parameter file::
+
+    /**:
+      ros__parameters:
+        security: certs        # relative to this file's directory
+
+``security:=DIR`` (relative to the current directory) overrides it, ``security:=''`` turns it off.
 """
 
 from __future__ import annotations
@@ -35,6 +46,8 @@ from kaitian_ros.runtime.node_args import parse_value
 EXECUTABLES = ("image_source", "compute", "coordinator", "scheduler", "trainer", "monitor")
 RESPAWNED_BY_DEFAULT = ("compute", "coordinator", "scheduler")
 RESPAWN_KEYS = ("respawn", "respawn_delay", "respawn_max_retries")
+ALL_NODES = ("/**", "**")  # the parameter-file sections that apply to every node
+SECURITY_KEY = "security"
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,7 @@ class Scenario:
     path: Path
     nodes: tuple[NodeSpec, ...]
     overrides: tuple[tuple[str, Any], ...] = ()
+    security: str = ""  # absolute certificate directory for TLS + access control; '' = off
 
     def node(self, name: str) -> NodeSpec:
         for spec in self.nodes:
@@ -146,8 +160,12 @@ def load_scenario(name_or_path: str, overrides: Sequence[tuple[str, Any]] | Sequ
     if not isinstance(data, dict) or not data:
         raise ScenarioError(f"{path}: expected a mapping of node names to ros__parameters")
     nodes: list[NodeSpec] = []
+    security = ""
     for name, section in data.items():
-        if name in ("/**", "**"):
+        if name in ALL_NODES:
+            params = section.get("ros__parameters") if isinstance(section, dict) else None
+            if isinstance(params, dict) and SECURITY_KEY in params:
+                security = _security_dir(params[SECURITY_KEY], path.parent, f"{path}: {name} {SECURITY_KEY}")
             continue
         if not isinstance(section, dict) or not isinstance(section.get("ros__parameters"), dict):
             raise ScenarioError(f"{path}: node '{name}' has no ros__parameters mapping")
@@ -161,8 +179,24 @@ def load_scenario(name_or_path: str, overrides: Sequence[tuple[str, Any]] | Sequ
                 respawn = respawn.with_setting(key, params.pop(key), f"{path}: node '{name}'")
         nodes.append(NodeSpec(name, executable, params, respawn))
     pairs = parse_overrides(overrides) if overrides and isinstance(overrides[0], str) else list(overrides)
-    nodes = apply_overrides(nodes, pairs)
-    return Scenario(path.stem, path, tuple(nodes), tuple(pairs))
+    for key, value in pairs:
+        if key == SECURITY_KEY:
+            security = _security_dir(value, Path.cwd(), f"{SECURITY_KEY}:=")
+    nodes = apply_overrides(nodes, [(k, v) for k, v in pairs if k != SECURITY_KEY])
+    return Scenario(path.stem, path, tuple(nodes), tuple(pairs), security)
+
+
+def _security_dir(value: Any, base: Path, where: str) -> str:
+    """The absolute certificate directory a ``security`` setting names ('' = off). Whether it
+    holds usable certificates is checked by the launcher, before it starts anything."""
+    if value is None or value == "":
+        return ""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ScenarioError(f"{where} must be a certificate directory (a path), got {value!r}")
+    text = str(value)
+    if "\0" in text:
+        raise ScenarioError(f"{where}: a path cannot contain a NUL character")
+    return str((base / Path(text).expanduser()).resolve())
 
 
 def apply_overrides(nodes: list[NodeSpec], overrides: Sequence[tuple[str, Any]]) -> list[NodeSpec]:

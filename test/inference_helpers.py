@@ -323,12 +323,15 @@ class InferenceGraph:
 
     # --- node state ---------------------------------------------------------------------------
     def diagnostics_of(self, node: str) -> list[dict[str, str]]:
-        """Key/value dicts of every /diagnostics status published by ``node``, oldest first."""
+        """Key/value dicts of every /diagnostics status published by ``node``, oldest first
+        (with its level as ``_level``, 0 OK/1 WARN/2 ERROR, and its text as ``_message``)."""
         out = []
         for array in self.diagnostics.snapshot():
             for status in array.status:
                 if status.name == f"kaitian: {node}":
-                    out.append({kv.key: kv.value for kv in status.values})
+                    level = status.level[0] if isinstance(status.level, (bytes, bytearray)) else int(status.level)
+                    out.append({kv.key: kv.value for kv in status.values}
+                               | {"_level": level, "_message": status.message})
         return out
 
     def heartbeats_of(self, node: str) -> list[Any]:

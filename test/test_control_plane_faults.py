@@ -126,6 +126,15 @@ def _plan_with_shares(g: InferenceGraph, shares: tuple[float, float]):
     return wait_until(check, f"a plan with shares {shares}", 30.0, interval_s=0.05)
 
 
+def test_coordinator_warns_when_no_scheduler_assignment_comes(scheduled):
+    """use_scheduler on and nobody publishing assignments (the test has not played the scheduler
+    yet): the coordinator serves with its static shares and says WARN with the reason."""
+    g = scheduled
+    values = _values(g, "coordinator", lambda v: "no assignment from the scheduler" in v["_message"],
+                     "the missing scheduler", timeout_s=60.0)
+    assert values["_level"] == 1, values  # WARN
+
+
 def test_coordinator_follows_a_restarted_scheduler_and_refuses_implausible_proposals(scheduled):
     g = scheduled
     first, second = 0xA1A1, 0xB2B2
@@ -203,7 +212,29 @@ def test_scheduler_refuses_telemetry_with_an_impossible_request_id_and_keeps_dec
         wait_until(lambda: (heartbeat(), max(int(a.version) for a in assignments.snapshot()) > before)[1],
                    "a new assignment after the policy switch", interval_s=0.1)
         assert max(int(a.effective_from_request) for a in assignments.snapshot()) < 2**63
+        # parameters the coordinator would refuse are refused here too, with the same reason;
+        # a liveness timeout shorter than two of the slowest heartbeats is refused outright
+        client = GraphClient(router=router.endpoint)
+        try:
+            ok, why = client.set_parameters("scheduler", {"static_shares": [1.0, 2.0]})
+            assert not ok and why == "static_shares has 2 values for 1 compute nodes", why
+            ok, why = client.set_parameters("scheduler", {"dead_after_s": 0.3})
+            assert not ok and "dead_after_s" in why and "1.0" in why, why
+            ok, why = client.set_parameters("scheduler", {"static_shares": [3.0]})
+            assert ok, why
+        finally:
+            client.close()
         assert node.alive()
     finally:
         probe.close()
+        node.stop()
+
+
+def test_scheduler_refuses_to_start_with_static_shares_that_do_not_fit(router):
+    node = spawn_node("scheduler", "scheduler", router.endpoint, "compute_nodes:=[compute_0,compute_1]",
+                      "static_shares:=[1.0,1.0,1.0]")
+    try:
+        assert node.wait() == 2
+        assert "static_shares has 3 values for 2 compute nodes" in node.output(), node.output()
+    finally:
         node.stop()

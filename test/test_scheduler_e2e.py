@@ -116,7 +116,7 @@ def test_killed_node_leaves_the_plan_and_a_restarted_node_rejoins(tmp_path):
     # effective_from_request (no new request can start: both in flight wait on the dead node)
     # when the coordinator notices: it must switch at once and re-dispatch, not wait for it.
     cfg = scenario_config(**MODEL, slowdowns=[1.0, 1.0, 1.0], policy="adaptive", dead_after_s=dead_after_s,
-                          scheduler={"probe_share": 0.05, "dead_after_s": 0.6}, coordinator=SCHEDULER_STRIPES)
+                          scheduler={"probe_share": 0.05, "dead_after_s": 1.0}, coordinator=SCHEDULER_STRIPES)
     decide_period_s = cfg["scheduler"]["ros__parameters"]["decide_period_s"]
     t0 = time.monotonic()
     with AdaptivityGraph(cfg) as g:

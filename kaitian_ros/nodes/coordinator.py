@@ -52,7 +52,8 @@ PARAMETERS = ic.MODEL_PARAMETERS + (
     P("use_scheduler", T.BOOL, True, "adopt LoadAssignment from /kaitian/assignment when one is published"),
     P("max_in_flight", T.INTEGER, 2, "requests dispatched but not finished", 1, 64),
     P("request_timeout_s", T.DOUBLE, 5.0, "publish complete=false after this long", 0.05, 600.0),
-    P("dead_after_s", T.DOUBLE, 1.5, "a compute node silent this long leaves the plan", 0.2, 600.0),
+    P("dead_after_s", T.DOUBLE, 1.5, "a compute node silent this long leaves the plan (>= 2 heartbeats)",
+      ic.MIN_DEAD_AFTER_S, 600.0),
     P("input_pacing_ms", T.DOUBLE, 0.0,
       "EMULATED slow input link: pause between input slabs (0 = send at once)", 0.0, 10000.0),
     P("threads", T.INTEGER, 1, "torch CPU threads for preprocessing and the head", 1, 256),
@@ -97,7 +98,7 @@ class Coordinator:
         self.rt = rt
         self.params = rt.declare_parameters(PARAMETERS)
         torch.set_num_threads(self.params["threads"])
-        problem = self._shares_problem(self.params["static_shares"], self.params["compute_nodes"])
+        problem = ic.static_shares_problem(self.params["static_shares"], self.params["compute_nodes"])
         if problem:
             raise ValueError(problem)
         self.spec = ic.ModelSpec.from_params(self.params)
@@ -107,6 +108,7 @@ class Coordinator:
         self.last_seen: dict[str, float] = {}
         self.alive: tuple[str, ...] = ()
         self.assignment: Assignment | None = None  # scheduler's latest proposal
+        self.assignment_s = time.monotonic()  # of the latest accepted proposal (start: none yet)
         self.current: Assignment | None = None
         self.pending: Assignment | None = None  # adopted, effective from a later request
         self.plans: dict[int, Plan] = {}
@@ -150,18 +152,9 @@ class Coordinator:
     def close(self) -> None:
         self.planner.close()
 
-    @staticmethod
-    def _shares_problem(shares: list[float], nodes: list[str]) -> str:
-        """'' if ``shares`` fit ``nodes``, else why not (startup raises it, param set returns it)."""
-        if len(shares) != len(nodes):
-            return f"static_shares has {len(shares)} values for {len(nodes)} compute nodes"
-        if sum(shares) <= 0:
-            return "static_shares must not all be zero"
-        return ""
-
     def _on_set(self, changes: dict[str, Any]) -> SetParametersResult:
         if "static_shares" in changes:
-            problem = self._shares_problem(changes["static_shares"], list(self.nodes))
+            problem = ic.static_shares_problem(changes["static_shares"], list(self.nodes))
             if problem:
                 return SetParametersResult(False, problem)
         if "threads" in changes:
@@ -221,6 +214,7 @@ class Coordinator:
         if ic.accept_versioned(self.rt, self.scheduler_authority, msg) is None:
             return
         self.assignment = proposal
+        self.assignment_s = time.monotonic()
         self._replan_soon(f"scheduler v{proposal.version}: {proposal.reason}", effective=proposal.effective_from_request,
                           proposal=True)
 
@@ -641,6 +635,11 @@ class Coordinator:
             text += f", {self._plan_text(plan)} (predicted {self.predicted_ms:.1f} ms)"
         if self.counts["timeouts"]:
             level, text = Level.WARN, text + f", {self.counts['timeouts']} timed out"
+        silent_s = time.monotonic() - self.assignment_s
+        if self.params["use_scheduler"] and self.assignment is None and self.alive and silent_s > NO_ASSIGNMENT_S:
+            # a latched topic: a running scheduler's assignment reaches a new coordinator at once
+            level, text = Level.WARN, text + f", no assignment from the scheduler in {silent_s:.0f} s " \
+                                             f"although compute nodes report (scheduler down or refused?)"
         ru = self.choice.runner_up if self.choice is not None else None
         self.diagnostics.publish(level, text, {
             "plan_version": self.current.version if self.current else 0,
@@ -663,6 +662,7 @@ class Coordinator:
             | {k: v for k, v in self.counts.items()})
 
 
+NO_ASSIGNMENT_S = 15.0  # use_scheduler without any accepted assignment this long: WARN
 SPEED_CHANGE = 1.3  # a profile whose trunk time moved this much is a device that changed speed
 OBSERVED_TTL_S = 60.0  # a plan's measured latency is forgotten this long after it last ran
 MEASURED_MIN = 2  # requests that ran alone before a plan's measured latency counts

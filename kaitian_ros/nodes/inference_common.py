@@ -42,6 +42,11 @@ ROLE_OF_NAME = {v: k for k, v in ROLE_NAMES.items()}
 # of a restarted coordinator continue above the old ones (no run makes a request per microsecond)
 # and no id is ever far ahead of the wall clock: anything beyond REQUEST_ID_SKEW_S ahead is forged
 # or corrupt (one telemetry message with id 2**64-1 once wedged the scheduler for good).
+# compute nodes send heartbeats at heartbeat_hz >= MIN_HEARTBEAT_HZ; a node counts as dead after
+# dead_after_s of silence, which must span two of the slowest heartbeats or live nodes flap in
+# and out of the plan (a dead_after_s below the heartbeat period once made 106 flaps in 12 s)
+MIN_HEARTBEAT_HZ = 2.0
+MIN_DEAD_AFTER_S = 2.0 / MIN_HEARTBEAT_HZ
 REQUEST_ID_SKEW_S = 3600.0  # clocks of the graph's hosts may differ by this much
 MAX_EFFECTIVE_LEAD = 10_000  # an assignment takes effect at most this many requests ahead
 
@@ -258,6 +263,18 @@ def chunk_message(*, request_id: int, plan_version: int, producer: str, consumer
                            plan_version=plan_version, producer=producer, consumer=consumer,
                            segment=segment, role=role, row_offset=row_offset, total_rows=total_rows,
                            slab_index=slab_index, last_slab=last_slab, **interfaces.tensor_fields(rows))
+
+
+def static_shares_problem(shares: list[float], nodes: list[str], *, empty_ok: bool = False) -> str:
+    """'' if ``shares`` fit ``nodes`` (one per node, not all zero), else why not: the
+    coordinator and the scheduler refuse the same values with the same words."""
+    if empty_ok and not shares:
+        return ""
+    if len(shares) != len(nodes):
+        return f"static_shares has {len(shares)} values for {len(nodes)} compute nodes"
+    if sum(shares) <= 0:
+        return "static_shares must not all be zero"
+    return ""
 
 
 FRAME_BATCH = 1  # a request is one camera frame: every chunk of it carries batch size 1

@@ -9,6 +9,7 @@ policy's own config checks, so a refused value comes back with the policy's reas
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from kaitian_ros.core import policy as pol
@@ -24,7 +25,9 @@ _TYPES = {"string": T.STRING, "double": T.DOUBLE, "integer": T.INTEGER, "bool": 
           "double_array": T.DOUBLE_ARRAY}
 POLICY_PARAMETERS = tuple(
     P(d.name, _TYPES[d.type], list(d.default) if d.type == "double_array" else d.default, d.description,
-      d.min, d.max, choices=d.choices)
+      # a node is live if its heartbeats come: the policy itself takes any timeout, the node
+      # no less than two of the slowest heartbeats
+      ic.MIN_DEAD_AFTER_S if d.name == "dead_after_s" else d.min, d.max, choices=d.choices)
     for d in pol.PARAMETERS)
 NODE_PARAMETERS = (
     P("compute_nodes", T.STRING_ARRAY, ["compute_0", "compute_1"], "compute node ids in row order",
@@ -35,17 +38,25 @@ NODE_PARAMETERS = (
 )
 
 PARAMETERS = NODE_PARAMETERS + POLICY_PARAMETERS
+TELEMETRY_FRESH_S = 2.0  # telemetry "flows" while its newest sample is younger than this
+STALL_PERIODS, STALL_MIN_S = 5, 2.0  # decisions missing this long while it flows: ERROR
 
 
 class Scheduler:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.params = rt.declare_parameters(PARAMETERS)
+        problem = ic.static_shares_problem(self.params["static_shares"], self.params["compute_nodes"],
+                                           empty_ok=True)
+        if problem:
+            raise ValueError(problem)
         self.config = pol.config_from_params({d.name: self.params[d.name] for d in pol.PARAMETERS})
         self.state = pol.initial_state(self.config, tuple(self.params["compute_nodes"]))
         self.newest_request = 0
         self.published = 0
         self.incarnation = new_incarnation()  # a restarted scheduler is a new authority (core.authority)
+        self.telemetry_s = 0.0  # monotonic time of the newest telemetry sample (0: none yet)
+        self.decided_s = time.monotonic()  # of the newest decision that ran through
         self.decide_errors = 0
         self.last_decide_error = ""
         self.last: pol.Assignment | None = None
@@ -58,6 +69,10 @@ class Scheduler:
         rt.logger.info(f"policy {self.config.policy} over {self.params['compute_nodes']}")
 
     def _on_set(self, changes: dict[str, Any]) -> SetParametersResult:
+        if "static_shares" in changes:
+            problem = ic.static_shares_problem(changes["static_shares"], self.params["compute_nodes"], empty_ok=True)
+            if problem:
+                return SetParametersResult(False, problem)
         policy_changes = {k: v for k, v in changes.items() if k in {d.name for d in pol.PARAMETERS}}
         try:
             config = pol.config_from_params(policy_changes, base=self.config) if policy_changes else self.config
@@ -82,6 +97,7 @@ class Scheduler:
             self.rt.rejected.count(f"{problem} from {msg.node_id}")
             return
         self.newest_request = max(self.newest_request, int(msg.request_id))
+        self.telemetry_s = time.monotonic()
         sample = pol.TelemetrySample(
             node_id=msg.node_id, request_id=int(msg.request_id), rows=int(msg.rows), work=float(msg.work),
             compute_ms=float(msg.compute_ms), transfer_ms=float(msg.transfer_ms), wait_ms=float(msg.wait_ms),
@@ -95,6 +111,7 @@ class Scheduler:
         try:
             self.state, assignment = pol.decide(self.state, self.rt.now(), self.newest_request, self.config,
                                                 self.params["lead_requests"])
+            self.decided_s = time.monotonic()
             if assignment is None:
                 return
             msg = ic.assignment_msg(assignment, self.incarnation)
@@ -118,15 +135,25 @@ class Scheduler:
             values[f"{node_id}.samples"] = est.samples
             values[f"{node_id}.alive"] = node_id in self.state.members and node_id not in self.state.dead
         values["incarnation"] = f"{self.incarnation:016x}"
+        now = time.monotonic()
+        flowing = self.telemetry_s and now - self.telemetry_s < TELEMETRY_FRESH_S
         if self.last is not None:
             values |= {f"share.{n}": f"{s:.3f}" for n, s in zip(self.last.node_ids, self.last.shares)}
             text, level = f"v{self.last.version}: {self.last.reason}", Level.OK
+        elif flowing:
+            text, level = "telemetry flows but no assignment yet (members still warming up?)", Level.WARN
         else:
             text, level = "waiting for telemetry", Level.WARN
+        stalled_s = now - self.decided_s
+        if flowing and stalled_s > max(STALL_PERIODS * self.params["decide_period_s"], STALL_MIN_S):
+            values["decisions_stalled_s"] = f"{stalled_s:.1f}"
+            text, level = f"no decision for {stalled_s:.1f} s although telemetry flows", Level.ERROR
         if self.decide_errors:
             values |= {"decide_errors": self.decide_errors, "last_decide_error": self.last_decide_error}
             text, level = f"decisions failing ({self.decide_errors}): {self.last_decide_error}", Level.ERROR
-            self.decide_errors = 0
+            self.telemetry_s = 0.0  # monotonic time of the newest telemetry sample (0: none yet)
+        self.decided_s = time.monotonic()  # of the newest decision that ran through
+        self.decide_errors = 0
         self.diagnostics.publish(level, text, values)
 
 

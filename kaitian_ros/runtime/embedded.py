@@ -32,6 +32,7 @@ from kaitian_ros.runtime.api import (
     coerce_parameter,
 )
 from kaitian_ros.runtime.node_args import NodeArgs, resolve_topic
+from kaitian_ros.runtime.security import Security
 
 DELIVER_BATCH = 64  # messages one executor task hands to a subscription before yielding
 BEST_EFFORT_DEPTH = 5  # qos_profile_sensor_data keeps the last 5
@@ -228,6 +229,8 @@ class EmbeddedSubscription:
 
     def _check_key(self, key: str) -> str | None:
         """None if samples on ``key`` are ours to decode, else the reason to reject them."""
+        if not zs.is_concrete_key(key):  # a wildcard put only intersects our key: forged or foreign
+            return f"wildcard key: {key}"
         try:
             _, _, dds_type, type_hash = zs.parse_topic_key(key)
         except ValueError:
@@ -278,7 +281,8 @@ class EmbeddedTimer:
 class EmbeddedRuntime:
     """A node's runtime on a zenoh peer session connected to the graph's router."""
 
-    def __init__(self, args: NodeArgs, *, router: str | None = None, domain: int | None = None) -> None:
+    def __init__(self, args: NodeArgs, *, router: str | None = None, domain: int | None = None,
+                 security: Security | None | str = zs.FROM_ENV) -> None:
         self.node_name = args.node_name
         self.namespace = args.namespace
         self.fqn = args.fqn
@@ -289,7 +293,8 @@ class EmbeddedRuntime:
         self.rejected = RejectCounter()
         tune_allocator()
         self._reject_lock = threading.Lock()
-        self.session = zs.open_session("peer", connect=router or zs.router_endpoint())
+        # security: a runtime/security.Security, None (off) or zs.FROM_ENV (KAITIAN_SECURITY)
+        self.session = zs.open_session("peer", connect=router or zs.router_endpoint(), security=security)
         self.zid = str(self.session.zid())
         self.zid_bytes = bytes.fromhex(self.zid.rjust(32, "0"))[:16]
         self.entity_ids = itertools.count(1)

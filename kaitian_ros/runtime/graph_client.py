@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kaitian_ros.runtime import interfaces
+from kaitian_ros.runtime import interfaces, security
 from kaitian_ros.runtime import zenoh_session as zs
 
 QUERY_TIMEOUT_S = 3.0
@@ -35,8 +35,11 @@ class GraphClient:
         self.router = router or zs.router_endpoint()
         try:
             self.session = zs.open_session("peer", connect=self.router)
+        except security.SecurityError as exc:  # KAITIAN_SECURITY names unusable certificates
+            raise GraphError(str(exc)) from None
         except Exception as exc:
-            raise GraphError(f"cannot reach a router at {self.router}: {exc}") from None
+            hint = "" if security.from_env() else " (a secure graph needs KAITIAN_SECURITY=<cert dir>)"
+            raise GraphError(f"cannot reach a router at {self.router}: {exc}{hint}") from None
         # a fresh session needs a moment before the router routes queries to it
         time.sleep(SETTLE_S)
 
@@ -99,6 +102,8 @@ class GraphClient:
         key = zs.topic_key(self.domain, topic, msg_type)
 
         def on_sample(sample: Any) -> None:
+            if not zs.is_concrete_key(str(sample.key_expr)):  # not a publisher's key (zs.is_concrete_key)
+                return
             raw = sample.payload.to_bytes()
             try:
                 msg = interfaces.decode(raw, msg_type)

@@ -12,6 +12,7 @@ import zenoh
 import zenoh.shm
 
 from kaitian_ros.runtime import interfaces
+from kaitian_ros.runtime import security as security_
 
 DEFAULT_ROUTER = "tcp/127.0.0.1:7447"
 LIVELINESS_PREFIX = "@ros2_lv"
@@ -30,23 +31,42 @@ def domain_id() -> int:
         raise ValueError(f"ROS_DOMAIN_ID must be an integer, got {os.environ['ROS_DOMAIN_ID']!r}") from None
 
 
-def open_session(mode: str = "peer", *, connect: str | None = None, listen: str | None = None) -> Any:
+FROM_ENV = "env"  # open_session's default: security as KAITIAN_SECURITY / KAITIAN_SECURITY_ROLE say
+
+
+def open_session(mode: str = "peer", *, connect: str | None = None, listen: str | None = None,
+                 security: security_.Security | None | str = FROM_ENV) -> Any:
     """A zenoh session like rmw_zenoh's defaults: multicast scouting off, loopback only.
 
     Peers connect to the router for discovery and then talk to each other directly
     (gossip scouting), so chunks do not take a detour through the router.
+
+    ``security`` (default: from the environment, see ``runtime/security.py``): TLS endpoints
+    instead of TCP ones (a ``tcp/`` endpoint given here is used as ``tls/`` at the same
+    address), mutual certificate authentication and access control on this session.
+    SecurityError if its files are missing.
     """
+    if isinstance(security, str):
+        if security != FROM_ENV:
+            raise TypeError(f"security must be a Security, None or {FROM_ENV!r}, got {security!r}")
+        security = security_.from_env()
+    if security is not None:
+        security_.check(security)
+
+    def endpoint(ep: str) -> str:
+        return ep if security is None else security_.secure_endpoint(ep)
+
     config = zenoh.Config()
     config.insert_json5("mode", json.dumps(mode))
     config.insert_json5("scouting/multicast/enabled", "false")
     if mode == "router":
-        config.insert_json5("listen/endpoints", json.dumps([listen or router_endpoint()]))
+        config.insert_json5("listen/endpoints", json.dumps([endpoint(listen or router_endpoint())]))
     else:
-        config.insert_json5("connect/endpoints", json.dumps([connect or router_endpoint()]))
+        config.insert_json5("connect/endpoints", json.dumps([endpoint(connect or router_endpoint())]))
         # KAITIAN_LISTEN: this peer's own endpoint, e.g. its address inside a network namespace
         # (bench link emulation); peers connect to each other there directly
-        config.insert_json5("listen/endpoints", json.dumps([listen or os.environ.get("KAITIAN_LISTEN")
-                                                            or "tcp/127.0.0.1:0"]))
+        config.insert_json5("listen/endpoints", json.dumps([endpoint(listen or os.environ.get("KAITIAN_LISTEN")
+                                                                     or "tcp/127.0.0.1:0")]))
         # fail fast when no router is running instead of waiting forever
         config.insert_json5("connect/timeout_ms", "5000")
         config.insert_json5("connect/exit_on_failure", "true")
@@ -61,6 +81,9 @@ def open_session(mode: str = "peer", *, connect: str | None = None, listen: str 
                             str(TRANSPORT_SHM_POOL_BYTES))
     # large tensor chunks: bigger batches; never drop reliable data locally
     config.insert_json5("transport/link/tx/batch_size", "65535")
+    if security is not None:
+        for key, value in security_.zenoh_settings(security).items():
+            config.insert_json5(key, json.dumps(value))
     return zenoh.open(config)
 
 
@@ -77,6 +100,15 @@ def topic_key(domain: int, topic: str, msg_type: str) -> str:
 def topic_key_any_type(domain: int, topic: str) -> str:
     """Key expression matching the topic with any type name and hash (to count mismatches)."""
     return f"{domain}/{topic.lstrip('/')}/*/*"
+
+
+def is_concrete_key(key: str) -> bool:
+    """False for a key expression with wildcards. Publishers put on their one data key; a put on
+    a wildcard key expression reaches every subscriber whose key intersects it, and zenoh's
+    access control only applies a rule whose key expression *includes* the message's, so
+    ``0/kaitian/*/<type>/<hash>`` passes a deny rule on ``*/kaitian/plan/**``. Subscribers drop
+    such samples instead (docs/security.md)."""
+    return "*" not in key
 
 
 def parse_topic_key(key: str) -> tuple[int, str, str, str]:

@@ -1,0 +1,519 @@
+"""Authentication and access control (docs/security.md) on real zenoh sessions in real processes.
+
+A graph of small processes (router, one publisher per certificate role, a subscriber) checks
+the access rules; outsiders (no certificate, another CA) try to join it; a secure
+``kaitian launch hetero_inference`` delivers /kaitian/fused. Nothing here asserts a duration:
+"never arrives" is checked by message order on one link (a publisher's later message arrived,
+so its earlier one would have too) or while the graph demonstrably kept delivering.
+
+Run as a script, this file is the child processes::
+
+    python test/test_security.py publisher ROLE     # LATCHED plan/assignment + telemetry, labelled ROLE
+    python test/test_security.py subscriber         # prints what reaches it, one JSON line each
+    python test/test_security.py outsider VARIANT   # raw zenoh: tcp | tls_no_cert | other_ca
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import REPO, Proc, child_env, free_port, pids_with_env, run_cli, wait_until
+
+from kaitian_ros import certs
+from kaitian_ros.runtime import security
+from kaitian_ros.scenario import ScenarioError, load_scenario
+
+PUBLISHER_ROLES = security.ROLES  # coordinator, scheduler, node
+OUTSIDERS = ("tcp", "tls_no_cert", "other_ca")
+TOPICS = {"plan": "/kaitian/plan", "assignment": "/kaitian/assignment", "telemetry": "/kaitian/telemetry"}
+
+pytestmark = pytest.mark.skipif(not certs.openssl_available(), reason="needs the openssl command")
+
+
+def _openssl(*args: str) -> str:
+    result = subprocess.run(["openssl", *args], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def cert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The graph's certificates, made by the command a user types."""
+    directory = tmp_path_factory.mktemp("certs")
+    result = run_cli("certs", "create", str(directory), "--host", "robot.local", "--host", "10.1.2.3")
+    assert result.returncode == 0, result.stderr
+    return directory
+
+
+@pytest.fixture(scope="module")
+def other_ca_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Certificates with the same role names from a different CA."""
+    directory = tmp_path_factory.mktemp("other_ca")
+    certs.create(directory)
+    return directory
+
+
+# --- certificates -------------------------------------------------------------------------------
+
+def test_certs_create_makes_a_ca_and_one_certificate_per_role(cert_dir: Path) -> None:
+    names = {p.name for p in cert_dir.iterdir()}
+    assert names == {"ca.pem", "ca.key"} | {f"{r}.{e}" for r in security.ROLES for e in ("pem", "key")}
+    for key in cert_dir.glob("*.key"):
+        assert key.stat().st_mode & 0o777 == 0o600, key
+    assert "CA:TRUE" in _openssl("x509", "-in", str(cert_dir / "ca.pem"), "-noout", "-ext", "basicConstraints")
+    for role in security.ROLES:
+        pem = str(cert_dir / f"{role}.pem")
+        assert _openssl("verify", "-CAfile", str(cert_dir / "ca.pem"), pem).strip() == f"{pem}: OK"
+        subject = _openssl("x509", "-in", pem, "-noout", "-subject", "-nameopt", "RFC2253").strip()
+        assert subject == f"subject=CN={role}"
+        ext = _openssl("x509", "-in", pem, "-noout", "-ext", "subjectAltName,extendedKeyUsage,basicConstraints")
+        for san in ("DNS:localhost", "IP Address:127.0.0.1", "DNS:robot.local", "IP Address:10.1.2.3"):
+            assert san in ext, ext
+        assert "TLS Web Server Authentication" in ext and "TLS Web Client Authentication" in ext
+        assert "CA:FALSE" in ext
+        # the key is the certificate's
+        key_pub = _openssl("pkey", "-in", str(cert_dir / f"{role}.key"), "-pubout")
+        assert _openssl("x509", "-in", pem, "-noout", "-pubkey") == key_pub
+
+
+def test_certs_create_refuses_to_overwrite_and_bad_arguments(tmp_path: Path) -> None:
+    directory = tmp_path / "c"
+    assert run_cli("certs", "create", str(directory)).returncode == 0
+    before = (directory / "ca.pem").read_bytes()
+    again = run_cli("certs", "create", str(directory))
+    assert again.returncode != 0
+    assert len(again.stderr.strip().splitlines()) == 1 and "--force" in again.stderr, again.stderr
+    assert (directory / "ca.pem").read_bytes() == before
+    forced = run_cli("certs", "create", str(directory), "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert (directory / "ca.pem").read_bytes() != before
+    for args in (["--host", "not a host"], ["--days", "0"]):
+        bad = run_cli("certs", "create", str(tmp_path / "d"), *args)
+        assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+        assert not (tmp_path / "d" / "ca.key").exists()
+
+
+# --- settings (no processes) ------------------------------------------------------------------
+
+def test_cert_dir_check_names_what_is_missing(cert_dir: Path, tmp_path: Path) -> None:
+    assert security.check_cert_dir(cert_dir) == cert_dir.resolve()
+    (tmp_path / "ca.pem").write_bytes((cert_dir / "ca.pem").read_bytes())
+    (tmp_path / "node.pem").write_text("not a certificate")
+    with pytest.raises(security.SecurityError) as err:
+        security.check_cert_dir(tmp_path)
+    message = str(err.value)
+    assert "\n" not in message
+    for name in ("coordinator.pem", "coordinator.key", "scheduler.pem", "node.pem (not PEM)", "node.key"):
+        assert name in message
+    assert "ca.pem" not in message.split("lacks")[1].split("(create")[0]
+    with pytest.raises(security.SecurityError, match="not a directory"):
+        security.check_cert_dir(tmp_path / "nowhere")
+
+
+def test_environment_and_endpoints(cert_dir: Path) -> None:
+    assert security.from_env({}) is None
+    assert security.from_env({security.ENV_DIR: str(cert_dir)}) == security.Security(cert_dir.resolve(), "node")
+    chosen = security.from_env({security.ENV_DIR: str(cert_dir), security.ENV_ROLE: "scheduler"})
+    assert chosen is not None and chosen.key == cert_dir.resolve() / "scheduler.key"
+    with pytest.raises(security.SecurityError, match="KAITIAN_SECURITY_ROLE"):
+        security.from_env({security.ENV_DIR: str(cert_dir), security.ENV_ROLE: "admin"})
+    assert security.secure_endpoint("tcp/127.0.0.1:7447") == "tls/127.0.0.1:7447"
+    assert security.secure_endpoint("tls/[::1]:0") == "tls/[::1]:0"
+    with pytest.raises(security.SecurityError):
+        security.secure_endpoint("udp/127.0.0.1:7447")
+    assert [security.role_for_executable(e) for e in ("coordinator", "scheduler", "compute", "router")] == \
+        ["coordinator", "scheduler", "node", "node"]
+
+
+def test_access_control_rules_deny_publishing_protected_topics_to_other_roles() -> None:
+    acl = security.access_control_config()
+    assert acl["enabled"] and acl["default_permission"] == "deny"
+    rules = {r["id"]: r for r in acl["rules"]}
+    denied = {}  # key expression -> roles that may not publish there
+    for policy in acl["policies"]:
+        for rule_id in policy["rules"]:
+            rule = rules[rule_id]
+            if rule["permission"] == "deny":
+                assert rule["flows"] == ["ingress"] and set(rule["messages"]) == {"put", "delete", "declare_queryable", "reply"}
+                for key in rule["key_exprs"]:
+                    denied[key] = set(policy["subjects"])
+    assert denied == {"*/kaitian/plan/**": {"scheduler", "node"}, "*/kaitian/assignment/**": {"coordinator", "node"}}
+    assert {s["id"]: s["cert_common_names"] for s in acl["subjects"]} == {r: [r] for r in security.ROLES}
+
+
+def test_sros2_policy_denies_the_same_topics_as_the_embedded_rules() -> None:
+    """The ROS 2 path's policy (docs/security.md) says what the embedded rules say: an enclave
+    per role, and every enclave but the owner's is denied publishing a protected topic. Only
+    checked as a file here: sros2 is not installable from PyPI."""
+    import xml.etree.ElementTree as ET
+
+    root = ET.parse(REPO / "config" / "kaitian_sros2.policy.xml").getroot()
+    assert root.tag == "policy" and root.get("version") == "0.2.0"
+    denied: dict[str, set[str]] = {}
+    for enclave in root.iter("enclave"):
+        role = enclave.get("path").removeprefix("/kaitian/")
+        assert role in security.ROLES
+        for topics in enclave.iter("topics"):
+            if topics.get("publish") == "DENY":
+                for topic in topics.iter("topic"):
+                    denied.setdefault(topic.text, set()).add(role)
+            else:
+                assert [t.text for t in topics.iter("topic")] == ["/*"] and topics.get("subscribe") == "ALLOW"
+    assert denied == {topic: set(security.ROLES) - {owner} for topic, owner in security.PROTECTED_TOPICS.items()}
+
+
+def test_scenario_security_key_and_launch_argument(tmp_path: Path, cert_dir: Path) -> None:
+    base = REPO / "config" / "camera_demo.yaml"
+    assert load_scenario(str(base)).security == ""
+    (tmp_path / "graph").mkdir()
+    scenario = tmp_path / "graph" / "secure_demo.yaml"
+    scenario.write_text("/**:\n  ros__parameters:\n    security: ../certs\n" + base.read_text())
+    assert load_scenario(str(scenario)).security == str((tmp_path / "certs").resolve())
+    assert load_scenario(str(scenario), [f"security:={cert_dir}"]).security == str(cert_dir.resolve())
+    assert load_scenario(str(scenario), ["security:=''"]).security == ""
+    with pytest.raises(ScenarioError, match="certificate directory"):
+        load_scenario(str(base), ["security:=[1,2]"])
+
+
+def test_launch_with_an_unusable_cert_dir_stops_before_any_process(tmp_path: Path, cert_dir: Path) -> None:
+    (tmp_path / "ca.pem").write_bytes((cert_dir / "ca.pem").read_bytes())
+    for args in (["--secure", str(tmp_path / "missing")], [f"security:={tmp_path}"]):
+        result = run_cli("launch", "camera_demo", *args, "--no-view", "--duration", "5")
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "[launch] started" not in result.stdout
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("kaitian launch camera_demo: security: "), result.stderr
+    assert "coordinator.key" in lines[0] and "kaitian certs create" in lines[0]
+
+
+# --- a secure graph of small processes ----------------------------------------------------------
+
+def _plain_env(router: str) -> dict[str, str]:
+    env = child_env(router)
+    env.pop(security.ENV_DIR, None)
+    env.pop(security.ENV_ROLE, None)
+    return env
+
+
+def _secure_env(router: str, cert_dir: Path, role: str) -> dict[str, str]:
+    return child_env(router, KAITIAN_SECURITY=str(cert_dir), KAITIAN_SECURITY_ROLE=role)
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kaitian_ros.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=60, cwd=str(REPO))
+
+
+def _script(*args: str, env: dict[str, str]) -> Proc:
+    return Proc([sys.executable, "-u", str(Path(__file__).resolve()), *args], env)
+
+
+def _received(sub: Proc) -> list[dict[str, Any]]:
+    return [json.loads(m.string) for m in sub.find(r'^\{"topic"')]
+
+
+def _labels(sub: Proc, topic: str) -> list[str]:
+    return [r["label"] for r in _received(sub) if r["topic"] == topic]
+
+
+@pytest.fixture(scope="module")
+def secure_graph(cert_dir: Path, other_ca_dir: Path):
+    """A router (``kaitian router`` under KAITIAN_SECURITY), one publisher per role, outsiders
+    that keep trying to join and inject, and a subscriber started last (a late joiner, so it
+    also asks the latched publishers for their last plan/assignment)."""
+    endpoint = f"tcp/127.0.0.1:{free_port()}"
+    procs: list[Proc] = []
+    try:
+        router = Proc([sys.executable, "-u", "-m", "kaitian_ros.cli", "router", "--listen", endpoint],
+                      _secure_env(endpoint, cert_dir, "node"))
+        procs.append(router)
+        router.wait_for(r"router listening on tls/127\.0\.0\.1:\d+ \(TLS \+ access control, role node\)")
+        publishers = {role: _script("publisher", role, env=_secure_env(endpoint, cert_dir, role)) for role in PUBLISHER_ROLES}
+        procs += publishers.values()
+        outsiders = {v: _script("outsider", v, str(cert_dir), str(other_ca_dir),
+                                env=_plain_env(endpoint)) for v in OUTSIDERS}
+        procs += outsiders.values()
+        for p in [*publishers.values(), *outsiders.values()]:
+            p.ready()
+        subscriber = _script("subscriber", env=_secure_env(endpoint, cert_dir, "node"))
+        procs.append(subscriber)
+        subscriber.ready()
+        yield endpoint, publishers, outsiders, subscriber
+    finally:
+        _stop_all(procs)
+
+
+def _stop_all(procs: list[Proc]) -> None:
+    """SIGINT to all at once, then each is reaped (killed if it does not end)."""
+    for p in procs:
+        if p.alive():
+            p.p.send_signal(signal.SIGINT)
+    for p in procs:
+        p.stop()
+
+
+def _telemetry_index(sub: Proc, role: str) -> int:
+    indices = [int(label.split(":")[1]) for label in _labels(sub, "telemetry") if label.startswith(role + ":")]
+    return max(indices, default=-1)
+
+
+def test_only_the_coordinator_publishes_plans_and_only_the_scheduler_assignments(secure_graph) -> None:
+    _, publishers, _, sub = secure_graph
+    # every publisher's telemetry gets through: each role's session is a member of the graph
+    wait_until(lambda: all(_telemetry_index(sub, r) >= 5 for r in PUBLISHER_ROLES),
+               f"telemetry from every role\n{sub.output()}")
+    # A publisher puts plan i, assignment i, then telemetry i, on one link, in order: its
+    # telemetry 5 arrived, so its plans and assignments 1..5 would have arrived if allowed
+    plans, assignments = _labels(sub, "plan"), _labels(sub, "assignment")
+    assert plans and all(label.startswith("coordinator:") for label in plans), plans
+    assert assignments and all(label.startswith("scheduler:") for label in assignments), assignments
+    for role in PUBLISHER_ROLES:
+        assert publishers[role].alive(), publishers[role].output()
+
+
+def test_latched_caches_answer_only_from_the_owner(secure_graph) -> None:
+    """Every publisher has a latched cache (a queryable) on plan and assignment holding its
+    sample 0; asked after all publishers' links are up, only the owners' caches answer: the
+    others' queryable declarations and replies are refused like their puts."""
+    _, _, _, sub = secure_graph
+    answers = json.loads(sub.wait_for(r'^\{"latched"')[0].string)["latched"]
+    assert answers == {"plan": ["coordinator:0"], "assignment": ["scheduler:0"]}
+    # the subscription's own late-joiner query got the same
+    wait_until(lambda: "coordinator:0" in _labels(sub, "plan") and "scheduler:0" in _labels(sub, "assignment"),
+               f"the owners' latched samples\n{sub.output()}")
+
+
+@pytest.mark.parametrize("variant", OUTSIDERS)
+def test_outsiders_can_neither_join_nor_receive_nor_inject(secure_graph, variant: str) -> None:
+    _, _, outsiders, sub = secure_graph
+    outsider = outsiders[variant]
+    # it has been trying (connecting and putting forged plans and telemetry) ...
+    tries = outsider.wait_for(r'^\{"tried"', count=20)
+    # ... while the graph kept delivering to the subscriber
+    start = _telemetry_index(sub, "node")
+    wait_until(lambda: _telemetry_index(sub, "node") >= start + 5, "telemetry while the outsiders try")
+    last = json.loads(outsider.find(r'^\{"tried"')[-1].string)["tried"]
+    assert last["routers"] == 0 and last["peers"] == 0, tries[-1].string   # never joined
+    assert last["received"] == 0, last                                    # no data in
+    assert not [r for r in _received(sub) if r["label"].startswith("outsider")]  # no data out
+
+
+def test_cli_tools_need_the_certificate(secure_graph, cert_dir: Path) -> None:
+    endpoint, _, _, _ = secure_graph
+    listed = _cli("--router", endpoint, "node", "list", env=_secure_env(endpoint, cert_dir, "node"))
+    assert listed.returncode == 0, listed.stderr
+    assert {"/pub_coordinator", "/pub_scheduler", "/pub_node", "/sub"} <= set(listed.stdout.split())
+    params = _cli("--router", endpoint, "param", "list", "/sub", env=_secure_env(endpoint, cert_dir, "node"))
+    assert (params.returncode, params.stdout.strip()) == (0, "/sub:"), params.stderr  # parameter queries pass
+    refused = _cli("--router", endpoint, "node", "list", env=_plain_env(endpoint))  # no KAITIAN_SECURITY
+    assert refused.returncode == 1
+    assert refused.stderr.startswith(f"cannot reach a router at {endpoint}"), refused.stderr
+
+
+# --- a secure hetero_inference graph ------------------------------------------------------------
+
+def test_secure_hetero_inference_delivers_fused_results(cert_dir: Path) -> None:
+    from kaitian_ros.runtime.embedded import EmbeddedRuntime
+    from kaitian_ros.runtime.node_args import NodeArgs
+
+    endpoint = f"tcp/127.0.0.1:{free_port()}"
+    launch = Proc([sys.executable, "-u", "-m", "kaitian_ros.cli", "--router", endpoint, "launch", "hetero_inference",
+                   "compute_nodes:=2", "--secure", str(cert_dir), "--no-view"], _plain_env(endpoint))
+    rt, spinner = None, None
+    try:
+        launch.wait_for(r"\[launch\] security on: TLS \+ access control")
+        launch.wait_for(r"\] router listening on tls/")  # [launch] (in-process router) or [router] (child)
+        launch.wait_for(r"\[launch\] started compute_1")
+        rt = EmbeddedRuntime(NodeArgs("fused_probe"), router=endpoint, domain=0,
+                             security=security.Security(cert_dir, "node"))
+        fused: list[Any] = []
+        rt.create_subscription("/kaitian/fused", "FusedOutput", fused.append)
+        spinner = threading.Thread(target=rt.spin, daemon=True)
+        spinner.start()
+        wait_until(lambda: any(m.complete for m in fused), f"a complete /kaitian/fused\n{launch.output()}",
+                   timeout_s=90)
+        assert launch.alive(), launch.output()
+        assert "Traceback" not in launch.output(), launch.output()
+    finally:
+        if rt is not None:
+            rt.shutdown()
+            if spinner is not None:
+                spinner.join(timeout=5.0)
+            rt.close()
+        launch.stop()
+    assert pids_with_env("KAITIAN_ROUTER", endpoint) == [], launch.output()
+
+
+# --- child processes ----------------------------------------------------------------------------
+
+def _child_runtime(name: str) -> Any:
+    import signal
+
+    from kaitian_ros.runtime.embedded import EmbeddedRuntime
+    from kaitian_ros.runtime.node_args import NodeArgs
+
+    rt = EmbeddedRuntime(NodeArgs(name), domain=0)  # security from KAITIAN_SECURITY(_ROLE)
+    signal.signal(signal.SIGINT, lambda *_: rt.shutdown())
+    signal.signal(signal.SIGTERM, lambda *_: rt.shutdown())
+    return rt
+
+
+def _child_publisher(role: str) -> None:
+    """Labelled messages: ``ROLE:0`` once on LATCHED plan/assignment publishers (a late joiner can
+    only get it from their caches), then every 0.1 s ``ROLE:i`` on plain publishers of the same
+    topics followed by telemetry ``ROLE:i``, in that order, on one session."""
+    from kaitian_ros.runtime import interfaces
+    from kaitian_ros.runtime import zenoh_session as zs
+    from kaitian_ros.runtime.api import QoS
+
+    rt = _child_runtime(f"pub_{role}")
+
+    def plan_like(i: int) -> Any:
+        return interfaces.make("LoadAssignment", incarnation=7, version=i + 1, reason=f"{role}:{i}")
+
+    for name in ("plan", "assignment"):
+        rt.create_publisher(TOPICS[name], "LoadAssignment", QoS.LATCHED).publish(plan_like(0))
+    live = [rt.create_publisher(TOPICS[name], "LoadAssignment", QoS.RELIABLE) for name in ("plan", "assignment")]
+    telemetry = rt.create_publisher(TOPICS["telemetry"], "NodeTelemetry", QoS.RELIABLE)
+    count = {"i": 0}
+
+    # wildcard key expressions that intersect the plan/assignment keys without being included in
+    # the access rules' (zs.is_concrete_key): zenoh delivers them, the subscribers must drop them
+    type_and_hash = "/".join(zs.topic_key(0, TOPICS["plan"], "LoadAssignment").split("/")[-2:])
+    wild_keys = [f"0/kaitian/*/{type_and_hash}", f"0/*/plan/{type_and_hash}", f"*/*/assignment/{type_and_hash}"]
+
+    def tick() -> None:
+        count["i"] += 1
+        for pub in live:
+            pub.publish(plan_like(count["i"]))
+        if role == security.NODE:
+            wild = bytes(interfaces.encode(interfaces.make("LoadAssignment", incarnation=7, version=count["i"] + 1,
+                                                           reason=f"{role}-wildcard:{count['i']}"), "LoadAssignment"))
+            for key in wild_keys:
+                rt.session.put(key, wild, congestion_control=zs.CongestionControl.BLOCK)
+        telemetry.publish(interfaces.make("NodeTelemetry", node_id=f"{role}:{count['i']}"))
+
+    rt.create_timer(0.1, tick)
+    print(json.dumps({"ready": role}), flush=True)
+    rt.spin()
+    rt.close()
+
+
+def _child_subscriber() -> None:
+    """Prints every plan/assignment/telemetry that reaches it; once telemetry of every role has
+    arrived (so every publisher's earlier declarations, its latched caches' queryables among
+    them, would have too), asks the latched caches itself and prints who answered."""
+    import threading
+
+    import zenoh
+
+    from kaitian_ros.runtime import interfaces
+    from kaitian_ros.runtime import zenoh_session as zs
+    from kaitian_ros.runtime.api import QoS
+
+    rt = _child_runtime("sub")
+    seen: set[str] = set()
+    all_seen = threading.Event()
+
+    def show(topic: str, label: str) -> None:
+        print(json.dumps({"topic": topic, "label": label}), flush=True)
+        if topic == "telemetry":
+            seen.add(label.split(":")[0])
+            if seen >= set(PUBLISHER_ROLES):
+                all_seen.set()
+
+    for name in ("plan", "assignment"):
+        rt.create_subscription(TOPICS[name], "LoadAssignment", lambda m, n=name: show(n, m.reason), QoS.LATCHED)
+    rt.create_subscription(TOPICS["telemetry"], "NodeTelemetry", lambda m: show("telemetry", m.node_id), QoS.RELIABLE)
+
+    def ask_caches() -> None:
+        all_seen.wait()
+        answers = {}
+        for name in ("plan", "assignment"):
+            replies = rt.session.get(zs.topic_key(0, TOPICS[name], "LoadAssignment"),
+                                     consolidation=zenoh.ConsolidationMode.NONE, timeout=10.0)
+            answers[name] = sorted(interfaces.decode(r.ok.payload.to_bytes(), "LoadAssignment").reason
+                                   for r in replies if r.ok is not None)
+        print(json.dumps({"latched": answers}), flush=True)
+
+    threading.Thread(target=ask_caches, daemon=True).start()
+    print(json.dumps({"ready": "sub"}), flush=True)
+    rt.spin()
+    rt.close()
+
+
+def _child_outsider(variant: str, cert_dir: str, other_ca_dir: str) -> None:
+    """A session outside the graph, configured with plain zenoh so it stays up and keeps
+    retrying (the package's sessions exit when they cannot connect): ``tcp`` has no TLS,
+    ``tls_no_cert`` trusts the graph's CA but has no certificate, ``other_ca`` presents a
+    coordinator certificate of another CA. It puts forged plans and telemetry and counts what
+    it receives, and prints what it has done every 0.1 s."""
+    import signal
+
+    import zenoh
+
+    from kaitian_ros.runtime import interfaces
+    from kaitian_ros.runtime import zenoh_session as zs
+
+    router = os.environ["KAITIAN_ROUTER"]
+    config = zenoh.Config()
+    config.insert_json5("mode", '"peer"')
+    config.insert_json5("scouting/multicast/enabled", "false")
+    config.insert_json5("listen/endpoints", '["tcp/127.0.0.1:0"]')
+    connect = router if variant == "tcp" else security.secure_endpoint(router)
+    config.insert_json5("connect/endpoints", json.dumps([connect]))
+    config.insert_json5("connect/exit_on_failure", "false")
+    tls: dict[str, Any] = {"root_ca_certificate": str(Path(cert_dir) / "ca.pem")}
+    if variant == "other_ca":
+        other = Path(other_ca_dir)
+        tls.update(connect_certificate=str(other / "coordinator.pem"), connect_private_key=str(other / "coordinator.key"))
+    if variant != "tcp":
+        config.insert_json5("transport/link/tls", json.dumps(tls))
+    session = zenoh.open(config)
+    received = {"n": 0}
+
+    def count(sample: Any) -> None:  # what the graph sends it (its own puts reach it locally)
+        if b"outsider-" not in sample.payload.to_bytes():
+            received["n"] += 1
+
+    subscriber = session.declare_subscriber("**", count)
+    plan_key = zs.topic_key(0, TOPICS["plan"], "LoadAssignment")
+    telemetry_key = zs.topic_key(0, TOPICS["telemetry"], "NodeTelemetry")
+    stop = {"now": False}
+    signal.signal(signal.SIGINT, lambda *_: stop.__setitem__("now", True))
+    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
+    print(json.dumps({"ready": variant}), flush=True)
+    i = 0
+    while not stop["now"]:
+        i += 1
+        forged_plan = interfaces.make("LoadAssignment", version=10_000 + i, reason=f"outsider-{variant}:{i}")
+        session.put(plan_key, bytes(interfaces.encode(forged_plan, "LoadAssignment")))
+        forged_telemetry = interfaces.make("NodeTelemetry", node_id=f"outsider-{variant}:{i}")
+        session.put(telemetry_key, bytes(interfaces.encode(forged_telemetry, "NodeTelemetry")))
+        print(json.dumps({"tried": {"puts": i, "received": received["n"],
+                                    "routers": len(list(session.info.routers_zid())),
+                                    "peers": len(list(session.info.peers_zid()))}}), flush=True)
+        time.sleep(0.1)
+    subscriber.undeclare()
+    session.close()
+
+
+if __name__ == "__main__":
+    kind, rest = sys.argv[1], sys.argv[2:]
+    if kind == "publisher":
+        _child_publisher(rest[0])
+    elif kind == "subscriber":
+        _child_subscriber()
+    elif kind == "outsider":
+        _child_outsider(*rest)
+    else:
+        raise SystemExit(f"unknown child {kind}")

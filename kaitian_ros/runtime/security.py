@@ -5,8 +5,8 @@ tools) uses TLS endpoints with mutual authentication against the directory's ``c
 access control: a session only accepts a put on a protected topic (``PROTECTED_TOPICS``: plan,
 assignment, fused results, telemetry, profiles, tensor chunks) from a link whose certificate
 names one of the topic's owner roles. ``KAITIAN_SECURITY_ROLE`` picks which certificate the
-process presents (``node`` by default). ``zenoh_session.open_session``
-turns these values into a zenoh config; ``kaitian certs create`` makes a matching directory.
+process presents (``node`` by default). ``zenoh_session.open_session`` turns these values into a
+zenoh config; ``kaitian certs create`` makes a matching directory.
 docs/security.md says what this guarantees and what it does not.
 """
 
@@ -203,9 +203,9 @@ def access_control_config(protected: Mapping[str, tuple[str, ...]] | None = None
     presented, and a deny rule wins over an allow rule. Everything is denied by default, so a
     link with a certificate of no known role gets nothing through; each role may send and
     receive anything, except that a link may only *publish* (put, delete, declare a queryable,
-    reply) on a protected topic if its role is one of that topic's owners. The deny rules are ingress only:
-    each session filters what reaches it, and peers talk to each other directly (gossip), so
-    every session must enforce them, not the router alone.
+    reply) on a protected topic if its role is one of that topic's owners. The deny rules are
+    ingress only: each session filters what reaches it, and peers talk to each other directly
+    (gossip), so every session must enforce them, not the router alone.
     """
     protected = PROTECTED_TOPICS if protected is None else protected
     rules: list[dict[str, Any]] = [{
@@ -216,7 +216,7 @@ def access_control_config(protected: Mapping[str, tuple[str, ...]] | None = None
     for index, (topic, owners) in enumerate(sorted(protected.items())):
         _check_owners(topic, owners)
         others = [r for r in ROLES if r not in owners]
-        if not others:  # every role owns it: nothing to deny (zenoh refuses a policy without subjects)
+        if not others:  # every role owns it: nothing to deny, and no policy without subjects
             continue
         rule_id = f"only_{'_'.join(owners)}_publish_{index}"
         rules.append({"id": rule_id, "permission": "deny", "flows": ["ingress"],

@@ -285,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--secure", metavar="DIR", help="TLS + access control with the certificates in DIR "
                                                    "(made by `kaitian certs create DIR`; same as security:=DIR)")
 
-    p = sub.add_parser("certs", help="make a graph's TLS certificates (CA + coordinator/scheduler/node)")
+    p = sub.add_parser("certs", help="make a graph's TLS certificates (CA + coordinator/scheduler/compute/node)")
     csub = p.add_subparsers(dest="certs_cmd", required=True, parser_class=_Parser)
     q = csub.add_parser("create", help="write ca.pem/ca.key and <role>.pem/<role>.key into DIR")
     q.add_argument("directory", metavar="DIR")

@@ -8,7 +8,7 @@ so its earlier one would have too) or while the graph demonstrably kept deliveri
 
 Run as a script, this file is the child processes::
 
-    python test/test_security.py publisher ROLE     # LATCHED plan/assignment + telemetry, labelled ROLE
+    python test/test_security.py publisher ROLE     # every protected topic + a marker, labelled ROLE
     python test/test_security.py subscriber         # prints what reaches it, one JSON line each
     python test/test_security.py outsider VARIANT   # raw zenoh: tcp | tls_no_cert | other_ca
 """
@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,41 @@ from kaitian_ros import certs
 from kaitian_ros.runtime import security
 from kaitian_ros.scenario import ScenarioError, load_scenario
 
-PUBLISHER_ROLES = security.ROLES  # coordinator, scheduler, node
+PUBLISHER_ROLES = security.ROLES  # coordinator, scheduler, compute, node
 OUTSIDERS = ("tcp", "tls_no_cert", "other_ca")
-TOPICS = {"plan": "/kaitian/plan", "assignment": "/kaitian/assignment", "telemetry": "/kaitian/telemetry"}
+
+
+@dataclass(frozen=True)
+class Topic:
+    """A topic the test graph publishes, and the string field its messages carry a label in."""
+
+    name: str
+    topic: str
+    msg_type: str
+    field: str
+    latched: bool = False  # the product's publisher is latched: late joiners ask its cache
+
+    def make(self, label: str) -> Any:
+        from kaitian_ros.runtime import interfaces
+        return interfaces.make(self.msg_type, **{self.field: label})
+
+    def label(self, msg: Any) -> str:
+        return getattr(msg, self.field)
+
+
+# one topic per protected topic (a chunk topic stands for every one), as the product's nodes type them
+PROTECTED = (
+    Topic("plan", "/kaitian/plan", "LoadAssignment", "reason", latched=True),
+    Topic("assignment", "/kaitian/assignment", "LoadAssignment", "reason", latched=True),
+    Topic("fused", "/kaitian/fused", "FusedOutput", "status"),
+    Topic("telemetry", "/kaitian/telemetry", "NodeTelemetry", "node_id"),
+    Topic("profiles", "/kaitian/profiles", "CostProfile", "node_id", latched=True),
+    Topic("chunks", "/kaitian/chunks/compute_0", "TensorChunk", "producer"),
+)
+# published last in every round, on a topic every role may publish: its arrival proves the
+# round's earlier messages were sent on the same link before it
+MARKER = Topic("marker", "/security_test/marker", "String", "data")
+TOPICS = {t.name: t for t in (*PROTECTED, MARKER)}
 
 pytestmark = pytest.mark.skipif(not certs.openssl_available(), reason="needs the openssl command")
 
@@ -112,7 +145,8 @@ def test_cert_dir_check_names_what_is_missing(cert_dir: Path, tmp_path: Path) ->
         security.check_cert_dir(tmp_path)
     message = str(err.value)
     assert "\n" not in message
-    for name in ("coordinator.pem", "coordinator.key", "scheduler.pem", "node.pem (not PEM)", "node.key"):
+    for name in ("coordinator.pem", "coordinator.key", "scheduler.pem", "compute.pem", "compute.key",
+                 "node.pem (not PEM)", "node.key"):
         assert name in message
     assert "ca.pem" not in message.split("lacks")[1].split("(create")[0]
     with pytest.raises(security.SecurityError, match="not a directory"):
@@ -130,8 +164,38 @@ def test_environment_and_endpoints(cert_dir: Path) -> None:
     assert security.secure_endpoint("tls/[::1]:0") == "tls/[::1]:0"
     with pytest.raises(security.SecurityError):
         security.secure_endpoint("udp/127.0.0.1:7447")
-    assert [security.role_for_executable(e) for e in ("coordinator", "scheduler", "compute", "router")] == \
-        ["coordinator", "scheduler", "node", "node"]
+    executables = ("coordinator", "scheduler", "compute", "image_source", "monitor", "trainer", "router")
+    assert [security.role_for_executable(e) for e in executables] == \
+        ["coordinator", "scheduler", "compute", "node", "node", "node", "node"]
+    chosen = security.from_env({security.ENV_DIR: str(cert_dir), security.ENV_ROLE: "compute"})
+    assert chosen is not None and chosen.cert == cert_dir.resolve() / "compute.pem"
+
+
+def test_protected_topics_are_the_ones_the_product_nodes_publish() -> None:
+    """Least privilege: each protected topic's owners are the executables that publish it, and
+    what the other processes publish (trainers, the bench's layer-wise workers: role node) is
+    not protected, so a secure graph keeps working."""
+    from kaitian_ros.bench import inference_graph
+    from kaitian_ros.nodes import inference_common as ic
+    from kaitian_ros.nodes import trainer
+
+    assert security.PROTECTED_TOPICS == {
+        "/kaitian/plan": ("coordinator",), "/kaitian/assignment": ("scheduler",),
+        "/kaitian/fused": ("coordinator",), "/kaitian/telemetry": ("compute",),
+        "/kaitian/profiles": ("compute",), "/kaitian/chunks/**": ("coordinator", "compute")}
+    owners = {ic.PLAN_TOPIC: ("coordinator",), ic.ASSIGNMENT_TOPIC: ("scheduler",), ic.FUSED_TOPIC: ("coordinator",),
+              ic.TELEMETRY_TOPIC: ("compute",), ic.PROFILES_TOPIC: ("compute",),
+              ic.chunk_topic("compute_7"): ("coordinator", "compute"),
+              ic.chunk_topic(ic.COORDINATOR): ("coordinator", "compute")}
+    for topic, expected in owners.items():
+        assert security.owners_of(topic) == expected, topic
+    for topic in (trainer.TELEMETRY_TOPIC, inference_graph.LW_TELEMETRY, inference_graph.lw_topic("w0"),
+                  "/camera/image_raw", "/diagnostics", "/kaitian/chunksmith", "/kaitian/planner"):
+        assert security.owners_of(topic) is None, topic
+    assert {t.topic for t in PROTECTED if security.owners_of(t.topic) is None} == set()  # the test covers them all
+    assert security.publish_refusal(ic.TELEMETRY_TOPIC, "compute") == ""
+    refusal = security.publish_refusal(ic.TELEMETRY_TOPIC, "node")
+    assert "\n" not in refusal and "only compute may publish" in refusal and "KAITIAN_SECURITY_ROLE" in refusal
 
 
 def test_access_control_rules_deny_publishing_protected_topics_to_other_roles() -> None:
@@ -146,8 +210,20 @@ def test_access_control_rules_deny_publishing_protected_topics_to_other_roles() 
                 assert rule["flows"] == ["ingress"] and set(rule["messages"]) == {"put", "delete", "declare_queryable", "reply"}
                 for key in rule["key_exprs"]:
                     denied[key] = set(policy["subjects"])
-    assert denied == {"*/kaitian/plan/**": {"scheduler", "node"}, "*/kaitian/assignment/**": {"coordinator", "node"}}
+    assert denied == {
+        "*/kaitian/plan/**": {"scheduler", "compute", "node"},
+        "*/kaitian/assignment/**": {"coordinator", "compute", "node"},
+        "*/kaitian/fused/**": {"scheduler", "compute", "node"},
+        "*/kaitian/telemetry/**": {"coordinator", "scheduler", "node"},
+        "*/kaitian/profiles/**": {"coordinator", "scheduler", "node"},
+        "*/kaitian/chunks/**": {"scheduler", "node"},
+    }
     assert {s["id"]: s["cert_common_names"] for s in acl["subjects"]} == {r: [r] for r in security.ROLES}
+    members = [p for p in acl["policies"] if p["rules"] == ["allow_all"]]
+    assert [p["subjects"] for p in members] == [list(security.ROLES)]
+    for owners in ((), ("admin",), "compute"):
+        with pytest.raises(security.SecurityError, match="/x"):
+            security.access_control_config({"/x": owners})
 
 
 def test_sros2_policy_denies_the_same_topics_as_the_embedded_rules() -> None:
@@ -158,17 +234,21 @@ def test_sros2_policy_denies_the_same_topics_as_the_embedded_rules() -> None:
 
     root = ET.parse(REPO / "config" / "kaitian_sros2.policy.xml").getroot()
     assert root.tag == "policy" and root.get("version") == "0.2.0"
+    enclaves = [e.get("path") for e in root.iter("enclave")]
+    assert enclaves == [f"/kaitian/{role}" for role in security.ROLES]
     denied: dict[str, set[str]] = {}
     for enclave in root.iter("enclave"):
         role = enclave.get("path").removeprefix("/kaitian/")
-        assert role in security.ROLES
         for topics in enclave.iter("topics"):
             if topics.get("publish") == "DENY":
                 for topic in topics.iter("topic"):
                     denied.setdefault(topic.text, set()).add(role)
             else:
                 assert [t.text for t in topics.iter("topic")] == ["/*"] and topics.get("subscribe") == "ALLOW"
-    assert denied == {topic: set(security.ROLES) - {owner} for topic, owner in security.PROTECTED_TOPICS.items()}
+    # a DDS topic expression's "*" matches across "/": /kaitian/chunks/* is every chunk topic
+    expected = {topic.removesuffix("*"): set(security.ROLES) - set(owners)
+                for topic, owners in security.PROTECTED_TOPICS.items()}
+    assert denied == expected
 
 
 def test_scenario_security_key_and_launch_argument(tmp_path: Path, cert_dir: Path) -> None:
@@ -193,6 +273,21 @@ def test_launch_with_an_unusable_cert_dir_stops_before_any_process(tmp_path: Pat
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("kaitian launch camera_demo: security: "), result.stderr
     assert "coordinator.key" in lines[0] and "kaitian certs create" in lines[0]
+
+
+def test_launch_with_a_cert_dir_from_before_the_compute_role_names_the_missing_files(
+        tmp_path: Path, cert_dir: Path) -> None:
+    """A directory made when there were three roles lacks compute.*: one line naming them and
+    how to recreate the directory."""
+    for path in cert_dir.iterdir():
+        if not path.name.startswith("compute."):
+            (tmp_path / path.name).write_bytes(path.read_bytes())
+    result = run_cli("launch", "camera_demo", "--secure", str(tmp_path), "--no-view", "--duration", "5")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "[launch] started" not in result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"kaitian launch camera_demo: security: {tmp_path.resolve()} lacks or cannot read "
+                     f"compute.pem, compute.key (create them with `kaitian certs create {tmp_path.resolve()} --force`)"]
 
 
 # --- a secure graph of small processes ----------------------------------------------------------
@@ -261,34 +356,54 @@ def _stop_all(procs: list[Proc]) -> None:
         p.stop()
 
 
-def _telemetry_index(sub: Proc, role: str) -> int:
-    indices = [int(label.split(":")[1]) for label in _labels(sub, "telemetry") if label.startswith(role + ":")]
+def _marker_index(sub: Proc, role: str) -> int:
+    indices = [int(label.split(":")[1]) for label in _labels(sub, "marker") if label.startswith(role + ":")]
     return max(indices, default=-1)
 
 
-def test_only_the_coordinator_publishes_plans_and_only_the_scheduler_assignments(secure_graph) -> None:
+def _roles_of(labels: list[str]) -> set[str]:
+    return {label.split(":")[0] for label in labels}
+
+
+@pytest.mark.parametrize("topic", [t.name for t in PROTECTED])
+def test_only_the_owner_roles_publish_a_protected_topic(secure_graph, topic: str) -> None:
+    """E.g. telemetry and chunks of a ``node`` holder (camera, tools) never arrive while a
+    ``compute`` holder's do; a plan only arrives from the coordinator."""
     _, publishers, _, sub = secure_graph
-    # every publisher's telemetry gets through: each role's session is a member of the graph
-    wait_until(lambda: all(_telemetry_index(sub, r) >= 5 for r in PUBLISHER_ROLES),
-               f"telemetry from every role\n{sub.output()}")
-    # A publisher puts plan i, assignment i, then telemetry i, on one link, in order: its
-    # telemetry 5 arrived, so its plans and assignments 1..5 would have arrived if allowed
-    plans, assignments = _labels(sub, "plan"), _labels(sub, "assignment")
-    assert plans and all(label.startswith("coordinator:") for label in plans), plans
-    assert assignments and all(label.startswith("scheduler:") for label in assignments), assignments
+    owners = set(security.owners_of(TOPICS[topic].topic) or ())
+    # every publisher's marker gets through: each role's session is a member of the graph
+    wait_until(lambda: all(_marker_index(sub, r) >= 5 for r in PUBLISHER_ROLES),
+               f"markers from every role\n{sub.output()}")
+    # A publisher puts each protected topic's message i, then marker i, on one link, in order:
+    # its marker 5 arrived, so its messages 1..5 on every topic would have arrived if allowed
+    # (and the owners' did: the wait below only guards against a slow subscriber callback)
+    wait_until(lambda: _roles_of(_labels(sub, topic)) >= owners, f"{topic} from {sorted(owners)}\n{sub.output()}")
+    assert _roles_of(_labels(sub, topic)) == owners, _labels(sub, topic)  # the wildcard puts' labels too
     for role in PUBLISHER_ROLES:
         assert publishers[role].alive(), publishers[role].output()
 
 
+def test_a_publisher_of_a_topic_its_role_may_not_publish_is_warned(secure_graph) -> None:
+    """The graph drops a non-owner's messages silently, so a node started by hand with the wrong
+    KAITIAN_SECURITY_ROLE says so in its log (one warning per protected publisher it creates)."""
+    _, publishers, _, _ = secure_graph
+    for role, proc in publishers.items():
+        warned = {m.group(1) for m in proc.find(r"security: (\S+) is published with role " + role + ",")}
+        expected = {t.topic for t in PROTECTED if role not in (security.owners_of(t.topic) or ())}
+        assert warned == expected, proc.output()
+
+
 def test_latched_caches_answer_only_from_the_owner(secure_graph) -> None:
-    """Every publisher has a latched cache (a queryable) on plan and assignment holding its
-    sample 0; asked after all publishers' links are up, only the owners' caches answer: the
+    """Every publisher has a latched cache (a queryable) on plan, assignment and profiles holding
+    its sample 0; asked after all publishers' links are up, only the owners' caches answer: the
     others' queryable declarations and replies are refused like their puts."""
     _, _, _, sub = secure_graph
     answers = json.loads(sub.wait_for(r'^\{"latched"')[0].string)["latched"]
-    assert answers == {"plan": ["coordinator:0"], "assignment": ["scheduler:0"]}
-    # the subscription's own late-joiner query got the same
-    wait_until(lambda: "coordinator:0" in _labels(sub, "plan") and "scheduler:0" in _labels(sub, "assignment"),
+    assert answers == {"plan": ["coordinator:0"], "assignment": ["scheduler:0"], "profiles": ["compute:0"]}
+    # the subscriptions' own late-joiner queries got the same
+    wait_until(lambda: all(f"{owner}:0" in _labels(sub, name)
+                           for name, owner in (("plan", "coordinator"), ("assignment", "scheduler"),
+                                               ("profiles", "compute"))),
                f"the owners' latched samples\n{sub.output()}")
 
 
@@ -299,8 +414,8 @@ def test_outsiders_can_neither_join_nor_receive_nor_inject(secure_graph, variant
     # it has been trying (connecting and putting forged plans and telemetry) ...
     tries = outsider.wait_for(r'^\{"tried"', count=20)
     # ... while the graph kept delivering to the subscriber
-    start = _telemetry_index(sub, "node")
-    wait_until(lambda: _telemetry_index(sub, "node") >= start + 5, "telemetry while the outsiders try")
+    start = _marker_index(sub, "node")
+    wait_until(lambda: _marker_index(sub, "node") >= start + 5, "markers while the outsiders try")
     last = json.loads(outsider.find(r'^\{"tried"')[-1].string)["tried"]
     assert last["routers"] == 0 and last["peers"] == 0, tries[-1].string   # never joined
     assert last["received"] == 0, last                                    # no data in
@@ -311,7 +426,7 @@ def test_cli_tools_need_the_certificate(secure_graph, cert_dir: Path) -> None:
     endpoint, _, _, _ = secure_graph
     listed = _cli("--router", endpoint, "node", "list", env=_secure_env(endpoint, cert_dir, "node"))
     assert listed.returncode == 0, listed.stderr
-    assert {"/pub_coordinator", "/pub_scheduler", "/pub_node", "/sub"} <= set(listed.stdout.split())
+    assert {f"/pub_{role}" for role in PUBLISHER_ROLES} | {"/sub"} <= set(listed.stdout.split())
     params = _cli("--router", endpoint, "param", "list", "/sub", env=_secure_env(endpoint, cert_dir, "node"))
     assert (params.returncode, params.stdout.strip()) == (0, "/sub:"), params.stderr  # parameter queries pass
     refused = _cli("--router", endpoint, "node", "list", env=_plain_env(endpoint))  # no KAITIAN_SECURITY
@@ -322,6 +437,9 @@ def test_cli_tools_need_the_certificate(secure_graph, cert_dir: Path) -> None:
 # --- a secure hetero_inference graph ------------------------------------------------------------
 
 def test_secure_hetero_inference_delivers_fused_results(cert_dir: Path) -> None:
+    """Every process presents its role (compute nodes ``compute``): chunks, telemetry and
+    profiles get through, so complete results arrive, and no process is told it publishes a
+    topic its role may not."""
     from kaitian_ros.runtime.embedded import EmbeddedRuntime
     from kaitian_ros.runtime.node_args import NodeArgs
 
@@ -343,6 +461,7 @@ def test_secure_hetero_inference_delivers_fused_results(cert_dir: Path) -> None:
                    timeout_s=90)
         assert launch.alive(), launch.output()
         assert "Traceback" not in launch.output(), launch.output()
+        assert "which the graph drops" not in launch.output(), launch.output()
     finally:
         if rt is not None:
             rt.shutdown()
@@ -367,40 +486,49 @@ def _child_runtime(name: str) -> Any:
     return rt
 
 
+def _wildcard_keys() -> list[tuple[str, Topic]]:
+    """Wildcard key expressions that intersect protected keys without being included in the
+    access rules' (zs.is_concrete_key): zenoh delivers puts on them, the subscribers must drop
+    them. The last is included in ``*/kaitian/chunks/**``, so the rules themselves refuse it."""
+    from kaitian_ros.runtime import zenoh_session as zs
+
+    def type_and_hash(t: Topic) -> str:
+        return "/".join(zs.topic_key(0, t.topic, t.msg_type).split("/")[-2:])
+
+    plan, telemetry, chunks = TOPICS["plan"], TOPICS["telemetry"], TOPICS["chunks"]
+    return [(f"0/kaitian/*/{type_and_hash(plan)}", plan), (f"0/*/plan/{type_and_hash(plan)}", plan),
+            (f"*/*/assignment/{type_and_hash(plan)}", plan),
+            (f"0/*/telemetry/{type_and_hash(telemetry)}", telemetry),
+            (f"0/*/chunks/compute_0/{type_and_hash(chunks)}", chunks),
+            (f"0/kaitian/chunks/*/{type_and_hash(chunks)}", chunks)]
+
+
 def _child_publisher(role: str) -> None:
-    """Labelled messages: ``ROLE:0`` once on LATCHED plan/assignment publishers (a late joiner can
-    only get it from their caches), then every 0.1 s ``ROLE:i`` on plain publishers of the same
-    topics followed by telemetry ``ROLE:i``, in that order, on one session."""
+    """Labelled messages: ``ROLE:0`` once on LATCHED plan/assignment/profiles publishers (a late
+    joiner can only get it from their caches), then every 0.1 s ``ROLE:i`` on plain publishers of
+    every protected topic followed by marker ``ROLE:i``, in that order, on one session."""
     from kaitian_ros.runtime import interfaces
     from kaitian_ros.runtime import zenoh_session as zs
     from kaitian_ros.runtime.api import QoS
 
     rt = _child_runtime(f"pub_{role}")
-
-    def plan_like(i: int) -> Any:
-        return interfaces.make("LoadAssignment", incarnation=7, version=i + 1, reason=f"{role}:{i}")
-
-    for name in ("plan", "assignment"):
-        rt.create_publisher(TOPICS[name], "LoadAssignment", QoS.LATCHED).publish(plan_like(0))
-    live = [rt.create_publisher(TOPICS[name], "LoadAssignment", QoS.RELIABLE) for name in ("plan", "assignment")]
-    telemetry = rt.create_publisher(TOPICS["telemetry"], "NodeTelemetry", QoS.RELIABLE)
+    for t in PROTECTED:
+        if t.latched:
+            rt.create_publisher(t.topic, t.msg_type, QoS.LATCHED).publish(t.make(f"{role}:0"))
+    live = [(t, rt.create_publisher(t.topic, t.msg_type, QoS.RELIABLE)) for t in PROTECTED]
+    marker = rt.create_publisher(MARKER.topic, MARKER.msg_type, QoS.RELIABLE)
+    wild = _wildcard_keys() if role == security.NODE else []
     count = {"i": 0}
-
-    # wildcard key expressions that intersect the plan/assignment keys without being included in
-    # the access rules' (zs.is_concrete_key): zenoh delivers them, the subscribers must drop them
-    type_and_hash = "/".join(zs.topic_key(0, TOPICS["plan"], "LoadAssignment").split("/")[-2:])
-    wild_keys = [f"0/kaitian/*/{type_and_hash}", f"0/*/plan/{type_and_hash}", f"*/*/assignment/{type_and_hash}"]
 
     def tick() -> None:
         count["i"] += 1
-        for pub in live:
-            pub.publish(plan_like(count["i"]))
-        if role == security.NODE:
-            wild = bytes(interfaces.encode(interfaces.make("LoadAssignment", incarnation=7, version=count["i"] + 1,
-                                                           reason=f"{role}-wildcard:{count['i']}"), "LoadAssignment"))
-            for key in wild_keys:
-                rt.session.put(key, wild, congestion_control=zs.CongestionControl.BLOCK)
-        telemetry.publish(interfaces.make("NodeTelemetry", node_id=f"{role}:{count['i']}"))
+        i = count["i"]
+        for t, pub in live:
+            pub.publish(t.make(f"{role}:{i}"))
+        for key, t in wild:
+            payload = bytes(interfaces.encode(t.make(f"{role}-wildcard:{i}"), t.msg_type))
+            rt.session.put(key, payload, congestion_control=zs.CongestionControl.BLOCK)
+        marker.publish(MARKER.make(f"{role}:{i}"))
 
     rt.create_timer(0.1, tick)
     print(json.dumps({"ready": role}), flush=True)
@@ -409,9 +537,9 @@ def _child_publisher(role: str) -> None:
 
 
 def _child_subscriber() -> None:
-    """Prints every plan/assignment/telemetry that reaches it; once telemetry of every role has
-    arrived (so every publisher's earlier declarations, its latched caches' queryables among
-    them, would have too), asks the latched caches itself and prints who answered."""
+    """Prints every labelled message that reaches it; once markers of every role have arrived
+    (so every publisher's earlier declarations, its latched caches' queryables among them,
+    would have too), asks the latched caches itself and prints who answered."""
     import threading
 
     import zenoh
@@ -424,25 +552,29 @@ def _child_subscriber() -> None:
     seen: set[str] = set()
     all_seen = threading.Event()
 
-    def show(topic: str, label: str) -> None:
-        print(json.dumps({"topic": topic, "label": label}), flush=True)
-        if topic == "telemetry":
+    def show(t: Topic, msg: Any) -> None:
+        label = t.label(msg)
+        print(json.dumps({"topic": t.name, "label": label}), flush=True)
+        if t is MARKER:
             seen.add(label.split(":")[0])
             if seen >= set(PUBLISHER_ROLES):
                 all_seen.set()
 
-    for name in ("plan", "assignment"):
-        rt.create_subscription(TOPICS[name], "LoadAssignment", lambda m, n=name: show(n, m.reason), QoS.LATCHED)
-    rt.create_subscription(TOPICS["telemetry"], "NodeTelemetry", lambda m: show("telemetry", m.node_id), QoS.RELIABLE)
+    # the marker's subscription last: declarations travel in order, so a publisher that knows
+    # it knows the others and sends each round's protected messages to this session too
+    for t in (*PROTECTED, MARKER):
+        rt.create_subscription(t.topic, t.msg_type, lambda m, t=t: show(t, m),
+                               QoS.LATCHED if t.latched else QoS.RELIABLE)
 
     def ask_caches() -> None:
         all_seen.wait()
         answers = {}
-        for name in ("plan", "assignment"):
-            replies = rt.session.get(zs.topic_key(0, TOPICS[name], "LoadAssignment"),
-                                     consolidation=zenoh.ConsolidationMode.NONE, timeout=10.0)
-            answers[name] = sorted(interfaces.decode(r.ok.payload.to_bytes(), "LoadAssignment").reason
-                                   for r in replies if r.ok is not None)
+        for t in PROTECTED:
+            if t.latched:
+                replies = rt.session.get(zs.topic_key(0, t.topic, t.msg_type),
+                                         consolidation=zenoh.ConsolidationMode.NONE, timeout=10.0)
+                answers[t.name] = sorted(t.label(interfaces.decode(r.ok.payload.to_bytes(), t.msg_type))
+                                         for r in replies if r.ok is not None)
         print(json.dumps({"latched": answers}), flush=True)
 
     threading.Thread(target=ask_caches, daemon=True).start()
@@ -486,8 +618,8 @@ def _child_outsider(variant: str, cert_dir: str, other_ca_dir: str) -> None:
             received["n"] += 1
 
     subscriber = session.declare_subscriber("**", count)
-    plan_key = zs.topic_key(0, TOPICS["plan"], "LoadAssignment")
-    telemetry_key = zs.topic_key(0, TOPICS["telemetry"], "NodeTelemetry")
+    plan_key = zs.topic_key(0, TOPICS["plan"].topic, "LoadAssignment")
+    telemetry_key = zs.topic_key(0, TOPICS["telemetry"].topic, "NodeTelemetry")
     stop = {"now": False}
     signal.signal(signal.SIGINT, lambda *_: stop.__setitem__("now", True))
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))

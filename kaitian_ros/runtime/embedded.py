@@ -32,7 +32,7 @@ from kaitian_ros.runtime.api import (
     coerce_parameter,
 )
 from kaitian_ros.runtime.node_args import NodeArgs, resolve_topic
-from kaitian_ros.runtime.security import Security
+from kaitian_ros.runtime.security import Security, publish_refusal
 
 DELIVER_BATCH = 64  # messages one executor task hands to a subscription before yielding
 BEST_EFFORT_DEPTH = 5  # qos_profile_sensor_data keeps the last 5
@@ -294,7 +294,8 @@ class EmbeddedRuntime:
         tune_allocator()
         self._reject_lock = threading.Lock()
         # security: a runtime/security.Security, None (off) or zs.FROM_ENV (KAITIAN_SECURITY)
-        self.session = zs.open_session("peer", connect=router or zs.router_endpoint(), security=security)
+        self.security = zs.resolve_security(security)
+        self.session = zs.open_session("peer", connect=router or zs.router_endpoint(), security=self.security)
         self.zid = str(self.session.zid())
         self.zid_bytes = bytes.fromhex(self.zid.rjust(32, "0"))[:16]
         self.entity_ids = itertools.count(1)
@@ -327,7 +328,11 @@ class EmbeddedRuntime:
         return token
 
     def create_publisher(self, topic: str, msg_type: str, qos: QoS = QoS.RELIABLE) -> EmbeddedPublisher:
-        return EmbeddedPublisher(self, self.resolve(topic), msg_type, qos)
+        resolved = self.resolve(topic)
+        refusal = "" if self.security is None else publish_refusal(resolved, self.security.role)
+        if refusal:  # the graph's access control drops these messages without telling the sender
+            self.logger.warning(refusal)
+        return EmbeddedPublisher(self, resolved, msg_type, qos)
 
     def create_subscription(self, topic: str, msg_type: str, callback: Callable[..., None],
                             qos: QoS = QoS.RELIABLE, *, with_info: bool = False) -> EmbeddedSubscription:

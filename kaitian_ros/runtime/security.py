@@ -2,10 +2,11 @@
 
 With ``KAITIAN_SECURITY=<cert dir>`` every zenoh session of the process (router, peers, CLI
 tools) uses TLS endpoints with mutual authentication against the directory's ``ca.pem``, and
-access control: a session only accepts a put on ``/kaitian/plan`` from a link whose certificate
-names the coordinator, and on ``/kaitian/assignment`` from the scheduler. ``KAITIAN_SECURITY_ROLE``
-picks which certificate the process presents (``node`` by default). ``zenoh_session.open_session``
-turns these values into a zenoh config; ``kaitian certs create`` makes a matching directory.
+access control: a session only accepts a put on a protected topic (``PROTECTED_TOPICS``: plan,
+assignment, fused results, telemetry, profiles, tensor chunks) from a link whose certificate
+names one of the topic's owner roles. ``KAITIAN_SECURITY_ROLE`` picks which certificate the
+process presents (``node`` by default). ``zenoh_session.open_session`` turns these values into a
+zenoh config; ``kaitian certs create`` makes a matching directory.
 docs/security.md says what this guarantees and what it does not.
 """
 
@@ -20,16 +21,22 @@ from typing import Any
 ENV_DIR = "KAITIAN_SECURITY"        # certificate directory; unset or empty: security off
 ENV_ROLE = "KAITIAN_SECURITY_ROLE"  # which certificate this process presents
 
-COORDINATOR, SCHEDULER, NODE = "coordinator", "scheduler", "node"
-ROLES = (COORDINATOR, SCHEDULER, NODE)  # also the certificates' common names
+COORDINATOR, SCHEDULER, COMPUTE, NODE = "coordinator", "scheduler", "compute", "node"
+ROLES = (COORDINATOR, SCHEDULER, COMPUTE, NODE)  # also the certificates' common names
 CA_CERT = "ca.pem"
 CA_KEY = "ca.key"  # only `kaitian certs create` needs it; a running graph never reads it
 
-# Topics only one role may publish. Keys are rmw_zenoh data keys ``<domain>/<topic>/<type>/<hash>``;
-# ``*`` for the domain protects every ROS_DOMAIN_ID, ``/**`` every type name and hash.
-PROTECTED_TOPICS: dict[str, str] = {
-    "/kaitian/plan": COORDINATOR,
-    "/kaitian/assignment": SCHEDULER,
+# Topics only their owner roles may publish (least privilege: camera, tools, router, launcher,
+# monitor and trainers hold `node` and publish none of these). A name ending in ``/**`` stands
+# for every topic under it. Keys are rmw_zenoh data keys ``<domain>/<topic>/<type>/<hash>``;
+# ``protected_key`` covers every ROS_DOMAIN_ID and every type name and hash.
+PROTECTED_TOPICS: dict[str, tuple[str, ...]] = {
+    "/kaitian/plan": (COORDINATOR,),           # plan versions every compute node executes
+    "/kaitian/assignment": (SCHEDULER,),       # the shares the coordinator adopts
+    "/kaitian/fused": (COORDINATOR,),          # the graph's results
+    "/kaitian/telemetry": (COMPUTE,),          # what the scheduler moves shares by
+    "/kaitian/profiles": (COMPUTE,),           # the costs the coordinator's planner plans with
+    "/kaitian/chunks/**": (COORDINATOR, COMPUTE),  # image rows in, halos between nodes, rows out
 }
 
 # What a zenoh message can do on a key expression (zenoh 1.x access-control message kinds).
@@ -68,9 +75,10 @@ class Security:
 
 
 def role_for_executable(executable: str) -> str:
-    """The certificate a launched process presents: its own for the two publishers of protected
-    topics, ``node`` for every other process (compute, camera, router, launcher, tools)."""
-    return executable if executable in (COORDINATOR, SCHEDULER) else NODE
+    """The certificate a launched process presents: its own for the publishers of protected
+    topics (coordinator, scheduler, compute), ``node`` for every other process (camera, monitor,
+    trainers, router, launcher, tools)."""
+    return executable if executable in (COORDINATOR, SCHEDULER, COMPUTE) else NODE
 
 
 def from_env(env: Mapping[str, str] | None = None) -> Security | None:
@@ -154,20 +162,50 @@ def tls_config(security: Security) -> dict[str, Any]:
 
 
 def protected_key(topic: str) -> str:
-    """Key expression of every rmw_zenoh data key of ``topic`` in every domain."""
-    return f"*/{topic.lstrip('/')}/**"
+    """Key expression of every rmw_zenoh data key of ``topic`` (or, for ``/prefix/**``, of every
+    topic under the prefix) in every domain."""
+    return f"*/{topic.strip('/').removesuffix('/**')}/**"
 
 
-def access_control_config(protected: Mapping[str, str] | None = None) -> dict[str, Any]:
+def owners_of(topic: str, protected: Mapping[str, tuple[str, ...]] | None = None) -> tuple[str, ...] | None:
+    """The roles that may publish ``topic`` (a resolved ROS name), or None if every role may.
+    Matches what ``protected_key`` covers: the name and every topic under it."""
+    protected = PROTECTED_TOPICS if protected is None else protected
+    for name, owners in protected.items():
+        base = "/" + name.strip("/").removesuffix("/**")
+        if topic == base or topic.startswith(base + "/"):
+            return owners
+    return None
+
+
+def publish_refusal(topic: str, role: str) -> str:
+    """'' if ``role`` may publish ``topic``, else one line saying why the graph drops it: a node
+    started by hand with the wrong KAITIAN_SECURITY_ROLE otherwise fails silently."""
+    owners = owners_of(topic)
+    if owners is None or role in owners:
+        return ""
+    return (f"security: {topic} is published with role {role}, which the graph drops "
+            f"(only {' or '.join(owners)} may publish it; set {ENV_ROLE})")
+
+
+def _check_owners(topic: str, owners: tuple[str, ...]) -> None:
+    if isinstance(owners, str) or not owners:
+        raise SecurityError(f"security: {topic} needs a non-empty tuple of owner roles, got {owners!r}")
+    unknown = [o for o in owners if o not in ROLES]
+    if unknown:
+        raise SecurityError(f"security: {topic} is owned by unknown role(s) {', '.join(map(repr, unknown))}")
+
+
+def access_control_config(protected: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, Any]:
     """``access_control`` for every session of a secure graph.
 
     Zenoh matches each link to a subject by the common name of the certificate the remote end
     presented, and a deny rule wins over an allow rule. Everything is denied by default, so a
     link with a certificate of no known role gets nothing through; each role may send and
     receive anything, except that a link may only *publish* (put, delete, declare a queryable,
-    reply) on a protected topic if it is that topic's role. The deny rules are ingress only:
-    each session filters what reaches it, and peers talk to each other directly (gossip), so
-    every session must enforce them, not the router alone.
+    reply) on a protected topic if its role is one of that topic's owners. The deny rules are
+    ingress only: each session filters what reaches it, and peers talk to each other directly
+    (gossip), so every session must enforce them, not the router alone.
     """
     protected = PROTECTED_TOPICS if protected is None else protected
     rules: list[dict[str, Any]] = [{
@@ -175,14 +213,15 @@ def access_control_config(protected: Mapping[str, str] | None = None) -> dict[st
         "messages": list(ALL_MESSAGES), "key_exprs": list(ALL_KEYS),
     }]
     policies: list[dict[str, Any]] = [{"id": "members", "rules": ["allow_all"], "subjects": list(ROLES)}]
-    for index, (topic, owner) in enumerate(sorted(protected.items())):
-        if owner not in ROLES:
-            raise SecurityError(f"security: {topic} is owned by unknown role {owner!r}")
-        rule_id = f"only_{owner}_publishes_{index}"
+    for index, (topic, owners) in enumerate(sorted(protected.items())):
+        _check_owners(topic, owners)
+        others = [r for r in ROLES if r not in owners]
+        if not others:  # every role owns it: nothing to deny, and no policy without subjects
+            continue
+        rule_id = f"only_{'_'.join(owners)}_publish_{index}"
         rules.append({"id": rule_id, "permission": "deny", "flows": ["ingress"],
                       "messages": list(PUBLISHING_MESSAGES), "key_exprs": [protected_key(topic)]})
-        policies.append({"id": f"not_{owner}_{index}", "rules": [rule_id],
-                         "subjects": [r for r in ROLES if r != owner]})
+        policies.append({"id": f"not_{'_'.join(owners)}_{index}", "rules": [rule_id], "subjects": others})
     return {
         "enabled": True,
         "default_permission": "deny",

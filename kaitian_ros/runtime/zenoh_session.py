@@ -34,6 +34,15 @@ def domain_id() -> int:
 FROM_ENV = "env"  # open_session's default: security as KAITIAN_SECURITY / KAITIAN_SECURITY_ROLE say
 
 
+def resolve_security(security: security_.Security | None | str = FROM_ENV) -> security_.Security | None:
+    """``security`` itself, or for FROM_ENV what KAITIAN_SECURITY(_ROLE) say (None: off)."""
+    if isinstance(security, str):
+        if security != FROM_ENV:
+            raise TypeError(f"security must be a Security, None or {FROM_ENV!r}, got {security!r}")
+        return security_.from_env()
+    return security
+
+
 def open_session(mode: str = "peer", *, connect: str | None = None, listen: str | None = None,
                  security: security_.Security | None | str = FROM_ENV) -> Any:
     """A zenoh session like rmw_zenoh's defaults: multicast scouting off, loopback only.
@@ -46,10 +55,7 @@ def open_session(mode: str = "peer", *, connect: str | None = None, listen: str 
     address), mutual certificate authentication and access control on this session.
     SecurityError if its files are missing.
     """
-    if isinstance(security, str):
-        if security != FROM_ENV:
-            raise TypeError(f"security must be a Security, None or {FROM_ENV!r}, got {security!r}")
-        security = security_.from_env()
+    security = resolve_security(security)
     if security is not None:
         security_.check(security)
 

@@ -65,6 +65,7 @@ LINK_NAMES = {"netns_prefix": "kaitian_chaos", "veth_prefix": "kc", "subnet": "1
 # the line each node logs once its subscriptions exist (the end of its constructor)
 INSTANT_S = 5.0  # the latency "during" a fault without duration: its first seconds
 LIFTED = ("adaptation", "variants")  # details that targets read: kept beside the metrics
+COMPUTE_CERT = "compute certificate (reported apart)"
 ANY_REASON = "*"  # a forgery with no reason of its own in the code: any counted reject will do
 READY_MARK = {"coordinator": " -> trunk ", "compute": ", slowdown ", "scheduler": ": policy "}
 
@@ -612,12 +613,15 @@ class Run:
 
     def attackers(self) -> list[tuple[str, Attacker | None, str]]:
         """(who, attacker or None, why it could not join): without the security option the one
-        attacker; with it, one holding the graph's ``node`` certificate and one without any."""
+        attacker; with it, one holding the graph's ``node`` certificate (a camera, a tool), one
+        without any, and - reported apart, not judged by the target - one holding the
+        ``compute`` certificate (what a compromised compute node holds)."""
         if self.secure_dir is None:
             return [("no certificate (security option off)", self.attacker_for(), "")]
         if not self.secure_attackers:
-            for who, env in (("node certificate", {"KAITIAN_SECURITY": self.secure_dir, "KAITIAN_SECURITY_ROLE": "node"}),
-                             ("no certificate", {"KAITIAN_SECURITY": None, "KAITIAN_SECURITY_ROLE": None})):
+            for who, env in (("no certificate", {"KAITIAN_SECURITY": None, "KAITIAN_SECURITY_ROLE": None}),
+                             ("node certificate", {"KAITIAN_SECURITY": self.secure_dir, "KAITIAN_SECURITY_ROLE": "node"}),
+                             (COMPUTE_CERT, {"KAITIAN_SECURITY": self.secure_dir, "KAITIAN_SECURITY_ROLE": "compute"})):
                 try:
                     self.secure_attackers.append((who, Attacker(self.g.endpoint, fuzz_topics(self.g), env), ""))
                 except RuntimeError as exc:  # refused by the graph: it sends nothing
@@ -886,8 +890,7 @@ class Run:
         attackers = self.attackers()
         t0 = time.monotonic()
         done = []
-        joined = [(who, a) for who, a, _ in attackers if a is not None]
-        joined.sort(key=lambda x: x[0] == "node certificate")
+        joined = [(who, a) for who, a, _ in attackers if a is not None]  # in order: the strongest last
         for who, attacker in joined:
             for v in forgery_variants(g, kind):
                 before = {n: g.diag(n) for n in v.listeners}
@@ -911,12 +914,14 @@ class Run:
                              "listeners": [], "expected_reason": "", "counted": False, "rejected": {},
                              "effect": False, "consequence": "", "refused": why})
         end = time.monotonic()
-        effects = [d["effect"] for d in done]
-        effect = True if any(e is True for e in effects) else (None if any(e is None for e in effects) else False)
+        effect = _any_effect(d["effect"] for d in done if d["attacker"] != COMPUTE_CERT)
         repair_target = {"plan": "coordinator", "assignment": "scheduler", "telemetry": "scheduler"}[kind]
         inj = Injected(end=end, ref=end, start=t0, details={"variants": done}, effect=effect)
         inj.details["attackers"] = [who for who, _, _ in attackers]
-        if effect:
+        if any(d["attacker"] == COMPUTE_CERT for d in done):
+            inj.top["forgery_effect_compute_certificate"] = _any_effect(
+                d["effect"] for d in done if d["attacker"] == COMPUTE_CERT)
+        if effect or inj.top.get("forgery_effect_compute_certificate"):
             inj.repair = lambda: self.repair([repair_target])
         return inj
 
@@ -1155,6 +1160,12 @@ def forgery_variants(g: ChaosGraph, kind: str) -> list[Variant]:
                 "the scheduler's assignments take effect half an hour of requests ahead; the coordinator refuses "
                 "them as implausible: adaptation stops until the scheduler restarts"),
     ]
+
+
+def _any_effect(effects: Any) -> bool | None:
+    """True if any variant had an effect, None if one could not be observed, else False."""
+    effects = list(effects)
+    return True if any(e is True for e in effects) else (None if any(e is None for e in effects) else False)
 
 
 def _with(msg: Any, **fields: Any) -> Any:

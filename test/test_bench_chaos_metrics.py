@@ -130,4 +130,6 @@ def test_targets_per_kind():
                                            {"name": "c", "implausible": False, "counted": False, "effect": True}]})
     assert forge[0].met is False and "not: b" in forge[0].value
     assert targets("forge_secure", {"forgery_effect": None})[0].met is None
+    secure = targets("forge_secure", {"forgery_effect": False, "forgery_effect_compute_certificate": True})
+    assert [t.met for t in secure] == [True, None]
     assert targets("fuzz", {"skipped": True, "reason": "x"})[0].met is None

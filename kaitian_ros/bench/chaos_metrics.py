@@ -260,7 +260,11 @@ def targets(kind: str, fault: Mapping[str, Any]) -> list[Target]:
                        None if not variants else not bad)]
     if kind == "forge_secure":
         eff = fault.get("forgery_effect")
-        return [Target("no effect", eff, None if eff is None else eff is False)]
+        out = [Target("no effect", eff, None if eff is None else eff is False)]
+        if "forgery_effect_compute_certificate" in fault:  # a compromised compute node: no target
+            out.append(Target("(reported) effect with a compute certificate",
+                              fault["forgery_effect_compute_certificate"], None))
+        return out
     if kind == "fuzz":
         crashes, hangs, uncounted = fault.get("crashes"), fault.get("hangs"), fault.get("uncounted")
         return [Target("0 crashes", crashes, None if crashes is None else crashes == 0),

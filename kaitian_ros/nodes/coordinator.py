@@ -145,6 +145,7 @@ class Coordinator:
         rt.create_subscription(ic.PROFILES_TOPIC, "CostProfile", self._on_profile, QoS.LATCHED)
         rt.create_subscription(ic.chunk_topic(ic.COORDINATOR), "TensorChunk", self._on_chunk, with_info=True)
         rt.create_subscription(ic.PLAN_TOPIC, "LoadAssignment", self._on_plan_topic, QoS.LATCHED)
+        rt.on_node_gone(self._on_node_gone)
         rt.create_subscription(self.params["input_topic"], "Image", self._on_image, QoS.BEST_EFFORT)
         rt.add_on_set_parameters_callback(self._on_set)
         rt.create_timer(0.05, self._check)
@@ -582,15 +583,27 @@ class Coordinator:
             self._dispatch_new(msg, x, received)
 
     # --- supervision --------------------------------------------------------------------
+    def _on_node_gone(self, fqn: str) -> None:
+        """A compute node's process ended (its session with it): out of the plan now, its
+        requests in flight sent again, instead of waiting dead_after_s for its heartbeats."""
+        name = fqn.rsplit("/", 1)[-1]
+        if name in self.alive:
+            self.counts["departures"] += 1
+            self._drop([name], "left the graph")
+
+    def _drop(self, dead: list[str], why: str) -> None:
+        self.alive = tuple(n for n in self.alive if n not in dead)
+        for n in dead:
+            self.last_seen.pop(n, None)
+        self.rt.logger.warning(f"compute node(s) {dead} {why}: leaving the plan")
+        self._replan(f"{', '.join(dead)} lost", force=True)
+        self._redispatch(set(dead))
+
     def _check(self) -> None:
         now_m = time.monotonic()
         dead = [n for n in self.alive if now_m - self.last_seen.get(n, 0.0) > self.params["dead_after_s"]]
         if dead:
-            self.alive = tuple(n for n in self.alive if n not in dead)
-            self.rt.logger.warning(f"compute node(s) {dead} silent > {self.params['dead_after_s']} s: "
-                                   f"leaving the plan")
-            self._replan(f"{', '.join(dead)} lost", force=True)
-            self._redispatch(set(dead))
+            self._drop(dead, f"silent > {self.params['dead_after_s']} s")
         elif self.alive and time.monotonic() - self.last_replan >= self.params["replan_period_s"]:
             self._replan_soon("periodic re-prediction")
         self._collect_plan()

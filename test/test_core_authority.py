@@ -66,3 +66,32 @@ def test_accepted_versions_never_go_back_nor_jump_within_an_incarnation(messages
             assert (t.incarnation, t.version) == (inc, version)
         else:
             assert (t.incarnation, t.version) == before
+
+
+def test_guard_tells_its_own_messages_from_impostors_and_reincarnates_at_a_bounded_rate() -> None:
+    from kaitian_ros.core.authority import ImpersonationGuard
+
+    guard = ImpersonationGuard("coordinator", 0xAB, min_interval_s=2.0)
+    guard.published(1, b"one")
+    guard.published(2, b"two")
+    assert guard.check(0xAB, 2, b"two") == ""                      # its own echo
+    assert "content it did not publish" in guard.check(0xAB, 2, b"forged")
+    assert "version it did not publish" in guard.check(0xAB, 3, b"three")
+    assert "another coordinator incarnation" in guard.check(0xCD, 1, b"x")
+    assert guard.impostors == 3
+    new = guard.reincarnate(10.0)
+    assert new is not None and new != 0xAB and guard.incarnation == new
+    assert guard.check(0xAB, 2, b"two") == ""                      # a late echo of its former self
+    assert guard.check(new, 2, b"two") != ""                       # nothing published under the new one yet
+    assert guard.reincarnate(11.0) is None                         # rate bound: no ping-pong
+    assert guard.reincarnate(12.0) not in (None, new)
+
+
+def test_guard_keeps_a_bounded_record() -> None:
+    from kaitian_ros.core.authority import ImpersonationGuard
+
+    guard = ImpersonationGuard("scheduler", 7, kept=4)
+    for v in range(1, 11):
+        guard.published(v, bytes([v]))
+    assert guard.check(7, 10, bytes([10])) == "" and guard.check(7, 7, bytes([7])) == ""
+    assert guard.check(7, 6, bytes([6])) != ""  # forgotten: an old version re-sent now is not trusted

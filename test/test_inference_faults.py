@@ -154,7 +154,8 @@ def test_malformed_images_are_counted_and_the_coordinator_keeps_running(graph):
 def test_compute_process_killed_mid_run_loses_no_frame(tmp_path):
     """kill -9 one of three compute nodes while frames flow (input paced so requests are in
     flight): every request still yields exactly one complete, exact FusedOutput, re-dispatched
-    to the survivors; the coordinator's plan drops the dead node soon after dead_after_s."""
+    to the survivors; the coordinator's plan drops the dead node as soon as its session is gone
+    (no wait for dead_after_s)."""
     dead_after_s = 1.5
     with InferenceGraph(tmp_path, model="digits_cnn", height=64, width=64, slowdowns=[1.0, 2.0, 1.0],
                         shares=[1.0, 1.0, 1.0], slab_rows=4,
@@ -196,6 +197,11 @@ def test_compute_process_killed_mid_run_loses_no_frame(tmp_path):
         coord = wait_values(g, "coordinator", lambda v: "redispatched" in v, "a re-dispatch count")
         assert int(coord["redispatched"]) >= 1, coord
         assert "timeouts" not in coord, coord
+        # seen as a departure (its session's liveliness token went with the process), not by
+        # waiting dead_after_s for missing heartbeats
+        assert int(coord.get("departures", "0")) == 1, coord
+        assert f"['{victim}'] left the graph" in g.out.text(), g.out.text(last=40)
+        print(f"\nplan without {victim} {dropped_after:.2f} s after the kill")
 
 
 def test_unknown_plan_chunk_times_out_while_other_plans_keep_arriving(graph):

@@ -263,3 +263,27 @@ def test_a_flood_on_a_reliable_subscription_is_bounded_dropped_and_counted(route
     finally:
         sender.close()
         node.close()
+
+
+def test_a_node_leaving_is_reported_and_a_copied_token_withdrawn_is_not(router):
+    """on_node_gone: a node whose session closes is reported by name; someone declaring and
+    withdrawing a copy of a live node's liveliness token is not taken for its departure."""
+    import time
+
+    watcher = Probe(router.endpoint, "watcher")
+    leaver = Probe(router.endpoint, "leaver")
+    forger = raw_session(router.endpoint)
+    gone: list[str] = []
+    try:
+        watcher.rt.on_node_gone(gone.append)
+        stayer_key = zs.node_token(0, watcher.rt.zid, watcher.rt._node_entity, "/", "watcher")
+        copy = forger.liveliness().declare_token(stayer_key)
+        time.sleep(0.5)
+        copy.undeclare()
+        leaver.close()
+        wait_until(lambda: "/leaver" in gone, "the leaver's departure")
+        time.sleep(1.5)  # the copy's confirmation (a liveliness query, 1 s timeout) is long done
+        assert gone == ["/leaver"], gone
+    finally:
+        forger.close()
+        watcher.close()

@@ -174,3 +174,42 @@ def test_killed_node_leaves_the_plan_and_a_restarted_node_rejoins(tmp_path):
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q", "-s"]))
+
+
+def test_forged_new_incarnations_are_caught_by_the_authorities_they_impersonate():
+    """Without the security option a listener cannot tell a forged new incarnation from a
+    restart; the impersonated authority can. A forged plan (all rows to one node, a new
+    incarnation) and a forged assignment reach every node; the coordinator and the scheduler see
+    them on their own topics, re-announce under new incarnations, and every request is answered,
+    complete, once."""
+    from helpers import wait_until
+
+    from kaitian_ros.core.authority import new_incarnation
+    from kaitian_ros.core.policy import Assignment
+    from kaitian_ros.nodes import inference_common as ic
+    from kaitian_ros.runtime.api import QoS
+
+    cfg = scenario_config(**MODEL, slowdowns=[1.0, 1.0], policy="adaptive", dead_after_s=2.0,
+                          coordinator=SCHEDULER_STRIPES)
+    with AdaptivityGraph(cfg) as g:
+        g.wait_ready(timeout_s=90.0)
+        g.drive(6, window=1, timeout_s=90.0)
+        plan, proposal = g.latest_plan(), g.latest_assignment()
+        forged_plans = g.rt.create_publisher(ic.PLAN_TOPIC, "LoadAssignment", QoS.LATCHED)
+        forged_proposals = g.rt.create_publisher(ic.ASSIGNMENT_TOPIC, "LoadAssignment", QoS.LATCHED)
+        time.sleep(0.5)  # routes to the new publishers
+        fake_plan, fake_proposal = new_incarnation(), new_incarnation()
+        forged_plans.publish(ic.assignment_msg(
+            Assignment(1, 0, ("compute_1",), (1.0,), "adaptive", "forged", 1.0), fake_plan))
+        forged_proposals.publish(ic.assignment_msg(
+            Assignment(1, 0, ("compute_0", "compute_1"), (0.0, 1.0), "adaptive", "forged", 1.0), fake_proposal))
+        wait_until(lambda: int(g.latest_plan().incarnation) not in (int(plan.incarnation), fake_plan),
+                   "the coordinator re-announcing its plan under a new incarnation", 30.0)
+        wait_until(lambda: int(g.latest_assignment().incarnation) not in (int(proposal.incarnation), fake_proposal),
+                   "the scheduler re-announcing under a new incarnation", 30.0)
+        g.drive(6, window=1, timeout_s=90.0)
+        _assert_every_request_answered_once(g)
+        out = g.out.text()
+        assert "re-announcing the plan as incarnation" in out and "impostor: another coordinator incarnation" in out
+        assert "[scheduler]" in out and "impostor: another scheduler incarnation" in out
+        assert not g.dead_children()

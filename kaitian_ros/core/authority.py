@@ -86,3 +86,60 @@ class AuthorityTracker:
         self.incarnation, self.version = incarnation, version
         return Verdict(True, reset=not first,
                        reason="" if first else f"{self.what} restarted: incarnation {incarnation:016x} from v{version}")
+
+
+class ImpersonationGuard:
+    """An authority's watch on its own topic: anything there it did not publish is forged.
+
+    Listeners cannot tell a forged message in the authority's incarnation, or a forged new
+    incarnation, from the real thing without the security option (a forged new incarnation made
+    every compute node refuse the real coordinator's plans as retired). The authority can: it
+    knows what it published. It records the digest of each version it sends; a message on its
+    topic with its incarnation but another digest, or with an incarnation it never had, is an
+    impostor. The authority then takes a new incarnation and publishes again, which listeners
+    accept as a restart and which retires the impostor's incarnation with the old one. A
+    persistent forger can repeat this; ``min_interval_s`` keeps two misconfigured authorities
+    from re-incarnating each other in a tight loop. Pure: the caller passes the time.
+    """
+
+    def __init__(self, what: str, incarnation: int, *, kept: int = 64, min_interval_s: float = 2.0) -> None:
+        self.what = what
+        self.incarnation = incarnation
+        self.min_interval_s = min_interval_s
+        self._kept = kept
+        self._digests: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+        self._own: collections.deque[int] = collections.deque(maxlen=RETIRED_KEPT)  # my former incarnations
+        self._last_change = float("-inf")
+        self.impostors = 0
+
+    def published(self, version: int, digest: bytes) -> None:
+        self._digests[version] = digest
+        self._digests.move_to_end(version)
+        while len(self._digests) > self._kept:
+            self._digests.popitem(last=False)
+
+    def check(self, incarnation: int, version: int, digest: bytes) -> str:
+        """'' if the message is this authority's own (or an echo of a former incarnation's),
+        else why it is forged."""
+        if incarnation == self.incarnation:
+            mine = self._digests.get(version)
+            if mine == digest:
+                return ""
+            self.impostors += 1
+            what = "content it did not publish" if mine is not None else "a version it did not publish"
+            return f"impostor: {self.what} v{version} in this {self.what}'s incarnation with {what}"
+        if incarnation in self._own:
+            return ""
+        self.impostors += 1
+        return f"impostor: another {self.what} incarnation {incarnation:016x} v{version} on its topic"
+
+    def reincarnate(self, now_s: float) -> int | None:
+        """A new incarnation to publish under (the old one is remembered as this authority's
+        own), or None if the last change was less than ``min_interval_s`` ago."""
+        if now_s - self._last_change < self.min_interval_s:
+            return None
+        self._last_change = now_s
+        self._own.append(self.incarnation)
+        self.incarnation = new_incarnation()
+        self._digests.clear()
+        return self.incarnation

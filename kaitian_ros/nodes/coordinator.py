@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from kaitian_ros.core import planner
-from kaitian_ros.core.authority import AuthorityTracker, new_incarnation
+from kaitian_ros.core.authority import AuthorityTracker, ImpersonationGuard, new_incarnation
 from kaitian_ros.core.costs import COORDINATOR, Costs, DeviceProfile, LinkEstimate, LinkMeter, profile_problem
 from kaitian_ros.core.plan import CostModel, Plan, PlanSpec
 from kaitian_ros.core.policy import Assignment
@@ -129,6 +129,8 @@ class Coordinator:
         # a restarted coordinator is a new authority: compute nodes reset their plan bookkeeping
         # on a new incarnation, and its request ids continue above the old run's
         self.incarnation = new_incarnation()
+        self.guard = ImpersonationGuard("coordinator", self.incarnation)  # forged plans on our topic
+        self.impostor_s = 0.0  # monotonic time an impostor was last seen (0: never)
         self.next_request = ic.first_request_id()
         self.scheduler_authority = AuthorityTracker("scheduler")
         self.counts = collections.Counter()
@@ -142,6 +144,8 @@ class Coordinator:
         rt.create_subscription(ic.ASSIGNMENT_TOPIC, "LoadAssignment", self._on_assignment, QoS.LATCHED)
         rt.create_subscription(ic.PROFILES_TOPIC, "CostProfile", self._on_profile, QoS.LATCHED)
         rt.create_subscription(ic.chunk_topic(ic.COORDINATOR), "TensorChunk", self._on_chunk, with_info=True)
+        rt.create_subscription(ic.PLAN_TOPIC, "LoadAssignment", self._on_plan_topic, QoS.LATCHED)
+        rt.on_node_gone(self._on_node_gone)
         rt.create_subscription(self.params["input_topic"], "Image", self._on_image, QoS.BEST_EFFORT)
         rt.add_on_set_parameters_callback(self._on_set)
         rt.create_timer(0.05, self._check)
@@ -417,8 +421,9 @@ class Coordinator:
         self.current = pv
         plan = self.plans[version]
         ru = self.choice.runner_up if self.choice is not None else None
-        self.plan_pub.publish(ic.assignment_msg(pv, self.incarnation, plan, ru.label if ru else "",
-                                                ru.predicted_ms if ru else 0.0))
+        msg = ic.assignment_msg(pv, self.incarnation, plan, ru.label if ru else "", ru.predicted_ms if ru else 0.0)
+        self.guard.published(version, ic.assignment_digest(msg))
+        self.plan_pub.publish(msg)
         self.rt.logger.info(f"plan v{version}: {pv.reason}")
         in_use = {r.version for r in self.requests.values()} | {version} | (
             {self.pending.version} if self.pending else set())
@@ -578,15 +583,27 @@ class Coordinator:
             self._dispatch_new(msg, x, received)
 
     # --- supervision --------------------------------------------------------------------
+    def _on_node_gone(self, fqn: str) -> None:
+        """A compute node's process ended (its session with it): out of the plan now, its
+        requests in flight sent again, instead of waiting dead_after_s for its heartbeats."""
+        name = fqn.rsplit("/", 1)[-1]
+        if name in self.alive:
+            self.counts["departures"] += 1
+            self._drop([name], "left the graph")
+
+    def _drop(self, dead: list[str], why: str) -> None:
+        self.alive = tuple(n for n in self.alive if n not in dead)
+        for n in dead:
+            self.last_seen.pop(n, None)
+        self.rt.logger.warning(f"compute node(s) {dead} {why}: leaving the plan")
+        self._replan(f"{', '.join(dead)} lost", force=True)
+        self._redispatch(set(dead))
+
     def _check(self) -> None:
         now_m = time.monotonic()
         dead = [n for n in self.alive if now_m - self.last_seen.get(n, 0.0) > self.params["dead_after_s"]]
         if dead:
-            self.alive = tuple(n for n in self.alive if n not in dead)
-            self.rt.logger.warning(f"compute node(s) {dead} silent > {self.params['dead_after_s']} s: "
-                                   f"leaving the plan")
-            self._replan(f"{', '.join(dead)} lost", force=True)
-            self._redispatch(set(dead))
+            self._drop(dead, f"silent > {self.params['dead_after_s']} s")
         elif self.alive and time.monotonic() - self.last_replan >= self.params["replan_period_s"]:
             self._replan_soon("periodic re-prediction")
         self._collect_plan()
@@ -601,6 +618,45 @@ class Coordinator:
                                                   f"{', '.join(owners)}")
             self._start_waiting()
         self._start_waiting()
+
+    def _on_plan_topic(self, msg: Any) -> None:
+        """Our own topic: a plan we did not publish is forged (or a second coordinator runs)."""
+        try:
+            reason = self.guard.check(int(msg.incarnation), int(msg.version), ic.assignment_digest(msg))
+        except (ValueError, OverflowError, TypeError) as exc:  # a decoded message re-encodes; be safe
+            reason = f"impostor: unencodable plan on {ic.PLAN_TOPIC}: {exc}"
+        if not reason:
+            return
+        self.rt.rejected.count(reason)
+        self.impostor_s = time.monotonic()
+        incarnation = self.guard.reincarnate(time.monotonic())
+        if incarnation is not None:
+            self._reincarnate(incarnation, reason)
+
+    def _reincarnate(self, incarnation: int, reason: str) -> None:
+        """Publish the running plan again under a new incarnation: compute nodes take it as a
+        restart, retire the impostor's incarnation with our old one, and drop the requests they
+        held, so every request in flight is sent again under the re-announced plan."""
+        self.incarnation = incarnation
+        self.counts["reincarnations"] += 1
+        self.rt.logger.warning(f"{reason}: re-announcing the plan as incarnation {incarnation:016x}")
+        if self.current is None:
+            return
+        pv = dataclasses.replace(self.current, version=self.current.version + 1,
+                                 reason=f"re-announced after an impostor: {self.current.reason}")
+        plan = self.plans[self.current.version]
+        self.plans[pv.version] = plan
+        self.pending = None  # a held switch was announced under the old incarnation: plan again
+        for req in list(self.requests.values()):
+            req.version, req.plan = pv.version, plan
+            req.got[:] = False
+            req.sources.clear()
+            req.redispatches += 1
+            req.dispatched_s = time.time()
+            self.counts["redispatched"] += 1
+        self._activate(pv)
+        for req in list(self.requests.values()):
+            self._send_inputs(req)
 
     def _redispatch(self, dead: set[str]) -> None:
         """Restart the lost nodes' in-flight requests on the survivors under the new plan."""
@@ -635,6 +691,9 @@ class Coordinator:
             text += f", {self._plan_text(plan)} (predicted {self.predicted_ms:.1f} ms)"
         if self.counts["timeouts"]:
             level, text = Level.WARN, text + f", {self.counts['timeouts']} timed out"
+        if self.impostor_s and time.monotonic() - self.impostor_s < IMPOSTOR_REPORT_S:
+            level, text = Level.ERROR, text + (f", forged plans on {ic.PLAN_TOPIC} ({self.guard.impostors}): "
+                                               f"re-announced as a new incarnation")
         silent_s = time.monotonic() - self.assignment_s
         if self.params["use_scheduler"] and self.assignment is None and self.alive and silent_s > NO_ASSIGNMENT_S:
             # a latched topic: a running scheduler's assignment reaches a new coordinator at once
@@ -662,6 +721,7 @@ class Coordinator:
             | {k: v for k, v in self.counts.items()})
 
 
+IMPOSTOR_REPORT_S = 30.0  # ERROR on /diagnostics this long after a forged plan was seen
 NO_ASSIGNMENT_S = 15.0  # use_scheduler without any accepted assignment this long: WARN
 SPEED_CHANGE = 1.3  # a profile whose trunk time moved this much is a device that changed speed
 OBSERVED_TTL_S = 60.0  # a plan's measured latency is forgotten this long after it last ran

@@ -8,6 +8,7 @@ plan version.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Callable
@@ -275,6 +276,12 @@ def static_shares_problem(shares: list[float], nodes: list[str], *, empty_ok: bo
     if sum(shares) <= 0:
         return "static_shares must not all be zero"
     return ""
+
+
+def assignment_digest(msg: Any) -> bytes:
+    """A LoadAssignment's identity as an authority checks it: the digest of its CDR bytes (a
+    decoded message encodes to the same bytes, field for field)."""
+    return hashlib.blake2b(bytes(interfaces.encode(msg, "LoadAssignment")), digest_size=16).digest()
 
 
 FRAME_BATCH = 1  # a request is one camera frame: every chunk of it carries batch size 1

@@ -9,11 +9,12 @@ policy's own config checks, so a refused value comes back with the policy's reas
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 from kaitian_ros.core import policy as pol
-from kaitian_ros.core.authority import new_incarnation
+from kaitian_ros.core.authority import ImpersonationGuard, new_incarnation
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.runtime import run_node
 from kaitian_ros.runtime.api import ParameterDescriptor as P
@@ -38,6 +39,7 @@ NODE_PARAMETERS = (
 )
 
 PARAMETERS = NODE_PARAMETERS + POLICY_PARAMETERS
+IMPOSTOR_REPORT_S = 30.0  # ERROR on /diagnostics this long after a forged assignment was seen
 TELEMETRY_FRESH_S = 2.0  # telemetry "flows" while its newest sample is younger than this
 STALL_PERIODS, STALL_MIN_S = 5, 2.0  # decisions missing this long while it flows: ERROR
 
@@ -55,6 +57,8 @@ class Scheduler:
         self.newest_request = 0
         self.published = 0
         self.incarnation = new_incarnation()  # a restarted scheduler is a new authority (core.authority)
+        self.guard = ImpersonationGuard("scheduler", self.incarnation)  # forged assignments on our topic
+        self.impostor_s = 0.0
         self.telemetry_s = 0.0  # monotonic time of the newest telemetry sample (0: none yet)
         self.decided_s = time.monotonic()  # of the newest decision that ran through
         self.decide_errors = 0
@@ -63,6 +67,7 @@ class Scheduler:
         self.pub = rt.create_publisher(ic.ASSIGNMENT_TOPIC, "LoadAssignment", QoS.LATCHED)
         self.diagnostics = DiagnosticsPublisher(rt, hardware_id="cpu")
         rt.create_subscription(ic.TELEMETRY_TOPIC, "NodeTelemetry", self._on_telemetry)
+        rt.create_subscription(ic.ASSIGNMENT_TOPIC, "LoadAssignment", self._on_assignment_topic, QoS.LATCHED)
         rt.add_on_set_parameters_callback(self._on_set)
         self.timer = rt.create_timer(self.params["decide_period_s"], self._decide)
         rt.create_timer(1.0, self._report)
@@ -120,11 +125,38 @@ class Scheduler:
             self.last_decide_error = f"{type(exc).__name__}: {exc}"
             self.rt.logger.error(f"decision failed: {self.last_decide_error}")
             return
-        self.last = assignment
-        self.published += 1
-        self.pub.publish(msg)
+        self._publish(assignment, msg)
         self.rt.logger.info(f"assignment v{assignment.version} from request {assignment.effective_from_request}: "
                             f"{assignment.reason}")
+
+    def _publish(self, assignment: pol.Assignment, msg: Any) -> None:
+        self.last = assignment
+        self.published += 1
+        self.guard.published(assignment.version, ic.assignment_digest(msg))
+        self.pub.publish(msg)
+
+    def _on_assignment_topic(self, msg: Any) -> None:
+        """Our own topic: an assignment we did not publish is forged; publish ours again under a
+        new incarnation, which the coordinator follows as a restart (retiring the impostor's)."""
+        try:
+            reason = self.guard.check(int(msg.incarnation), int(msg.version), ic.assignment_digest(msg))
+        except (ValueError, OverflowError, TypeError) as exc:
+            reason = f"impostor: unencodable assignment on {ic.ASSIGNMENT_TOPIC}: {exc}"
+        if not reason:
+            return
+        self.rt.rejected.count(reason)
+        self.impostor_s = time.monotonic()
+        incarnation = self.guard.reincarnate(time.monotonic())
+        if incarnation is None:
+            return
+        self.incarnation = incarnation
+        self.rt.logger.warning(f"{reason}: re-announcing as incarnation {incarnation:016x}")
+        if self.last is not None:
+            again = dataclasses.replace(self.last, version=self.last.version + 1,
+                                        effective_from_request=self.newest_request + self.params["lead_requests"],
+                                        reason=f"re-announced after an impostor: {self.last.reason}")
+            self.state = dataclasses.replace(self.state, assignment=again)  # the policy numbers on from it
+            self._publish(again, ic.assignment_msg(again, self.incarnation))
 
     def _report(self) -> None:
         values: dict[str, Any] = {"policy": self.config.policy, "published": self.published,
@@ -148,6 +180,9 @@ class Scheduler:
         if flowing and stalled_s > max(STALL_PERIODS * self.params["decide_period_s"], STALL_MIN_S):
             values["decisions_stalled_s"] = f"{stalled_s:.1f}"
             text, level = f"no decision for {stalled_s:.1f} s although telemetry flows", Level.ERROR
+        if self.impostor_s and time.monotonic() - self.impostor_s < IMPOSTOR_REPORT_S:
+            text, level = (f"forged assignments on {ic.ASSIGNMENT_TOPIC} ({self.guard.impostors}): "
+                           f"re-announced as a new incarnation"), Level.ERROR
         if self.decide_errors:
             values |= {"decide_errors": self.decide_errors, "last_decide_error": self.last_decide_error}
             text, level = f"decisions failing ({self.decide_errors}): {self.last_decide_error}", Level.ERROR

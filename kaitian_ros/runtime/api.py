@@ -194,6 +194,11 @@ class Runtime(Protocol):
     def add_on_set_parameters_callback(self, callback: ParametersCallback) -> None:
         """``callback`` sees proposed values before they apply and may refuse with a reason."""
 
+    def on_node_gone(self, callback: Callable[[str], None]) -> None:
+        """``callback(fully qualified node name)`` on the executor when a node leaves the graph
+        (its process ended or its session closed): a crash is seen in milliseconds instead of
+        after a heartbeat timeout. A hung node that keeps its session is not gone."""
+
     def now(self) -> float:
         """Wall-clock seconds since the epoch."""
 

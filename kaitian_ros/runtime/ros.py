@@ -57,6 +57,7 @@ from kaitian_ros.runtime.node_args import parse_node_args
 
 RELIABLE_DEPTH = 10
 SPIN_PERIOD_S = 0.1
+NODE_POLL_S = 0.25  # how often on_node_gone compares the graph's node names
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -256,6 +257,21 @@ class RosRuntime:
 
     def create_timer(self, period_s: float, callback: Callable[[], None]) -> RosTimer:
         return RosTimer(self, period_s, callback)
+
+    def on_node_gone(self, callback: Callable[[str], None]) -> None:
+        """rclpy has no departure event: the graph's node names are compared every 0.25 s."""
+        def names() -> set[str]:
+            return {f"{ns.rstrip('/')}/{name}" for name, ns in self.node.get_node_names_and_namespaces()}
+
+        known = [names()]
+
+        def poll() -> None:
+            now = names()
+            for fqn in sorted(known[0] - now):
+                callback(fqn)
+            known[0] = now
+
+        self.create_timer(NODE_POLL_S, poll)
 
     def reject(self, reason: str) -> None:
         with self._reject_lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,6 +171,33 @@ def parse_liveliness(key: str) -> LivelinessEntry | None:
         return LivelinessEntry(kind, ns, parts[8], "/" + parts[9].replace("%", "/").lstrip("/"),
                                parts[10], parts[11])
     return None
+
+
+def watch_departures(session: Any, domain: int, on_gone: Any) -> Any:
+    """A liveliness subscriber calling ``on_gone(entry)`` (a LivelinessEntry, kind NN) when a
+    node's token disappears - its session closed, or its process died and the link with it.
+
+    Called on a thread of its own, after asking whether anyone still holds that token: anyone can
+    declare and undeclare a copy of a node's token key, which must not pass for the node leaving.
+    """
+    def confirm(key: str, entry: LivelinessEntry) -> None:
+        try:
+            for reply in session.liveliness().get(key, timeout=1.0):
+                if reply.ok is not None:
+                    return  # still held: not a departure
+        except Exception:  # session closing
+            return
+        on_gone(entry)
+
+    def handler(sample: Any) -> None:
+        if sample.kind != zenoh.SampleKind.DELETE:
+            return
+        key = str(sample.key_expr)
+        entry = parse_liveliness(key)
+        if entry is not None and entry.kind == "NN":
+            threading.Thread(target=confirm, args=(key, entry), daemon=True).start()
+
+    return session.liveliness().declare_subscriber(f"{LIVELINESS_PREFIX}/{domain}/**", handler)
 
 
 _ATTACHMENT_HEAD = struct.Struct("<qqB")

@@ -416,6 +416,16 @@ class ChaosGraph:
             readings = [r for r in self.rec.diags.get(node, []) if r[0] <= before]
         return dict(readings[-1][3]) if readings else {}
 
+    def diag_since(self, node: str, t: float) -> list[dict[str, str]]:
+        """Every /diagnostics reading of ``node`` received after ``t``."""
+        with self.rec.lock:
+            return [dict(v) for rt, _, _, v in self.rec.diags.get(node, []) if rt > t]
+
+    def logged_since(self, nodes: Sequence[str], t: float, text: str) -> bool:
+        """Whether one of ``nodes`` logged a line containing ``text`` after ``t``."""
+        heads = tuple(f"[{n}] " for n in nodes)
+        return any(line.startswith(heads) and text in line for _, line in self.out.between(t))
+
     def diag_time(self, node: str) -> float | None:
         with self.rec.lock:
             readings = self.rec.diags.get(node, [])
@@ -888,26 +898,31 @@ class Run:
         authority over)."""
         g, s = self.g, self.s
         attackers = self.attackers()
+        authority = {"plan": "coordinator", "assignment": "scheduler"}.get(kind)
         t0 = time.monotonic()
         done = []
         joined = [(who, a) for who, a, _ in attackers if a is not None]  # in order: the strongest last
         for who, attacker in joined:
             for v in forgery_variants(g, kind):
-                before = {n: g.diag(n) for n in v.listeners}
-                marker_before = v.marker()
+                watch = list(v.listeners) + ([authority] if authority else [])
+                before = {n: g.diag(n) for n in watch}
                 tv = time.monotonic()
                 attacker.publish(v.topic, v.cdr)
                 time.sleep(s.variant_s)
-                g.wait_diag_after(v.listeners, tv + 1.05)
-                counts = {n: cm.reason_increase([("", before[n]), ("", g.diag(n))]) for n in v.listeners}
+                g.wait_diag_after(watch, tv + 1.05)
+                counts = {n: cm.reason_increase([("", before[n]), ("", g.diag(n))]) for n in watch}
                 counted = bool(v.reason) and all(
                     (sum(counts[n].values()) if v.reason == ANY_REASON else counts[n].get(v.reason, 0)) >= 1
                     for n in v.listeners)
-                seen = v.marker()
-                effect = None if seen is None else bool(seen and not marker_before)
-                done.append({"name": v.name, "attacker": who, "implausible": v.implausible, "what": v.what,
-                             "listeners": list(v.listeners), "expected_reason": v.reason, "counted": counted,
-                             "rejected": counts, "effect": effect, "consequence": v.consequence if effect else ""})
+                effect = v.marker(tv)  # at any time after it was sent (an authority may undo it at once)
+                row = {"name": v.name, "attacker": who, "implausible": v.implausible, "what": v.what,
+                       "listeners": list(v.listeners), "expected_reason": v.reason, "counted": counted,
+                       "rejected": counts, "effect": effect, "consequence": v.consequence if effect else ""}
+                if authority:  # the authority watches its own topic (impostors), and may re-announce
+                    row["authority"] = {"name": authority, "impostor_counted": counts[authority].get("impostor", 0),
+                                        "reincarnated": g.diag(authority).get("incarnation")
+                                        != before[authority].get("incarnation")}
+                done.append(row)
         for who, attacker, why in attackers:
             if attacker is None:  # it could not join: nothing it could send reached anyone
                 done.append({"name": "all", "attacker": who, "implausible": None, "what": "could not join the graph",
@@ -915,14 +930,21 @@ class Run:
                              "effect": False, "consequence": "", "refused": why})
         end = time.monotonic()
         effect = _any_effect(d["effect"] for d in done if d["attacker"] != COMPUTE_CERT)
-        repair_target = {"plan": "coordinator", "assignment": "scheduler", "telemetry": "scheduler"}[kind]
         inj = Injected(end=end, ref=end, start=t0, details={"variants": done}, effect=effect)
         inj.details["attackers"] = [who for who, _, _ in attackers]
         if any(d["attacker"] == COMPUTE_CERT for d in done):
             inj.top["forgery_effect_compute_certificate"] = _any_effect(
                 d["effect"] for d in done if d["attacker"] == COMPUTE_CERT)
-        if effect or inj.top.get("forgery_effect_compute_certificate"):
-            inj.repair = lambda: self.repair([repair_target])
+
+        def repair() -> str:
+            # what is still taken over after the window (an authority may have re-announced
+            # itself already); forged telemetry leaves the scheduler's request count ahead
+            names = _taken_over(g.takeovers())
+            if kind == "telemetry" and (effect or inj.top.get("forgery_effect_compute_certificate")):
+                names = sorted(set(names) | {"scheduler"})
+            return self.repair(names) if names else "nothing to repair: every listener follows the real authorities"
+
+        inj.repair = repair
         return inj
 
     def repair(self, names: Sequence[str]) -> str:
@@ -1012,9 +1034,8 @@ class Run:
                    "authority_taken_over": sorted(takeovers)}
         inj.details = {"per_topic": s.fuzz_count}
         if takeovers:
-            names = [n for n in ("coordinator", "scheduler")
-                     if any(line.startswith("coordinator follows") == (n == "scheduler") for line in takeovers)]
-            inj.repair = lambda: self.repair(names)
+            inj.repair = lambda: (self.repair(_taken_over(g.takeovers())) if g.takeovers()
+                                  else "nothing to repair: the authorities re-announced themselves")
         return inj
 
     def _wait_counts_settle(self, nodes: Sequence[str], t: float, timeout_s: float = 15.0) -> bool:
@@ -1046,7 +1067,7 @@ class Variant:
     cdr: bytes
     listeners: tuple[str, ...]
     reason: str  # the rejected.<reason> each listener must count ("" for a plausible one; ANY_REASON)
-    marker: Callable[[], bool | None]  # the listeners' state shows the forgery was taken
+    marker: Callable[[float], bool | None]  # the listeners took it at some time after the given one
     consequence: str
 
 
@@ -1069,11 +1090,14 @@ def forgery_variants(g: ChaosGraph, kind: str) -> list[Variant]:
                                     incarnation)
             return _encode(_with(msg, strategy=strategy), "LoadAssignment")
 
-        def has_version(v: int) -> Callable[[], bool]:
-            return lambda: any(str(v) in g.diag(n).get("plans", "").split(",") for n in computes)
+        def has_version(v: int) -> Callable[[float], bool]:
+            return lambda since: any(str(v) in d.get("plans", "").split(",") for n in computes
+                                     for d in g.diag_since(n, since))
 
-        def follows(incarnation: int) -> Callable[[], bool]:
-            return lambda: any(g.diag(n).get("coordinator_incarnation") == _hex(incarnation) for n in computes)
+        def follows(incarnation: int) -> Callable[[float], bool]:
+            # a compute node logs each coordinator restart it follows: seen even if undone at once
+            return lambda since: g.logged_since(computes, since, f"restarted: incarnation {_hex(incarnation)}") or any(
+                d.get("coordinator_incarnation") == _hex(incarnation) for n in computes for d in g.diag_since(n, since))
 
         fake = new_incarnation()
         return [
@@ -1099,8 +1123,10 @@ def forgery_variants(g: ChaosGraph, kind: str) -> list[Variant]:
             return _encode(ic.assignment_msg(Assignment(version, effective, computes, shares, "adaptive",
                                                         "chaos forgery", 1.0), incarnation), "LoadAssignment")
 
-        def coordinator_has(key: str, value: str) -> Callable[[], bool]:
-            return lambda: g.diag("coordinator").get(key) == value
+        def coordinator_has(key: str, value: str) -> Callable[[float], bool]:
+            return lambda since: (key == "scheduler_incarnation" and g.logged_since(
+                ["coordinator"], since, f"restarted: incarnation {value}")) or any(
+                d.get(key) == value for d in g.diag_since("coordinator", since))
 
         fake = new_incarnation()
         only_slow = tuple(1.0 if n == slow else 0.0 for n in computes)
@@ -1136,14 +1162,14 @@ def forgery_variants(g: ChaosGraph, kind: str) -> list[Variant]:
         base.update(fields)
         return _encode(interfaces.make("NodeTelemetry", **base), "NodeTelemetry")
 
-    def scheduler_value(key: str, value: str) -> Callable[[], bool]:
-        return lambda: g.diag("scheduler").get(key) == value
+    def scheduler_value(key: str, value: str) -> Callable[[float], bool]:
+        return lambda since: any(d.get(key) == value for d in g.diag_since("scheduler", since))
 
-    def samples_of(node: str | None) -> Callable[[], bool | None]:
-        if node is None:
-            return lambda: None
+    def samples_of(node: str | None) -> Callable[[float], bool | None]:
+        if node is None:  # every node has work: a sample of its own would hide the forged one
+            return lambda since: None
         start = _int(g.diag("scheduler").get(f"{node}.samples", "0"))
-        return lambda: _int(g.diag("scheduler").get(f"{node}.samples", "0")) > start
+        return lambda since: any(_int(d.get(f"{node}.samples", "0")) > start for d in g.diag_since("scheduler", since))
 
     ahead = int((time.time() + 1800) * 1e6)  # half an hour ahead: inside the one-hour clock skew allowed
     nxt = g.latest_request_id() + 1
@@ -1160,6 +1186,16 @@ def forgery_variants(g: ChaosGraph, kind: str) -> list[Variant]:
                 "the scheduler's assignments take effect half an hour of requests ahead; the coordinator refuses "
                 "them as implausible: adaptation stops until the scheduler restarts"),
     ]
+
+
+def _taken_over(lines: Sequence[str]) -> list[str]:
+    """The authorities to restart for ChaosGraph.takeovers() lines (coordinator first)."""
+    names = []
+    if any(not line.startswith("coordinator follows") for line in lines):
+        names.append("coordinator")
+    if any(line.startswith("coordinator follows") for line in lines):
+        names.append("scheduler")
+    return names
 
 
 def _any_effect(effects: Any) -> bool | None:

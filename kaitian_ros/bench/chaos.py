@@ -918,6 +918,10 @@ class Run:
                 row = {"name": v.name, "attacker": who, "implausible": v.implausible, "what": v.what,
                        "listeners": list(v.listeners), "expected_reason": v.reason, "counted": counted,
                        "rejected": counts, "effect": effect, "consequence": v.consequence if effect else ""}
+                # what the listeners and the authority logged about incarnations (who followed whom, when)
+                heads = tuple(f"[{n}] " for n in watch)
+                row["log"] = [f"+{lt - tv:.3f} s {line[:200]}" for lt, line in g.out.between(tv)
+                              if line.startswith(heads) and ("incarnation" in line or "impostor" in line)][:12]
                 if authority:  # the authority watches its own topic (impostors), and may re-announce
                     row["authority"] = {"name": authority, "impostor_counted": counts[authority].get("impostor", 0),
                                         "reincarnated": g.diag(authority).get("incarnation")

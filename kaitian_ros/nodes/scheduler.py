@@ -97,7 +97,7 @@ class Scheduler:
         if msg.request_id == 0:
             self.state = pol.heartbeat(self.state, msg.node_id, now, self.config)
             return
-        problem = ic.request_id_problem(int(msg.request_id))
+        problem = ic.request_id_problem(int(msg.request_id)) or ic.telemetry_problem(msg)
         if problem:
             self.rt.rejected.count(f"{problem} from {msg.node_id}")
             return
@@ -109,7 +109,7 @@ class Scheduler:
             # transfer_ms is the spread of the node's incoming rows, so pair it with the bytes that
             # came in; outgoing halo/output bytes overlap with compute and would inflate the link term
             bytes_in=int(msg.bytes_in), bytes_out=0, stamp_s=now,
-            share=float(msg.share) if 0.0 < msg.share <= 1.0 else 0.0)
+            share=float(msg.share) if msg.share > 0.0 else 0.0)
         self.state = pol.observe(self.state, sample, self.config)
 
     def _decide(self) -> None:

@@ -113,6 +113,9 @@ class Scheduler:
         self.state = pol.observe(self.state, sample, self.config)
 
     def _decide(self) -> None:
+        owed = self.guard.due(time.monotonic())
+        if owed is not None:
+            self._reincarnate(owed, "impostor seen while the last re-announcement was recent")
         try:
             self.state, assignment = pol.decide(self.state, self.rt.now(), self.newest_request, self.config,
                                                 self.params["lead_requests"])
@@ -147,8 +150,10 @@ class Scheduler:
         self.rt.rejected.count(reason)
         self.impostor_s = time.monotonic()
         incarnation = self.guard.reincarnate(time.monotonic())
-        if incarnation is None:
-            return
+        if incarnation is not None:
+            self._reincarnate(incarnation, reason)
+
+    def _reincarnate(self, incarnation: int, reason: str) -> None:
         self.incarnation = incarnation
         self.rt.logger.warning(f"{reason}: re-announcing as incarnation {incarnation:016x}")
         if self.last is not None:

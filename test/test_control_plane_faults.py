@@ -194,7 +194,7 @@ def test_scheduler_refuses_telemetry_with_an_impossible_request_id_and_keeps_dec
         heartbeat(2**64 - 1, rows=8, work=1e6, compute_ms=5.0)
 
         def counted():
-            for array in diagnostics.snapshot():
+            for array in reversed(diagnostics.snapshot()):  # the newest report first
                 for st in array.status:
                     values = {kv.key: kv.value for kv in st.values}
                     if "scheduler" in st.name and int(values.get("rejected.implausible request id", "0")) >= 1:
@@ -202,6 +202,15 @@ def test_scheduler_refuses_telemetry_with_an_impossible_request_id_and_keeps_dec
             return None
 
         wait_until(lambda: (heartbeat(), counted())[1], "the telemetry rejected in /diagnostics", interval_s=0.1)
+        # numbers no measurement has: NaN, negative, infinite
+        for bad in (dict(compute_ms=float("nan")), dict(wait_ms=-1.0), dict(work=float("inf")), dict(share=7.0)):
+            heartbeat(ic.first_request_id() + 5, **(dict(rows=8, work=1e6, compute_ms=5.0) | bad))
+
+        def implausible():
+            values = counted() or {}
+            return values if int(values.get("rejected.implausible telemetry", "0")) >= 4 else None
+
+        wait_until(lambda: (heartbeat(), implausible())[1], "4 implausible telemetry samples counted", interval_s=0.1)
         before = max(int(a.version) for a in assignments.snapshot())
         client = GraphClient(router=router.endpoint)
         try:

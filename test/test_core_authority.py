@@ -83,8 +83,12 @@ def test_guard_tells_its_own_messages_from_impostors_and_reincarnates_at_a_bound
     assert new is not None and new != 0xAB and guard.incarnation == new
     assert guard.check(0xAB, 2, b"two") == ""                      # a late echo of its former self
     assert guard.check(new, 2, b"two") != ""                       # nothing published under the new one yet
-    assert guard.reincarnate(11.0) is None                         # rate bound: no ping-pong
-    assert guard.reincarnate(12.0) not in (None, new)
+    assert guard.due(10.5) is None                                 # nothing owed
+    assert guard.reincarnate(11.0) is None                         # rate bound: no ping-pong...
+    assert guard.due(11.5) is None
+    owed = guard.due(12.0)                                         # ...but the impostor is answered when due
+    assert owed not in (None, new) and guard.incarnation == owed
+    assert guard.due(20.0) is None
 
 
 def test_guard_keeps_a_bounded_record() -> None:

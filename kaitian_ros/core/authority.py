@@ -110,6 +110,7 @@ class ImpersonationGuard:
         self._digests: collections.OrderedDict[int, bytes] = collections.OrderedDict()
         self._own: collections.deque[int] = collections.deque(maxlen=RETIRED_KEPT)  # my former incarnations
         self._last_change = float("-inf")
+        self._owed = False  # an impostor came too soon after the last change: re-incarnate when due
         self.impostors = 0
 
     def published(self, version: int, digest: bytes) -> None:
@@ -135,11 +136,18 @@ class ImpersonationGuard:
 
     def reincarnate(self, now_s: float) -> int | None:
         """A new incarnation to publish under (the old one is remembered as this authority's
-        own), or None if the last change was less than ``min_interval_s`` ago."""
+        own), or None if the last change was less than ``min_interval_s`` ago - then one is owed
+        and ``due`` hands it out later: the impostor's message may be what listeners follow now."""
         if now_s - self._last_change < self.min_interval_s:
+            self._owed = True
             return None
+        self._owed = False
         self._last_change = now_s
         self._own.append(self.incarnation)
         self.incarnation = new_incarnation()
         self._digests.clear()
         return self.incarnation
+
+    def due(self, now_s: float) -> int | None:
+        """The owed re-incarnation once ``min_interval_s`` has passed (call it periodically)."""
+        return self.reincarnate(now_s) if self._owed else None

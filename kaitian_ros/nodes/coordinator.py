@@ -601,6 +601,9 @@ class Coordinator:
 
     def _check(self) -> None:
         now_m = time.monotonic()
+        owed = self.guard.due(now_m)
+        if owed is not None:
+            self._reincarnate(owed, "impostor seen while the last re-announcement was recent")
         dead = [n for n in self.alive if now_m - self.last_seen.get(n, 0.0) > self.params["dead_after_s"]]
         if dead:
             self._drop(dead, f"silent > {self.params['dead_after_s']} s")

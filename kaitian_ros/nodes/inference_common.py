@@ -278,6 +278,28 @@ def static_shares_problem(shares: list[float], nodes: list[str], *, empty_ok: bo
     return ""
 
 
+MAX_TELEMETRY_MS = 3_600_000.0  # an hour: no request measures more
+
+
+def telemetry_problem(msg: Any) -> str:
+    """Why a request's NodeTelemetry cannot be a real measurement ('' if it can): every number
+    the scheduler's estimates are built from must be finite and in range (a NaN compute time
+    would poison the speed estimate for good)."""
+    for name in ("compute_ms", "transfer_ms", "wait_ms"):
+        value = float(getattr(msg, name))
+        if not (math.isfinite(value) and 0.0 <= value <= MAX_TELEMETRY_MS):
+            return f"implausible telemetry: {name} {value!r}"
+    work = float(msg.work)
+    if not (math.isfinite(work) and work >= 0.0):
+        return f"implausible telemetry: work {work!r}"
+    share = float(msg.share)
+    if not (math.isfinite(share) and 0.0 <= share <= 1.0):
+        return f"implausible telemetry: share {share!r}"
+    if int(msg.rows) > 1_000_000:
+        return f"implausible telemetry: rows {int(msg.rows)}"
+    return ""
+
+
 def assignment_digest(msg: Any) -> bytes:
     """A LoadAssignment's identity as an authority checks it: the digest of its CDR bytes (a
     decoded message encodes to the same bytes, field for field)."""

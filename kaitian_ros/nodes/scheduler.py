@@ -97,7 +97,7 @@ class Scheduler:
         if msg.request_id == 0:
             self.state = pol.heartbeat(self.state, msg.node_id, now, self.config)
             return
-        problem = ic.request_id_problem(int(msg.request_id))
+        problem = ic.request_id_problem(int(msg.request_id)) or ic.telemetry_problem(msg)
         if problem:
             self.rt.rejected.count(f"{problem} from {msg.node_id}")
             return
@@ -109,10 +109,13 @@ class Scheduler:
             # transfer_ms is the spread of the node's incoming rows, so pair it with the bytes that
             # came in; outgoing halo/output bytes overlap with compute and would inflate the link term
             bytes_in=int(msg.bytes_in), bytes_out=0, stamp_s=now,
-            share=float(msg.share) if 0.0 < msg.share <= 1.0 else 0.0)
+            share=float(msg.share) if msg.share > 0.0 else 0.0)
         self.state = pol.observe(self.state, sample, self.config)
 
     def _decide(self) -> None:
+        owed = self.guard.due(time.monotonic())
+        if owed is not None:
+            self._reincarnate(owed, "impostor seen while the last re-announcement was recent")
         try:
             self.state, assignment = pol.decide(self.state, self.rt.now(), self.newest_request, self.config,
                                                 self.params["lead_requests"])
@@ -147,8 +150,10 @@ class Scheduler:
         self.rt.rejected.count(reason)
         self.impostor_s = time.monotonic()
         incarnation = self.guard.reincarnate(time.monotonic())
-        if incarnation is None:
-            return
+        if incarnation is not None:
+            self._reincarnate(incarnation, reason)
+
+    def _reincarnate(self, incarnation: int, reason: str) -> None:
         self.incarnation = incarnation
         self.rt.logger.warning(f"{reason}: re-announcing as incarnation {incarnation:016x}")
         if self.last is not None:

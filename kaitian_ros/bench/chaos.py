@@ -456,7 +456,8 @@ class ChaosGraph:
 
     def coordinator_drops(self, t0: float, t1: float) -> int:
         """Frames the coordinator dropped by design in [t0, t1] (its counters)."""
-        return sum(self.counter("coordinator", k, t0, t1 + 1.5, "incarnation") for k in ("dropped_busy", "dropped_no_plan"))
+        return sum(self.counter("coordinator", k, t0, t1 + 1.5, "incarnation")
+                   for k in ("dropped_busy", "dropped_no_plan"))
 
     def busiest_compute(self) -> str:
         """The compute node with the largest share of the running plan."""
@@ -629,7 +630,8 @@ class Run:
             return [("no certificate (security option off)", self.attacker_for(), "")]
         if not self.secure_attackers:
             for who, env in (("no certificate", {"KAITIAN_SECURITY": None, "KAITIAN_SECURITY_ROLE": None}),
-                             ("node certificate", {"KAITIAN_SECURITY": self.secure_dir, "KAITIAN_SECURITY_ROLE": "node"}),
+                             ("node certificate",
+                              {"KAITIAN_SECURITY": self.secure_dir, "KAITIAN_SECURITY_ROLE": "node"}),
                              (COMPUTE_CERT, {"KAITIAN_SECURITY": self.secure_dir, "KAITIAN_SECURITY_ROLE": "compute"})):
                 try:
                     self.secure_attackers.append((who, Attacker(self.g.endpoint, fuzz_topics(self.g), env), ""))
@@ -642,7 +644,8 @@ class Run:
             if a is not None:
                 a.close()
 
-    def run(self, name: str, inject: Callable[[], Injected], prepare: Callable[[], None] | None = None) -> dict[str, Any]:
+    def run(self, name: str, inject: Callable[[], Injected],
+            prepare: Callable[[], None] | None = None) -> dict[str, Any]:
         g, s = self.g, self.s
         healthy, waited = g.wait_healthy(s.healthy_timeout_s, self.baseline_ms)
         if prepare is not None:
@@ -765,7 +768,8 @@ class Run:
                    "respawned_after_s": _r(re[0] - t, 2) if re else None,
                    "ready_after_s": _r(ready - t, 2) if ready else None,
                    "old_incarnation": _hex(old_inc), "new_incarnation": _hex(new[1].incarnation) if new else None,
-                   f"new_{'plan' if name == 'coordinator' else 'assignment'}_after_s": _r(new[0] - t, 2) if new else None,
+                   f"new_{'plan' if name == 'coordinator' else 'assignment'}_after_s":
+                       _r(new[0] - t, 2) if new else None,
                    "followed_after_s": {f: _r(v - t, 2) if v else None for f, v in followed.items()},
                    "adaptation": adaptation,
                    "adaptation_s": _r(max(followed.values()) - t, 2) if adaptation and followed else None}
@@ -875,7 +879,8 @@ class Run:
         def after(start: float, until: float) -> dict[str, Any]:
             plans = g.plans_between(start, until)
             left = next((pt for pt, m in plans if pt <= end and LINK_NODE not in list(m.node_ids)), None)
-            back = next((pt for pt, m in plans if left is not None and pt > end and LINK_NODE in list(m.node_ids)), None)
+            back = next((pt for pt, m in plans
+                         if left is not None and pt > end and LINK_NODE in list(m.node_ids)), None)
             alive = [(dt, v.get("alive", "")) for dt, v in g.diag_series("coordinator", start, until)]
             dropped = next((dt for dt, a in alive if LINK_NODE not in a.split(",")), None)
             return {"node": LINK_NODE, "rate_mbit": s.link_mbit, "collapsed_to_mbit": s.collapse_mbit,
@@ -995,7 +1000,8 @@ class Run:
                 after = g.diag(n)
                 fresh = (g.diag_time(n) or 0.0) > te
                 reasons = cm.reason_increase([("", before[n]), ("", after)])
-                runtime = sum(reasons.get(k, 0) for k in ("malformed", "wrong type", "type hash mismatch", "queue full"))
+                runtime = sum(reasons.get(k, 0)
+                              for k in ("malformed", "wrong type", "type hash mismatch", "queue full"))
                 expected = reply["undecodable"] + reply["wrong_type"]
                 exact = reasons.get("queue full", 0) == 0
                 missing = max(0, expected - runtime) if not exact else (
@@ -1239,10 +1245,12 @@ def fuzz_seeds(g: ChaosGraph) -> dict[str, tuple[str, bytes, tuple[str, ...]]]:
     stamp = interfaces.msg_class("Time")(sec=1, nanosec=0)
     image = interfaces.make("Image", header=interfaces.header("chaos_fuzz", stamp), height=h, width=w, encoding="rgb8",
                             step=w * 3, data=np.zeros(h * w * 3, np.uint8))
-    seeds: dict[str, tuple[str, bytes, tuple[str, ...]]] = {CAMERA_TOPIC: ("Image", _encode(image, "Image"), ("coordinator",))}
+    seeds: dict[str, tuple[str, bytes, tuple[str, ...]]] = {
+        CAMERA_TOPIC: ("Image", _encode(image, "Image"), ("coordinator",))}
     out_rows = torch.zeros(1, 512, 1, 7)
     seeds[ic.chunk_topic(ic.COORDINATOR)] = ("TensorChunk", _encode(ic.chunk_message(
-        request_id=g.latest_request_id() + 1, plan_version=version, producer=g.compute_names[0], consumer=ic.COORDINATOR,
+        request_id=g.latest_request_id() + 1, plan_version=version, producer=g.compute_names[0],
+        consumer=ic.COORDINATOR,
         segment=0, role=ic.ROLE_OUTPUT, row_offset=0, total_rows=7, rows=out_rows), "TensorChunk"), ("coordinator",))
     for n in g.compute_names:
         rows = torch.zeros(1, 3, slab, w, dtype=torch.uint8)
@@ -1409,7 +1417,8 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         ax2.set_xlabel("seconds since the graph started (fault: dark; observation: light)")
         ax2.legend(fontsize=7, loc="upper left", ncol=4)
     setup = summary["setup"]
-    fig.suptitle(f"kaitian bench chaos{' --quick' if setup['quick'] else ''}: {setup['graph']} (EMULATED device speeds), "
+    fig.suptitle(f"kaitian bench chaos{' --quick' if setup['quick'] else ''}: {setup['graph']} "
+                 f"(EMULATED device speeds), "
                  f"commit {setup['commit']}", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1446,8 +1455,10 @@ def print_one(name: str, f: dict[str, Any]) -> None:
     if f.get("skipped"):
         print(f"  {name}: null ({f['reason']})", flush=True)
         return
-    met = ", ".join(f"{t['what']}: {'-' if t['met'] is None else 'met' if t['met'] else 'NOT met'}" for t in f["targets"])
-    print(f"  {name}: lost {f['lost']} ({f['frames']['dropped_by_design']} of them dropped by design), duplicated {f['duplicated']}, out of order {f['out_of_order']}, "
+    met = ", ".join(f"{t['what']}: {'-' if t['met'] is None else 'met' if t['met'] else 'NOT met'}"
+                    for t in f["targets"])
+    print(f"  {name}: lost {f['lost']} ({f['frames']['dropped_by_design']} of them dropped by design), "
+          f"duplicated {f['duplicated']}, out of order {f['out_of_order']}, "
           f"recover {_fmt(f['recover_s'])} s (first complete {_fmt(f['first_complete_s'])} s), output gap "
           f"{_fmt(f['output_gap_s'])} s, peak RSS +{_fmt(f['peak_rss_delta_mb'])} MB ({f['peak_rss_node']}), settled "
           f"+{_fmt(f['settled_rss_delta_mb'])} MB, forgery effect {_fmt(f['forgery_effect'])} | {met}", flush=True)
@@ -1520,7 +1531,8 @@ def main(argv: list[str]) -> int:
     bad = [x for x in names if x not in FAULTS + SECURE_FAULTS]
     if bad or not names:
         p.error(f"unknown faults {bad}; choose from {','.join(FAULTS + SECURE_FAULTS)}" if bad else "--faults is empty")
-    for flag in ("settle", "flood_seconds", "flood_rate", "fuzz_count", "link_mbit", "collapse_mbit", "collapse_seconds"):
+    for flag in ("settle", "flood_seconds", "flood_rate", "fuzz_count", "link_mbit", "collapse_mbit",
+                 "collapse_seconds"):
         value = getattr(args, flag)
         if value is not None and not value > 0:
             p.error(f"--{flag.replace('_', '-')} must be > 0, got {value}")
@@ -1543,8 +1555,8 @@ def main(argv: list[str]) -> int:
             links = netns.Links(1, s.link_mbit, **LINK_NAMES)
             try:
                 links.open()
-                link_text = (f"{LINK_NODE} in network namespace {links.netns(0)}, veth + tbf {s.link_mbit:g} Mbit/s both "
-                             f"ways (no shared memory for it); collapse to {s.collapse_mbit:g} Mbit/s")
+                link_text = (f"{LINK_NODE} in network namespace {links.netns(0)}, veth + tbf {s.link_mbit:g} "
+                             f"Mbit/s both ways (no shared memory for it); collapse to {s.collapse_mbit:g} Mbit/s")
             except netns.LinkSetupError as exc:
                 links, why = None, str(exc)
         if links is None:
@@ -1567,7 +1579,7 @@ def main(argv: list[str]) -> int:
             if made.returncode != 0:
                 secure = f"kaitian certs create failed: {(made.stderr or made.stdout).strip()[-300:]}"
             else:
-                print(f"  a second graph with the security option (certificates from kaitian certs create)", flush=True)
+                print("  a second graph with the security option (certificates from kaitian certs create)", flush=True)
                 graphs["secure"], failure = run_graph(s, secure_names, results, secure_dir=certs, echo=args.echo)
     for name in order:
         if name not in results:
@@ -1585,7 +1597,8 @@ def main(argv: list[str]) -> int:
             "camera_hz": scenario.node("image_source").parameters.get("rate_hz"),
             "quick": s.quick, "settings": s.__dict__, "answer_s": ANSWER_S, "lead_s": LEAD_S,
             "link": link_text or "not used", "security": secure or "available",
-            "graphs": {k: {kk: v for kk, v in g.items() if kk not in ("series", "scenario")} for k, g in graphs.items()},
+            "graphs": {k: {kk: v for kk, v in g.items() if kk not in ("series", "scenario")}
+                       for k, g in graphs.items()},
             "baseline_latency_ms": graphs["plain"]["baseline_latency_ms"] if "plain" in graphs else None,
             "cpus": os.cpu_count(), "commit": _commit(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "wall_s": round(time.monotonic() - t_all, 1), "failure": failure or None},

@@ -335,7 +335,8 @@ def main(argv: list[str]) -> int:
     f.add_argument("--num-classes", type=int, default=1000)
     f.add_argument("--slab-rows", type=int, default=64)
     f.add_argument("--seed", type=int, default=0)
-    f.add_argument("--wait-go", action="store_true", help="print {\"ready\": ...} when set up, flood after a line on stdin")
+    f.add_argument("--wait-go", action="store_true",
+                   help="print {\"ready\": ...} when set up, flood after a line on stdin")
     s = sub.add_parser("serve")
     s.add_argument("--topic", action="append", default=[], help="TOPIC=Type, repeated")
     args = p.parse_args(argv)

@@ -248,7 +248,8 @@ def targets(kind: str, fault: Mapping[str, Any]) -> list[Target]:
                 Target("adaptation from the new run", adapt, adapt)]
     if kind == "flood":
         gap = fault.get("output_gap_s")
-        return [Target("peak RSS <= +300 MB per node", fault["peak_rss_delta_mb"], _le(fault["peak_rss_delta_mb"], 300)),
+        return [Target("peak RSS <= +300 MB per node", fault["peak_rss_delta_mb"],
+                       _le(fault["peak_rss_delta_mb"], 300)),
                 Target(f"settled RSS <= +50 MB ({fault.get('settle_s')} s later)", fault["settled_rss_delta_mb"],
                        _le(fault["settled_rss_delta_mb"], 50)),
                 Target("output gap <= 1 s", gap, _le(gap, 1.0))]

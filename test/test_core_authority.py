@@ -83,12 +83,22 @@ def test_guard_tells_its_own_messages_from_impostors_and_reincarnates_at_a_bound
     assert new is not None and new != 0xAB and guard.incarnation == new
     assert guard.check(0xAB, 2, b"two") == ""                      # a late echo of its former self
     assert guard.check(new, 2, b"two") != ""                       # nothing published under the new one yet
-    assert guard.due(10.5) is None                                 # nothing owed
-    assert guard.reincarnate(11.0) is None                         # rate bound: no ping-pong...
-    assert guard.due(11.5) is None
-    owed = guard.due(12.0)                                         # ...but the impostor is answered when due
-    assert owed not in (None, new) and guard.incarnation == owed
-    assert guard.due(20.0) is None
+    assert guard.due(10.5) is None and guard.reincarnate(11.0) is None  # rate bound: no ping-pong
+    confirmed = guard.due(12.0)                                    # the answer confirmed once, when due
+    assert confirmed not in (None, new) and guard.incarnation == confirmed
+    assert guard.due(20.0) is None                                 # and only once
+
+
+def test_guard_owes_an_answer_to_an_impostor_that_came_too_soon() -> None:
+    from kaitian_ros.core.authority import ImpersonationGuard
+
+    guard = ImpersonationGuard("scheduler", 5, min_interval_s=1.0)
+    first = guard.reincarnate(0.0)
+    assert guard.due(1.0) not in (None, first)                     # confirmation
+    assert guard.reincarnate(1.5) is None                          # a new impostor, too soon
+    owed = guard.due(2.0)
+    assert owed is not None                                        # answered when due (well after the
+    assert guard.due(9.0) is None                                  # impostor's message: no race to confirm)
 
 
 def test_guard_keeps_a_bounded_record() -> None:

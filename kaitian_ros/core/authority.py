@@ -102,7 +102,7 @@ class ImpersonationGuard:
     from re-incarnating each other in a tight loop. Pure: the caller passes the time.
     """
 
-    def __init__(self, what: str, incarnation: int, *, kept: int = 64, min_interval_s: float = 2.0) -> None:
+    def __init__(self, what: str, incarnation: int, *, kept: int = 64, min_interval_s: float = 1.0) -> None:
         self.what = what
         self.incarnation = incarnation
         self.min_interval_s = min_interval_s
@@ -134,14 +134,18 @@ class ImpersonationGuard:
         self.impostors += 1
         return f"impostor: another {self.what} incarnation {incarnation:016x} v{version} on its topic"
 
-    def reincarnate(self, now_s: float) -> int | None:
+    def reincarnate(self, now_s: float, *, confirming: bool = False) -> int | None:
         """A new incarnation to publish under (the old one is remembered as this authority's
         own), or None if the last change was less than ``min_interval_s`` ago - then one is owed
-        and ``due`` hands it out later: the impostor's message may be what listeners follow now."""
+        and ``due`` hands it out later: the impostor's message may be what listeners follow now.
+
+        An answer to an impostor is confirmed once, ``min_interval_s`` later, by ``due``: a
+        listener whose executor was busy can take the impostor's message after ours (seen: 2 ms
+        after) and would follow it for good."""
         if now_s - self._last_change < self.min_interval_s:
             self._owed = True
             return None
-        self._owed = False
+        self._owed = not confirming
         self._last_change = now_s
         self._own.append(self.incarnation)
         self.incarnation = new_incarnation()
@@ -149,5 +153,6 @@ class ImpersonationGuard:
         return self.incarnation
 
     def due(self, now_s: float) -> int | None:
-        """The owed re-incarnation once ``min_interval_s`` has passed (call it periodically)."""
-        return self.reincarnate(now_s) if self._owed else None
+        """The owed re-incarnation (or the confirmation of the last one) once ``min_interval_s``
+        has passed; call it periodically."""
+        return self.reincarnate(now_s, confirming=True) if self._owed else None

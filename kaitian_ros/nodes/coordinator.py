@@ -624,15 +624,10 @@ class Coordinator:
 
     def _on_plan_topic(self, msg: Any) -> None:
         """Our own topic: a plan we did not publish is forged (or a second coordinator runs)."""
-        try:
-            reason = self.guard.check(int(msg.incarnation), int(msg.version), ic.assignment_digest(msg))
-        except (ValueError, OverflowError, TypeError) as exc:  # a decoded message re-encodes; be safe
-            reason = f"impostor: unencodable plan on {ic.PLAN_TOPIC}: {exc}"
-        if not reason:
-            return
-        self.rt.rejected.count(reason)
-        self.impostor_s = time.monotonic()
-        incarnation = self.guard.reincarnate(time.monotonic())
+        reason, incarnation = ic.answer_on_own_topic(self.guard, msg, ic.PLAN_TOPIC, time.monotonic())
+        if reason:
+            self.rt.rejected.count(reason)
+            self.impostor_s = time.monotonic()
         if incarnation is not None:
             self._reincarnate(incarnation, reason)
 
@@ -651,12 +646,7 @@ class Coordinator:
         self.plans[pv.version] = plan
         self.pending = None  # a held switch was announced under the old incarnation: plan again
         for req in list(self.requests.values()):
-            req.version, req.plan = pv.version, plan
-            req.got[:] = False
-            req.sources.clear()
-            req.redispatches += 1
-            req.dispatched_s = time.time()
-            self.counts["redispatched"] += 1
+            self._restart(req, pv.version, plan)
         self._activate(pv)
         for req in list(self.requests.values()):
             self._send_inputs(req)
@@ -668,14 +658,17 @@ class Coordinator:
         for req in list(self.requests.values()):
             if req.version == self.current.version or not (dead & set(req.plan.active_nodes())):
                 continue
-            req.version = self.current.version
-            req.plan = self.plans[self.current.version]
-            req.got[:] = False
-            req.sources.clear()
-            req.redispatches += 1
-            req.dispatched_s = time.time()
-            self.counts["redispatched"] += 1
+            self._restart(req, self.current.version, self.plans[self.current.version])
             self._send_inputs(req)
+
+    def _restart(self, req: Request, version: int, plan: Plan) -> None:
+        """Start ``req`` over under ``version`` (its rows are sent again by the caller)."""
+        req.version, req.plan = version, plan
+        req.got[:] = False
+        req.sources.clear()
+        req.redispatches += 1
+        req.dispatched_s = time.time()
+        self.counts["redispatched"] += 1
 
     def _plan_text(self, plan: Plan) -> str:
         h = self.graph.input_shape[1]

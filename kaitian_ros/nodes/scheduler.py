@@ -141,15 +141,10 @@ class Scheduler:
     def _on_assignment_topic(self, msg: Any) -> None:
         """Our own topic: an assignment we did not publish is forged; publish ours again under a
         new incarnation, which the coordinator follows as a restart (retiring the impostor's)."""
-        try:
-            reason = self.guard.check(int(msg.incarnation), int(msg.version), ic.assignment_digest(msg))
-        except (ValueError, OverflowError, TypeError) as exc:
-            reason = f"impostor: unencodable assignment on {ic.ASSIGNMENT_TOPIC}: {exc}"
-        if not reason:
-            return
-        self.rt.rejected.count(reason)
-        self.impostor_s = time.monotonic()
-        incarnation = self.guard.reincarnate(time.monotonic())
+        reason, incarnation = ic.answer_on_own_topic(self.guard, msg, ic.ASSIGNMENT_TOPIC, time.monotonic())
+        if reason:
+            self.rt.rejected.count(reason)
+            self.impostor_s = time.monotonic()
         if incarnation is not None:
             self._reincarnate(incarnation, reason)
 

@@ -55,6 +55,7 @@ SCENARIO = "hetero_inference"
 CAMERA_TOPIC = "/camera/image_raw"
 FAULTS = ("kill_compute", "kill_scheduler", "kill_coordinator", "kill_router", "flood", "link_collapse",
           "forge_plan", "forge_assignment", "forge_telemetry", "fuzz")
+RETIRED = "retired incarnation"  # a listener's reason for a message of an incarnation it left
 SECURE_FAULTS = ("forge_plan_secure", "forge_assignment_secure", "forge_telemetry_secure")
 ANSWER_S = 6.0  # a frame unanswered this long is unanswered (the coordinator's request timeout is 5 s)
 LEAD_S = 1.0  # a fault's frames start this long before it: frames in flight when it hit count
@@ -915,7 +916,10 @@ class Run:
                 time.sleep(s.variant_s)
                 g.wait_diag_after(watch, tv + 1.05)
                 counts = {n: cm.reason_increase([("", before[n]), ("", g.diag(n))]) for n in watch}
-                counted = bool(v.reason) and all(counts[n].get(v.reason, 0) >= 1 for n in v.listeners)
+                # a listener that took the authority's answer to this impostor first (a new
+                # incarnation) refuses the forgery as of a retired incarnation: counted all the same
+                counted = bool(v.reason) and all(counts[n].get(v.reason, 0) + counts[n].get(RETIRED, 0) >= 1
+                                                 for n in v.listeners)
                 effect = v.marker(tv)  # at any time after it was sent (an authority may undo it at once)
                 row = {"name": v.name, "attacker": who, "implausible": v.implausible, "what": v.what,
                        "listeners": list(v.listeners), "expected_reason": v.reason, "counted": counted,

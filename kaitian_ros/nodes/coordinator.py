@@ -109,6 +109,7 @@ class Coordinator:
         self.alive: tuple[str, ...] = ()
         self.assignment: Assignment | None = None  # scheduler's latest proposal
         self.assignment_s = time.monotonic()  # of the latest accepted proposal (start: none yet)
+        self.departed: dict[str, float] = {}  # compute node -> monotonic time its session ended
         self.current: Assignment | None = None
         self.pending: Assignment | None = None  # adopted, effective from a later request
         self.plans: dict[int, Plan] = {}
@@ -173,6 +174,8 @@ class Coordinator:
     def _on_telemetry(self, msg: Any) -> None:
         if msg.node_id not in self.nodes:
             return
+        if time.monotonic() - self.departed.get(msg.node_id, float("-inf")) < DEPARTED_QUIET_S:
+            return  # sent before it died, handled after: it must not rejoin the dead node
         first = msg.node_id not in self.alive
         self.last_seen[msg.node_id] = time.monotonic()
         if first:
@@ -587,6 +590,8 @@ class Coordinator:
         """A compute node's process ended (its session with it): out of the plan now, its
         requests in flight sent again, instead of waiting dead_after_s for its heartbeats."""
         name = fqn.rsplit("/", 1)[-1]
+        if name in self.nodes:
+            self.departed[name] = time.monotonic()
         if name in self.alive:
             self.counts["departures"] += 1
             self._drop([name], "left the graph")
@@ -717,6 +722,10 @@ class Coordinator:
             | {k: v for k, v in self.counts.items()})
 
 
+# telemetry of a node whose session just ended is ignored this long: a sample it sent before it
+# died but handled after its departure would make it rejoin the plan and take requests it never
+# answers (a respawned node needs its respawn delay plus seconds of start-up to send its first)
+DEPARTED_QUIET_S = 1.0
 IMPOSTOR_REPORT_S = 30.0  # ERROR on /diagnostics this long after a forged plan was seen
 NO_ASSIGNMENT_S = 15.0  # use_scheduler without any accepted assignment this long: WARN
 SPEED_CHANGE = 1.3  # a profile whose trunk time moved this much is a device that changed speed

@@ -109,3 +109,12 @@ def test_guard_keeps_a_bounded_record() -> None:
         guard.published(v, bytes([v]))
     assert guard.check(7, 10, bytes([10])) == "" and guard.check(7, 7, bytes([7])) == ""
     assert guard.check(7, 6, bytes([6])) != ""  # forgotten: an old version re-sent now is not trusted
+
+
+def test_guard_answer_remembers_when_an_impostor_was_seen() -> None:
+    from kaitian_ros.core.authority import ImpersonationGuard
+
+    guard = ImpersonationGuard("coordinator", 3)
+    assert not guard.impostor_within(100.0, 30.0)
+    assert guard.answer(100.0) not in (None, 3)
+    assert guard.impostor_within(129.0, 30.0) and not guard.impostor_within(131.0, 30.0)

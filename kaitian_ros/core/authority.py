@@ -112,6 +112,7 @@ class ImpersonationGuard:
         self._last_change = float("-inf")
         self._owed = False  # an impostor came too soon after the last change: re-incarnate when due
         self.impostors = 0
+        self.last_impostor_s = float("-inf")  # when ``answer`` was last called
 
     def published(self, version: int, digest: bytes) -> None:
         self._digests[version] = digest
@@ -133,6 +134,15 @@ class ImpersonationGuard:
             return ""
         self.impostors += 1
         return f"impostor: another {self.what} incarnation {incarnation:016x} v{version} on its topic"
+
+    def answer(self, now_s: float) -> int | None:
+        """An impostor was seen at ``now_s``: the incarnation to re-announce under (``reincarnate``)."""
+        self.last_impostor_s = now_s
+        return self.reincarnate(now_s)
+
+    def impostor_within(self, now_s: float, window_s: float) -> bool:
+        """Whether an impostor was seen in the last ``window_s`` (an ERROR on /diagnostics)."""
+        return now_s - self.last_impostor_s < window_s
 
     def reincarnate(self, now_s: float, *, confirming: bool = False) -> int | None:
         """A new incarnation to publish under (the old one is remembered as this authority's

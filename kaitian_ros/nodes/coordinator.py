@@ -131,7 +131,6 @@ class Coordinator:
         # on a new incarnation, and its request ids continue above the old run's
         self.incarnation = new_incarnation()
         self.guard = ImpersonationGuard("coordinator", self.incarnation)  # forged plans on our topic
-        self.impostor_s = 0.0  # monotonic time an impostor was last seen (0: never)
         self.next_request = ic.first_request_id()
         self.scheduler_authority = AuthorityTracker("scheduler")
         self.counts = collections.Counter()
@@ -629,10 +628,7 @@ class Coordinator:
 
     def _on_plan_topic(self, msg: Any) -> None:
         """Our own topic: a plan we did not publish is forged (or a second coordinator runs)."""
-        reason, incarnation = ic.answer_on_own_topic(self.guard, msg, ic.PLAN_TOPIC, time.monotonic())
-        if reason:
-            self.rt.rejected.count(reason)
-            self.impostor_s = time.monotonic()
+        reason, incarnation = ic.answer_on_own_topic(self.rt, self.guard, msg, ic.PLAN_TOPIC, time.monotonic())
         if incarnation is not None:
             self._reincarnate(incarnation, reason)
 
@@ -692,7 +688,7 @@ class Coordinator:
             text += f", {self._plan_text(plan)} (predicted {self.predicted_ms:.1f} ms)"
         if self.counts["timeouts"]:
             level, text = Level.WARN, text + f", {self.counts['timeouts']} timed out"
-        if self.impostor_s and time.monotonic() - self.impostor_s < IMPOSTOR_REPORT_S:
+        if self.guard.impostor_within(time.monotonic(), IMPOSTOR_REPORT_S):
             level, text = Level.ERROR, text + (f", forged plans on {ic.PLAN_TOPIC} ({self.guard.impostors}): "
                                                f"re-announced as a new incarnation")
         silent_s = time.monotonic() - self.assignment_s

@@ -306,17 +306,19 @@ def assignment_digest(msg: Any) -> bytes:
     return hashlib.blake2b(bytes(interfaces.encode(msg, "LoadAssignment")), digest_size=16).digest()
 
 
-def answer_on_own_topic(guard: ImpersonationGuard, msg: Any, topic: str, now_s: float) -> tuple[str, int | None]:
+def answer_on_own_topic(rt: Any, guard: ImpersonationGuard, msg: Any, topic: str,
+                        now_s: float) -> tuple[str, int | None]:
     """What an authority (coordinator, scheduler) makes of a LoadAssignment on its own topic:
-    ('', None) for its own; else why it is forged and the incarnation to re-announce under (None
-    while the guard's rate bound holds: it owes one then)."""
+    ('', None) for its own; else why it is forged (counted as rejected) and the incarnation to
+    re-announce under (None while the guard's rate bound holds: it owes one then)."""
     try:
         reason = guard.check(int(msg.incarnation), int(msg.version), assignment_digest(msg))
     except (ValueError, OverflowError, TypeError) as exc:  # a decoded message re-encodes; be safe
         reason = f"impostor: unencodable message on {topic}: {exc}"
     if not reason:
         return "", None
-    return reason, guard.reincarnate(now_s)
+    rt.rejected.count(reason)
+    return reason, guard.answer(now_s)
 
 
 FRAME_BATCH = 1  # a request is one camera frame: every chunk of it carries batch size 1

@@ -58,7 +58,6 @@ class Scheduler:
         self.published = 0
         self.incarnation = new_incarnation()  # a restarted scheduler is a new authority (core.authority)
         self.guard = ImpersonationGuard("scheduler", self.incarnation)  # forged assignments on our topic
-        self.impostor_s = 0.0
         self.telemetry_s = 0.0  # monotonic time of the newest telemetry sample (0: none yet)
         self.decided_s = time.monotonic()  # of the newest decision that ran through
         self.decide_errors = 0
@@ -141,10 +140,7 @@ class Scheduler:
     def _on_assignment_topic(self, msg: Any) -> None:
         """Our own topic: an assignment we did not publish is forged; publish ours again under a
         new incarnation, which the coordinator follows as a restart (retiring the impostor's)."""
-        reason, incarnation = ic.answer_on_own_topic(self.guard, msg, ic.ASSIGNMENT_TOPIC, time.monotonic())
-        if reason:
-            self.rt.rejected.count(reason)
-            self.impostor_s = time.monotonic()
+        reason, incarnation = ic.answer_on_own_topic(self.rt, self.guard, msg, ic.ASSIGNMENT_TOPIC, time.monotonic())
         if incarnation is not None:
             self._reincarnate(incarnation, reason)
 
@@ -180,7 +176,7 @@ class Scheduler:
         if flowing and stalled_s > max(STALL_PERIODS * self.params["decide_period_s"], STALL_MIN_S):
             values["decisions_stalled_s"] = f"{stalled_s:.1f}"
             text, level = f"no decision for {stalled_s:.1f} s although telemetry flows", Level.ERROR
-        if self.impostor_s and time.monotonic() - self.impostor_s < IMPOSTOR_REPORT_S:
+        if self.guard.impostor_within(time.monotonic(), IMPOSTOR_REPORT_S):
             text, level = (f"forged assignments on {ic.ASSIGNMENT_TOPIC} ({self.guard.impostors}): "
                            f"re-announced as a new incarnation"), Level.ERROR
         if self.decide_errors:

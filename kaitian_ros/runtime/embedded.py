@@ -443,15 +443,9 @@ class EmbeddedRuntime:
     # --- executor -----------------------------------------------------------------------
     def on_node_gone(self, callback: Callable[[str], None]) -> None:
         def gone(entry: zs.LivelinessEntry) -> None:
-            self.post(lambda: self._guarded(callback, entry.node_fqn))
+            self.post(lambda: callback(entry.node_fqn))  # posted tasks run guarded (_run)
 
         self._keepalive.append(zs.watch_departures(self.session, self.domain, gone))
-
-    def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
-        try:
-            fn(*args)
-        except Exception:  # same policy as any callback: log, keep the node running
-            self.logger.exception("callback raised")
 
     def post(self, task: Callable[[], None]) -> None:
         self._tasks.put(task)

@@ -420,3 +420,45 @@ def test_untried_plans_on_nodes_that_ran_slower_than_predicted_are_expected_slow
     assert all(c.model_error == pytest.approx(2.5) for c in three.candidates
                if len(build_plan(g, c.spec, slab_rows=c.slab_rows).active_nodes()) == 3)
     assert three.best.spec.strategy == "single"
+
+
+def _active(g, c) -> frozenset:
+    return frozenset(build_plan(g, c.spec, slab_rows=c.slab_rows).active_nodes())
+
+
+def test_an_earlier_error_on_a_set_of_nodes_still_counts_after_its_latency_stopped_counting() -> None:
+    """A node changed speed, so what the split over {a, b} measured is no latency any more;
+    how far the model was off on those two nodes (2.5x) still prices every untried split over
+    them - but a current measurement of that set wins over the earlier ratio."""
+    g = _graph("resnet18", (3, 64, 64))
+    costs = Costs({"a": _profile(g, "a", 0.05), "b": _profile(g, "b", 0.05)}, {}, FREE)
+    assert choose_plan(g, ["a", "b"], costs, slab_rows=8).best.spec.strategy == "stripes"
+    earlier = {frozenset({"a", "b"}): 2.5}
+    again = choose_plan(g, ["a", "b"], costs, slab_rows=8, earlier_errors=earlier)
+    for c in again.candidates:
+        assert c.model_error == pytest.approx(2.5 if len(_active(g, c)) == 2 else 1.0)
+    assert again.best.spec.strategy == "single"
+    # a current measurement of a split over the same nodes says more than the earlier ratio
+    ran = next(c for c in again.candidates if c.spec.strategy == "stripes")
+    seen = {spec_key(ran.spec, ran.slab_rows): MeasuredPlan(ran.spec, ran.slab_rows, 1.2 * ran.predicted_ms)}
+    now = choose_plan(g, ["a", "b"], costs, slab_rows=8, measured=seen, earlier_errors=earlier)
+    assert all(c.model_error == pytest.approx(1.2) for c in now.candidates
+               if c.measured_ms is None and len(_active(g, c)) == 2)
+    # nonsense ratios are ignored
+    bad = choose_plan(g, ["a", "b"], costs, slab_rows=8,
+                      earlier_errors={frozenset({"a", "b"}): float("nan"), frozenset({"a"}): -1.0})
+    assert all(c.model_error == 1.0 for c in bad.candidates)
+
+
+def test_a_split_over_fewer_nodes_than_any_that_ran_takes_the_nearest_larger_splits_error() -> None:
+    """Only a three-node split ran (1.6x its prediction): an untried pair is expected to miss
+    like it rather than be believed at face value; single-node plans are not split plans."""
+    g = _graph("resnet18", (3, 64, 64))
+    costs = Costs({n: _profile(g, n, 0.05) for n in "abc"}, {}, FREE)
+    first = choose_plan(g, ["a", "b", "c"], costs, slab_rows=8, shares=(1.0, 1.0, 1.0))
+    ran = next(c for c in first.candidates if len(_active(g, c)) == 3)
+    seen = {spec_key(ran.spec, ran.slab_rows): MeasuredPlan(ran.spec, ran.slab_rows, 1.6 * ran.predicted_ms)}
+    again = choose_plan(g, ["a", "b", "c"], costs, slab_rows=8, shares=(1.0, 1.0, 1.0), measured=seen)
+    pairs = [c for c in again.candidates if len(_active(g, c)) == 2]
+    assert pairs and all(c.model_error == pytest.approx(1.6) for c in pairs if c.measured_ms is None)
+    assert all(c.model_error == 1.0 for c in again.candidates if len(_active(g, c)) == 1)

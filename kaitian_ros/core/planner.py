@@ -192,6 +192,7 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
                 strategy: str = "auto", shares: Sequence[float] | None = None,
                 adapt_shares: bool = True, margin: float = 0.0,
                 measured: Mapping[tuple, MeasuredPlan] | None = None,
+                earlier_errors: Mapping[frozenset, float] | None = None,
                 whole_image: bool = True) -> Choice:
     """The fastest predicted candidate (ValueError when no node has a profile) - or, when the
     best of a simpler strategy (single < layerwise < stripes) is predicted within `margin` of
@@ -210,7 +211,13 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
 
     `measured` maps `spec_key`s of plans that ran lately to their `MeasuredPlan`:
     those plans are candidates too (if their strategy and nodes fit), and every candidate with a
-    measured latency is compared by it rather than by its prediction."""
+    measured latency is compared by it rather than by its prediction.
+
+    `earlier_errors` maps a set of nodes computing at once to the measured / predicted latency
+    of the plan that ran on them last, also where that measurement no longer counts as a
+    latency (a node of it changed speed since): what the model misses on a set of nodes - cores
+    they share, per-message costs - is a property of the machine, not of a node's speed. A set
+    without a current measurement takes it."""
     if strategy not in STRATEGY_CHOICES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGY_CHOICES)}, got {strategy!r}")
     ids = tuple(n for n in node_ids if n in costs.profiles)
@@ -230,7 +237,14 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
         if len(active) in errors:
             return errors[len(active)]
         # more nodes at once miss at least as much as fewer did (more contention)
-        return max([errors[k] for k in errors if isinstance(k, int) and 2 <= k < len(active)], default=1.0)
+        fewer = [errors[k] for k in errors if isinstance(k, int) and 2 <= k < len(active)]
+        if fewer or len(active) < 2:
+            return max(fewer, default=1.0)
+        # a split over fewer nodes than any that ran: the nearest larger split's error is the
+        # best evidence of what splitting costs here (1.0 sent the search through every
+        # untried pair after a three-node split had measured 1.5x its prediction)
+        larger = [k for k in errors if isinstance(k, int) and k > len(active)]
+        return errors[min(larger)] if larger else 1.0
 
     def evaluate(spec: PlanSpec, slab: int = slab_rows) -> float:
         key = spec_key(spec, slab)
@@ -272,6 +286,10 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
             nodes = active_of[key]
             by_nodes.setdefault(nodes, []).append(c.measured_ms / c.predicted_ms)
             by_nodes.setdefault(len(nodes), []).append(c.measured_ms / c.predicted_ms)
+    for nodes, ratio in (earlier_errors or {}).items():
+        if nodes not in by_nodes and math.isfinite(ratio) and ratio > 0:
+            by_nodes[nodes] = [ratio]
+            by_nodes.setdefault(len(nodes), []).append(ratio)
     errors.update({k: min(MODEL_ERROR_MAX, max(1.0 / MODEL_ERROR_MAX, max(v))) for k, v in by_nodes.items()})
 
     if strategy in ("auto", "single"):

@@ -120,6 +120,7 @@ class Coordinator:
         self.send_ms_per_mb = 0.0  # publishing cost of chunk payload (EWMA)
         self.choice: planner.Choice | None = None  # the planner's newest choice
         self.observed: dict[tuple, ObservedPlan] = {}  # what plans really took lately
+        self.unmeasured_version: int | None = None  # the newest plan version until its first request completes
         self.predicted_ms = 0.0  # the newest plan's latency as last predicted
         self.planner = PlannerProcess(self.spec)  # planning rounds off the executor
         self.planner_lost = False
@@ -219,8 +220,15 @@ class Coordinator:
             return
         if ic.accept_versioned(self.rt, self.scheduler_authority, msg) is None:
             return
-        self.assignment = proposal
+        previous, self.assignment = self.assignment, proposal
         self.assignment_s = time.monotonic()
+        if self.params["share_search"] and proposal.policy == "adaptive" and previous is not None and \
+                previous.policy == "adaptive" and _members(previous) == _members(proposal):
+            # the planner searches shares by the nodes' measured speeds itself: the scheduler's
+            # newest shares are one candidate among those, taken at the next round. A round per
+            # proposal kept the planner process busy back to back while speeds changed (the
+            # scheduler proposes every few hundred ms then) - a core the compute nodes lacked
+            return
         self._replan_soon(f"scheduler v{proposal.version}: {proposal.reason}", effective=proposal.effective_from_request,
                           proposal=True)
 
@@ -233,17 +241,24 @@ class Coordinator:
         table = dict(zip(self.nodes, self.params["static_shares"]))
         return tuple(table[n] for n in alive), "static"
 
-    def _observe_latency(self, spec: PlanSpec, slab_rows: int, ms: float) -> None:
+    def _observe_latency(self, plan: Plan, ms: float) -> None:
         """Remember what a plan really took (requests that ran alone only: two requests in
-        flight share the nodes, and the planner predicts one request)."""
+        flight share the nodes, and the planner predicts one request), and what it was
+        predicted to take then."""
+        spec, slab_rows = plan.spec, plan.slab_rows
         trunks = {n: self.profiles[n].trunk_ms for n in spec.node_ids if n in self.profiles}
         key = planner.spec_key(spec, slab_rows)
+        running = self.plans.get(self.current.version) if self.current is not None else None
+        # the newest prediction of the running plan (re-predicted every round), else its own
+        predicted = self.predicted_ms if running is not None and \
+            planner.spec_key(running.spec, running.slab_rows) == key else plan.estimated_ms
         seen = self.observed.get(key)
         if seen is None or not self._still_valid(seen):
-            self.observed[key] = ObservedPlan(spec, slab_rows, ms, 1, time.monotonic(), trunks)
+            self.observed[key] = ObservedPlan(spec, slab_rows, ms, 1, time.monotonic(), trunks, predicted,
+                                              frozenset(plan.active_nodes()))
         else:
             self.observed[key] = ObservedPlan(spec, slab_rows, seen.ms + 0.3 * (ms - seen.ms), seen.n + 1,
-                                              time.monotonic(), seen.trunks)
+                                              time.monotonic(), seen.trunks, predicted, seen.active)
         if len(self.observed) > 64:  # bounded: the oldest go
             for k, _ in sorted(self.observed.items(), key=lambda kv: kv[1].last_s)[:len(self.observed) - 64]:
                 del self.observed[k]
@@ -270,6 +285,19 @@ class Coordinator:
     def _measured(self) -> dict[tuple, planner.MeasuredPlan]:
         return {k: planner.MeasuredPlan(o.spec, o.slab_rows, o.ms) for k, o in self.observed.items()
                 if o.n >= MEASURED_MIN and self._still_valid(o)}
+
+    def _earlier_errors(self) -> dict[frozenset, float]:
+        """measured / predicted of the plan that ran last on each set of nodes, also when a node
+        of it changed speed since (then its latency no longer counts, but how far the model was
+        off on those nodes still does: without it, every speed change let the planner try the
+        same over-optimistic split again)."""
+        now = time.monotonic()
+        latest: dict[frozenset, ObservedPlan] = {}
+        for o in self.observed.values():
+            if o.n >= MEASURED_MIN and o.predicted_ms > 0 and now - o.last_s <= OBSERVED_TTL_S and \
+                    (o.active not in latest or o.last_s > latest[o.active].last_s):
+                latest[o.active] = o
+        return {nodes: o.ms / o.predicted_ms for nodes, o in latest.items()}
 
     def _costs(self, nodes: tuple[str, ...], shares: tuple[float, ...]) -> tuple[Costs, list[str]]:
         """What the planner prices plans with: the measured profiles and links; a node without
@@ -370,7 +398,7 @@ class Coordinator:
                            latest.version if latest else 0, old.spec if old is not None else None,
                            old.slab_rows if old is not None else 0,
                            # input pacing emulates a slow link per slab: one slab would skip it
-                           self.params["input_pacing_ms"] <= 0)
+                           self.params["input_pacing_ms"] <= 0, self._earlier_errors())
 
     def _apply_plan(self, request: PlanRequest, choice: planner.Choice | None, was: Any) -> None:
         if choice is None:
@@ -421,6 +449,7 @@ class Coordinator:
         version = pv.version
         self.pending = None
         self.current = pv
+        self.unmeasured_version = version
         plan = self.plans[version]
         ru = self.choice.runner_up if self.choice is not None else None
         msg = ic.assignment_msg(pv, self.incarnation, plan, ru.label if ru else "", ru.predicted_ms if ru else 0.0)
@@ -553,8 +582,13 @@ class Coordinator:
             result = self.graph.run_head(req.out)
         self._publish_fused(req, result, True, "ok")
         self.post_ms += 0.1 * ((time.perf_counter() - t0) * 1e3 - self.post_ms)
-        if req.alone and req.redispatches == 0:
-            self._observe_latency(req.plan.spec, req.plan.slab_rows, (time.time() - req.received_s) * 1e3)
+        if req.version == self.unmeasured_version:
+            # a plan version's first request pays one-off costs on its new row shapes (kernel
+            # selection, weight packing: 2-5x its steady latency here); folded into the plan's
+            # measured latency it made a good plan look slow for the next ~8 requests
+            self.unmeasured_version = None
+        elif req.alone and req.redispatches == 0:
+            self._observe_latency(req.plan, (time.time() - req.received_s) * 1e3)
         self.counts["completed"] += 1
         self._start_waiting()
 
@@ -676,6 +710,13 @@ class Coordinator:
         return plan.spec.describe(self.graph) + (", whole image" if plan.slab_rows >= h
                                                  else f", slabs of {plan.slab_rows} rows")
 
+    def _planner_state(self) -> str:
+        """`starting` (planning rounds run on the executor until the planner process has built
+        its graph), `ready`, or `lost` (it died: every round on the executor)."""
+        if self.planner_lost or not self.planner.alive():
+            return "lost"
+        return "ready" if self.planner.is_ready() else "starting"
+
     def _report(self) -> None:
         lat = sorted(self.latencies)
         p50 = lat[len(lat) // 2] if lat else 0.0
@@ -713,6 +754,7 @@ class Coordinator:
             "send_ms_per_mb": f"{self.send_ms_per_mb:.2f}",
             "links_in": ",".join(f"{n}:{e.bytes_per_ms * 8e-3:.0f}Mbit/{e.latency_ms:.2f}ms" for n, m in
                                  sorted(self.meters.items()) if (e := m.estimate()) is not None),
+            "planner": self._planner_state(), "plan_round_ms": f"{self.planner.last_round_ms:.0f}",
             "alive": ",".join(self.alive), "in_flight": len(self.requests),
             "latency_p50_ms": f"{p50:.1f}", "latency_p95_ms": f"{p95:.1f}"}
             | {k: v for k, v in self.counts.items()})
@@ -737,6 +779,13 @@ class ObservedPlan:
     n: int
     last_s: float  # monotonic time of the last one
     trunks: dict  # node -> profile trunk_ms when the measurement started
+    predicted_ms: float  # the plan's predicted latency at the latest request
+    active: frozenset  # the nodes it keeps busy
+
+
+def _members(a: Assignment) -> frozenset:
+    """The nodes an assignment gives rows."""
+    return frozenset(n for n, x in zip(a.node_ids, a.shares) if x > 0)
 
 
 def _same_spec(a: PlanSpec, b: PlanSpec) -> bool:

@@ -13,7 +13,8 @@ without ever waiting for one.
 from __future__ import annotations
 
 import multiprocessing
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from kaitian_ros.core import planner
@@ -45,6 +46,8 @@ class PlanRequest:
     latest_spec: PlanSpec | None
     latest_slab_rows: int
     whole_image: bool  # the planner may send a plan's input in one slab
+    # frozenset of nodes -> measured / predicted of the last plan that ran on them
+    earlier_errors: dict = field(default_factory=dict)
 
 
 def plan_round(graph: ModelGraph, r: PlanRequest) -> tuple[planner.Choice | None, Any]:
@@ -53,7 +56,8 @@ def plan_round(graph: ModelGraph, r: PlanRequest) -> tuple[planner.Choice | None
     try:
         choice = planner.choose_plan(graph, r.nodes, r.costs, slab_rows=r.slab_rows, strategy=r.strategy,
                                      shares=r.shares, adapt_shares=r.share_search, margin=r.margin,
-                                     measured=r.measured, whole_image=r.whole_image)
+                                     measured=r.measured, earlier_errors=r.earlier_errors,
+                                     whole_image=r.whole_image)
         was = None
         if r.latest_spec is not None and set(r.latest_spec.node_ids) <= set(r.nodes):
             predicted = planner.predict(graph, r.latest_spec, r.costs, slab_rows=r.latest_slab_rows)
@@ -124,6 +128,8 @@ class PlannerProcess:
         child.close()
         self.ready = False
         self.busy: PlanRequest | None = None
+        self._submitted_s = 0.0
+        self.last_round_ms = 0.0  # wall time of the last round, submit to result (diagnostics)
 
     def alive(self) -> bool:
         return self._proc.is_alive()
@@ -140,6 +146,7 @@ class PlannerProcess:
             raise RuntimeError("a planning round is already running")
         self._conn.send(request)
         self.busy = request
+        self._submitted_s = time.monotonic()
 
     def result(self) -> tuple[PlanRequest, planner.Choice | None, Any] | None:
         """The finished round (its request, choice, was) if one finished, else None; never waits."""
@@ -152,6 +159,7 @@ class PlannerProcess:
                 self.ready = True
                 continue
             request, self.busy = self.busy, None
+            self.last_round_ms = (time.monotonic() - self._submitted_s) * 1e3
             return (request, *got) if request is not None else None
         return None
 

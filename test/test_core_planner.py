@@ -462,3 +462,19 @@ def test_a_split_over_fewer_nodes_than_any_that_ran_takes_the_nearest_larger_spl
     pairs = [c for c in again.candidates if len(_active(g, c)) == 2]
     assert pairs and all(c.model_error == pytest.approx(1.6) for c in pairs if c.measured_ms is None)
     assert all(c.model_error == 1.0 for c in again.candidates if len(_active(g, c)) == 1)
+
+
+def test_a_quick_round_weighs_single_node_plans_against_the_running_plan_only() -> None:
+    """A node of the running split changed speed: the quick round (single-node plans, a few
+    ms) still judges the running plan by what it would take now."""
+    from kaitian_ros.nodes.planner_process import PlanRequest, plan_round
+
+    g = _graph("resnet18", (3, 64, 64))
+    costs = Costs({"a": _profile(g, "a", 0.05), "b": _profile(g, "b", 0.5)}, {}, FREE)  # b is 10x slower now
+    running = PlanSpec.stripes(("a", "b"), (0.5, 0.5), ())
+    request = PlanRequest("b slowed", 0, False, ("a", "b"), ("a", "b"), (1.0, 1.0), "adaptive", True, 0.1, {},
+                          costs, (), 8, "auto", 1, running, 8, True, quick=True)
+    choice, was = plan_round(g, request)
+    assert choice is not None and {c.spec.strategy for c in choice.candidates} == {"single"}
+    assert choice.best.spec == PlanSpec.single("a")
+    assert was[0] == pytest.approx(predict(g, running, costs, slab_rows=8)) and was[0] > choice.best.expected_ms

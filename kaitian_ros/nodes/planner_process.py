@@ -48,13 +48,15 @@ class PlanRequest:
     whole_image: bool  # the planner may send a plan's input in one slab
     # frozenset of nodes -> measured / predicted of the last plan that ran on them
     earlier_errors: dict = field(default_factory=dict)
+    quick: bool = False  # single-node plans only (a node of the running plan changed speed)
 
 
 def plan_round(graph: ModelGraph, r: PlanRequest) -> tuple[planner.Choice | None, Any]:
     """(choice, (predicted ms, expected ms: measured if it ran lately) of the newest plan now, or
     None) - or (None, the error)."""
     try:
-        choice = planner.choose_plan(graph, r.nodes, r.costs, slab_rows=r.slab_rows, strategy=r.strategy,
+        strategy = "single" if r.quick else r.strategy
+        choice = planner.choose_plan(graph, r.nodes, r.costs, slab_rows=r.slab_rows, strategy=strategy,
                                      shares=r.shares, adapt_shares=r.share_search, margin=r.margin,
                                      measured=r.measured, earlier_errors=r.earlier_errors,
                                      whole_image=r.whole_image)

@@ -92,7 +92,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
         view = LiveView(router, scenario)
     try:
-        code = launch(scenario, router, duration_s=args.duration, on_tick=view.tick if view else None)
+        code = launch(scenario, router, duration_s=args.duration, on_tick=view.tick if view else None,
+                      warm_start=not args.no_warm_start)
     except RuntimeError as exc:
         raise CliError(str(exc), 1) from None
     finally:
@@ -282,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="launch arguments name:=value")
     p.add_argument("--duration", type=float, help="stop after this many seconds")
     p.add_argument("--no-view", action="store_true", help="no live terminal view")
+    p.add_argument("--no-warm-start", action="store_true",
+                   help="respawn nodes in fresh processes (default: keep one interpreter with torch and the "
+                        "middleware imported, about 200 MB, to respawn the next node from)")
     p.add_argument("--secure", metavar="DIR", help="TLS + access control with the certificates in DIR "
                                                    "(made by `kaitian certs create DIR`; same as security:=DIR)")
 

@@ -10,6 +10,12 @@ scheduler by default), at most ``respawn_max_retries`` times; each death and res
 and published on ``/diagnostics`` (as node ``launch``). A node that dies without respawn, or
 beyond its retries, or that refused to start (exit code 2: bad parameters, which a respawn
 would repeat), stops the graph and the launcher exits non-zero naming it.
+
+A respawn starts from a warm interpreter when one is ready (``kaitian_ros.warm_start``: an
+interpreter that already imported torch and the middleware at a low CPU priority, waiting
+for the node to become), which skips the 1.5-3 s of imports of a fresh process; the launcher
+keeps one ready from ``WARM_START_AFTER_S`` after the graph started (``warm_start=False``: never).
+Nodes started under a command prefix (a network namespace in the benchmarks) always start fresh.
 """
 
 from __future__ import annotations
@@ -31,12 +37,15 @@ from typing import Any, TextIO
 
 import yaml
 
+from kaitian_ros import warm_start
 from kaitian_ros.runtime import security
 from kaitian_ros.scenario import NodeSpec, Respawn, Scenario
 
 STOP_GRACE_S = 5.0
 REFUSED_TO_START = 2  # a node's exit code for bad parameters/arguments: a respawn would fail the same way
 _PR_SET_PDEATHSIG = 1
+WARM_START_AFTER_S = 1.0  # after the graph (or the last warm takeover) started: its own imports first
+WARM_START_FAILURES = 3  # warm interpreters that died unused before the launcher stops starting them
 ROUTER = "router"  # name and executable of the router's child process
 ROUTER_RESPAWN = Respawn(enabled=True, delay_s=0.5, max_retries=20)
 ROUTER_READY_S = 20.0
@@ -143,10 +152,20 @@ class Child:
     last_exit: int | None = None
 
 
+@dataclass
+class WarmInterpreter:
+    """A started ``kaitian_ros.warm_start`` process; `name` labels its output (the node it
+    became, once it became one)."""
+
+    process: subprocess.Popen
+    reader: threading.Thread
+    name: str = "warm"
+
+
 class Launcher:
     def __init__(self, scenario: Scenario, router_endpoint: str, *, out: TextIO = sys.stdout,
                  host_router: bool = True, node_prefix: Mapping[str, Sequence[str]] | None = None,
-                 node_env: Mapping[str, Mapping[str, str]] | None = None) -> None:
+                 node_env: Mapping[str, Mapping[str, str]] | None = None, warm_start: bool = True) -> None:
         self.scenario = scenario
         # per node: a command prefix and extra environment, kept on respawn (benchmarks run a
         # node inside a network namespace: `ip netns exec NS`, its own listen address)
@@ -162,6 +181,11 @@ class Launcher:
         self.params_file = Path(self._tmpdir.name) / f"{scenario.name}.yaml"
         # TLS + access control for every process of the graph (SecurityError: unusable directory)
         self.security = security.for_launch(scenario.security)
+        # one warm interpreter when a node may be respawned from it (see the module docstring)
+        self.warm: WarmInterpreter | None = None
+        self.warm_due = float("inf") if not warm_start or not any(
+            n.respawn.enabled and n.name not in self.node_prefix for n in scenario.nodes) else 0.0
+        self.warm_failures = 0
 
     def say(self, line: str) -> None:
         with self._print_lock:
@@ -177,6 +201,7 @@ class Launcher:
         for spec in self.scenario.nodes:
             process, reader = self._spawn(spec)
             self.children.append(Child(spec, process, reader))
+        self.warm_due = max(self.warm_due, time.monotonic() + WARM_START_AFTER_S)
 
     @property
     def nodes(self) -> list[Child]:
@@ -197,27 +222,72 @@ class Launcher:
                                    f"(is another graph running? pick one with --router)")
         return Child(spec, process, reader)
 
+    def _base_env(self) -> dict[str, str]:
+        return dict(os.environ, KAITIAN_ROUTER=self.router_endpoint, KAITIAN_RUNTIME="embedded",
+                    PYTHONUNBUFFERED="1")
+
+    def _node_env(self, spec: NodeSpec) -> dict[str, str]:
+        """What a node's environment adds to the base one: its role's certificate, its own."""
+        return security.child_env(self.security, spec.executable) | self.node_env.get(spec.name, {})
+
     def _spawn(self, spec: NodeSpec, ready: threading.Event | None = None) -> tuple[subprocess.Popen, threading.Thread]:
-        env = dict(os.environ, KAITIAN_ROUTER=self.router_endpoint, KAITIAN_RUNTIME="embedded",
-                   PYTHONUNBUFFERED="1")
-        env.update(security.child_env(self.security, spec.executable))  # each presents its role's certificate
-        env.update(self.node_env.get(spec.name, {}))
         command = self.node_prefix.get(spec.name, []) + node_command(spec, self.params_file)
-        process = subprocess.Popen(command, env=env,
+        process = subprocess.Popen(command, env=self._base_env() | self._node_env(spec),
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
                                    text=True, bufsize=1)
-        reader = threading.Thread(target=self._pump, args=(spec.name, process, ready), daemon=True)
+        reader = threading.Thread(target=self._pump, args=(lambda: spec.name, process, ready), daemon=True)
         reader.start()
         self.say(f"[launch] started {spec.name} ({spec.executable}) pid {process.pid}")
         return process, reader
 
-    def _pump(self, name: str, process: subprocess.Popen, ready: threading.Event | None = None) -> None:
+    def _pump(self, name: Callable[[], str], process: subprocess.Popen, ready: threading.Event | None = None) -> None:
         assert process.stdout is not None
         for line in process.stdout:
-            self.say(f"[{name}] {line.rstrip()}")
+            self.say(f"[{name()}] {line.rstrip()}")
             if ready is not None and line.startswith(ROUTER_READY_LINE):
                 ready.set()
+
+    def _start_warm(self) -> None:
+        process = subprocess.Popen([sys.executable, "-u", "-m", "kaitian_ros.warm_start"], env=self._base_env(),
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
+                                   preexec_fn=_die_with_parent, text=True, bufsize=1)
+        warm = WarmInterpreter(process, threading.Thread())
+        warm.reader = threading.Thread(target=self._pump, args=(lambda: warm.name, process), daemon=True)
+        warm.reader.start()
+        self.warm = warm
+
+    def _tend_warm(self, now: float) -> None:
+        """Start a warm interpreter when one is due; count one that died unused."""
+        if self.warm is not None and self.warm.process.poll() is not None:
+            self.warm_failures += 1
+            self.say(f"[launch] warm interpreter exited unused (exit code {self.warm.process.returncode})"
+                     + ("; no more warm starts" if self.warm_failures >= WARM_START_FAILURES else ""))
+            self.warm = None
+            self.warm_due = now + WARM_START_AFTER_S
+        if self.warm is None and now >= self.warm_due and self.warm_failures < WARM_START_FAILURES \
+                and not self._stopping.is_set():
+            self._start_warm()
+
+    def _respawn(self, spec: NodeSpec, now: float) -> tuple[subprocess.Popen, threading.Thread]:
+        """The node's new process: the warm interpreter becoming it if one is ready, else a fresh one."""
+        warm = self.warm
+        if warm is None or warm.process.poll() is not None or spec.name in self.node_prefix \
+                or spec.executable == ROUTER:
+            return self._spawn(spec)
+        self.warm, self.warm_due = None, now + WARM_START_AFTER_S
+        argv = node_command(spec, self.params_file)[4:]  # after: python -u -m MODULE
+        order = warm_start.Order(f"kaitian_ros.nodes.{spec.executable}", tuple(argv), self._node_env(spec))
+        try:
+            assert warm.process.stdin is not None
+            warm.process.stdin.write(order.to_line())
+            warm.process.stdin.close()
+        except (BrokenPipeError, OSError):
+            return self._spawn(spec)
+        warm.name = spec.name
+        self.say(f"[launch] {spec.name} respawns from the warm interpreter")
+        self.say(f"[launch] started {spec.name} ({spec.executable}) pid {warm.process.pid}")
+        return warm.process, warm.reader
 
     def wait(self, duration_s: float | None = None, on_tick: Callable[[], None] | None = None) -> int:
         """Supervise until all nodes end, one dies for good, ``duration_s`` passes, or stop()
@@ -249,13 +319,14 @@ class Launcher:
         """Schedule respawns of nodes that exited, start those due; the launcher's exit code
         if a node died for good, else None."""
         now = time.monotonic()
+        self._tend_warm(now)
         for child in self.children:
             if child.respawn_at:
                 if now >= child.respawn_at and not self._stopping.is_set():
                     child.respawn_at = 0.0
                     child.restarts += 1
                     child.restarted_at = now
-                    child.process, child.reader = self._spawn(child.spec)
+                    child.process, child.reader = self._respawn(child.spec, now)
                     child.handled = False
                 continue
             code = child.process.poll()
@@ -285,6 +356,11 @@ class Launcher:
     def stop(self) -> None:
         """SIGINT every node, then SIGTERM, then SIGKILL; never leave a process behind."""
         self._stopping.set()
+        if self.warm is not None:  # nothing of its own to lose: it ignores SIGINT until it becomes a node
+            self.warm.process.kill()
+            self.warm.process.wait()
+            self.warm.reader.join(timeout=1.0)
+            self.warm = None
         # the router last: nodes shutting down still talk to each other through it
         for group in (self.nodes, [c for c in self.children if c.spec.executable == ROUTER]):
             stop_process_groups([c.process for c in group])
@@ -414,9 +490,9 @@ def start_on_free_port(scenario: Scenario, *, out: TextIO = sys.stdout, attempts
 
 
 def launch(scenario: Scenario, router_endpoint: str, *, duration_s: float | None = None,
-           on_tick: Callable[[], None] | None = None, out: TextIO = sys.stdout) -> int:
+           on_tick: Callable[[], None] | None = None, out: TextIO = sys.stdout, warm_start: bool = True) -> int:
     """Run a scenario until Ctrl-C/SIGTERM (or ``duration_s``); the exit code for the CLI."""
-    launcher = Launcher(scenario, router_endpoint, out=out)
+    launcher = Launcher(scenario, router_endpoint, out=out, warm_start=warm_start)
 
     def forward(signum: int, frame: Any) -> None:
         launcher.say(f"[launch] {signal.Signals(signum).name} received, stopping nodes")

@@ -230,6 +230,9 @@ def test_respawned_node_comes_back_is_reported_and_the_cap_holds():
         frames = probe.collect("/camera/image_raw", "Image", QoS.BEST_EFFORT)
         os.kill(pids["image_source"], signal.SIGKILL)
         launch.wait_for(r"node 'image_source' exited \(exit code -9\); respawning in 0.2 s \(restart 1 of 1\)")
+        # started 1 s after the graph, the warm interpreter (torch and the middleware imported)
+        # becomes the respawned node
+        launch.wait_for(r"\[launch\] image_source respawns from the warm interpreter")
         (again,) = launch.wait_for(r"\[launch\] started image_source \(image_source\) pid (\d+)", count=2)[1:]
         respawned = int(again.group(1))
         assert respawned != pids["image_source"] and pid_running(respawned)

@@ -1,0 +1,97 @@
+"""A pre-started interpreter that becomes a node when the launcher respawns one.
+
+A node process spends its first 1.5-3 s on this machine importing torch and the middleware
+before it does anything of its own; a compute node killed with SIGKILL was back in the plan
+5.5 s later, 1 s of it the respawn delay and most of the rest imports. `kaitian launch` keeps
+one interpreter that has already imported what every node imports (`PRELOAD`) waiting on its
+standard input. A respawn hands it the node to become - one JSON line: the node's module, its
+arguments and its environment - and it runs that node's ``main`` at once; the launcher then
+starts the next warm interpreter.
+
+The imports run on a thread of their own at a low CPU priority (``nice`` 10; on Linux a
+thread's nice value is its own), so a waiting interpreter hardly slows the running nodes, while
+the node it becomes runs on the main thread at normal priority - without the privilege a
+process needs to lower its own nice value again. Needed before its imports finished, it asks
+for normal priority for the rest (granted to root or with CAP_SYS_NICE/RLIMIT_NICE).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+PRELOAD = ("torch", "numpy", "yaml", "zenoh", "kaitian_ros.runtime.embedded", "kaitian_ros.nodes.inference_common")
+# nice 10: a tenth of a core against normal-priority work - the imports finish within seconds
+# on a busy machine instead of starving behind every other background job, as at 19
+IDLE_NICE = 10
+
+
+@dataclass(frozen=True)
+class Order:
+    """The node a warm interpreter becomes."""
+
+    module: str  # e.g. kaitian_ros.nodes.compute: a module with main(argv) -> int
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+
+    def to_line(self) -> str:
+        return json.dumps({"module": self.module, "argv": list(self.argv), "env": dict(self.env)}) + "\n"
+
+    @staticmethod
+    def from_line(line: str) -> Order:
+        """The order in `line` (ValueError when it is not one)."""
+        try:
+            raw = json.loads(line)
+            module, argv, env = raw["module"], raw["argv"], raw["env"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"not an order: {exc}") from None
+        if not isinstance(module, str) or not module.startswith("kaitian_ros.nodes.") or \
+                not all(isinstance(a, str) for a in argv) or \
+                not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise ValueError("not an order: module must be a kaitian_ros node, argv and env strings")
+        return Order(module, tuple(argv), dict(env))
+
+
+def _preload(modules: Sequence[str]) -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IDLE_NICE)
+    except (OSError, AttributeError):
+        pass  # not Linux: imports at normal priority
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # the node that needs it reports it when it imports it itself
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    loader = threading.Thread(target=_preload, args=(PRELOAD,), name="kaitian-preload", daemon=True)
+    loader.start()
+    line = sys.stdin.readline()
+    if not line:  # the launcher stopped without needing this interpreter
+        return 0
+    try:
+        order = Order.from_line(line)
+    except ValueError as exc:
+        print(f"warm interpreter: {exc}", file=sys.stderr)
+        return 2
+    if loader.is_alive():  # needed before its imports finished: the rest at normal priority if allowed
+        try:
+            os.setpriority(os.PRIO_PROCESS, loader.native_id or 0, 0)
+        except (OSError, AttributeError):
+            pass  # lowering a nice value needs CAP_SYS_NICE or RLIMIT_NICE
+        loader.join()
+    os.environ.update(order.env)
+    sys.argv = [order.module, *order.argv]
+    node: Any = importlib.import_module(order.module)
+    return int(node.main(list(order.argv)) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -277,7 +277,8 @@ def cmd_bag(args: argparse.Namespace) -> int:
             try:
                 topics = recorder.start()
                 names = ", ".join(t.name for t in topics) or "none yet"
-                print(f"recording {len(topics)} topics to {output} (Ctrl-C to stop): {names}", flush=True)
+                print(f"recording {len(topics)} topic{'' if len(topics) == 1 else 's'} to {output} (Ctrl-C to stop): "
+                      f"{names}", flush=True)
                 summary = recorder.run(stop, args.duration)
             except bag.BagError as exc:
                 raise CliError(f"kaitian bag record: {exc}", 1) from None

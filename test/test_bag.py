@@ -19,7 +19,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import REPO, Proc, Router, child_env, fused_output_fields, run_cli, spawn_helper
+from helpers import (
+    REPO,
+    Proc,
+    Router,
+    child_env,
+    fused_output_fields,
+    run_cli,
+    spawn_helper,
+)
 
 mcap_reader = pytest.importorskip("mcap.reader", reason="the test extra installs mcap (pip install -e '.[test]')")
 mcap_ros2_decoder = pytest.importorskip("mcap_ros2.decoder", reason="the test extra installs mcap-ros2-support")

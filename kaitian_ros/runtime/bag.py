@@ -108,7 +108,14 @@ def message_definition(msg_type: str) -> str:
 def _offered_qos(topic: RecordedTopic) -> Any:
     """The api.QoS profile of the topic's publishers, in rosbag2's terms (``ros2 bag play``
     offers it again: a latched topic stays latched)."""
-    from rosbags.interfaces import Qos, QosDurability, QosHistory, QosLiveliness, QosReliability, QosTime
+    from rosbags.interfaces import (
+        Qos,
+        QosDurability,
+        QosHistory,
+        QosLiveliness,
+        QosReliability,
+        QosTime,
+    )
 
     unspecified = QosTime(0, 0)
     depth = 1 if topic.latched else (5 if topic.best_effort else 10)

@@ -1,7 +1,8 @@
 """``kaitian bag record`` / ``kaitian bag info`` against a real embedded graph, every party its own
 process: a publisher (test/helpers.py ``fused_pub``: a latched plan, FusedOutputs, diagnostics,
-camera images), the recorder as a user starts it, and the bag read back with the ``mcap``
-package and its ROS 2 decoder - a reader that shares no code with rosbags or with this package.
+camera images), a latched topic that appears during the recording, the recorder as a user
+starts it, and the bag read back with the ``mcap`` package and its ROS 2 decoder - a reader that
+shares no code with rosbags or with this package.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ mcap_reader = pytest.importorskip("mcap.reader", reason="the test extra installs
 mcap_ros2_decoder = pytest.importorskip("mcap_ros2.decoder", reason="the test extra installs mcap-ros2-support")
 
 FUSED_COUNT = 30
+LATE_TOPIC = "/kaitian/late"
 TOPICS = {"/kaitian/fused": "kaitian_ros/msg/FusedOutput", "/kaitian/plan": "kaitian_ros/msg/LoadAssignment",
           "/diagnostics": "diagnostic_msgs/msg/DiagnosticArray", "/camera/image_raw": "sensor_msgs/msg/Image"}
 
@@ -57,11 +59,15 @@ def recording(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recording]:
     router = Router()
     publisher = spawn_helper("fused_pub", str(FUSED_COUNT), "fused,plan,diagnostics,image", router=router.endpoint)
     bag = tmp_path_factory.mktemp("bags") / "all_topics"
-    recorder = None
+    recorder = late = None
     try:
         publisher.ready()
         recorder = Proc(_record_cmd(router, "-o", str(bag)), child_env(router.endpoint))
         recorder.wait_for(r"^recording 4 topics")
+        # a topic that appears while recording is found and recorded too (its latched sample)
+        late = spawn_helper("latched_pub", LATE_TOPIC, "first", "last", router=router.endpoint)
+        late.ready()
+        recorder.wait_for(rf"^recording {LATE_TOPIC} too")
         sent = json.loads(publisher.wait_for(r'^\{"sent"')[0].string)
         # the publisher sent only once every topic had a subscriber (the recorder's) and its
         # messages are reliable: give delivery a moment on a busy machine, then Ctrl-C
@@ -70,8 +76,9 @@ def recording(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recording]:
         assert recorder.wait() == 0, recorder.output()
         yield Recording(router, publisher, bag, sent["sent"], sent["sha256"], recorder.output())
     finally:
-        if recorder is not None:
-            recorder.stop()
+        for proc in (recorder, late):
+            if proc is not None:
+                proc.stop()
         publisher.stop()
         router.close()
 
@@ -89,8 +96,9 @@ def test_every_published_message_is_in_the_bag_as_its_bytes(recording: Recording
     summary_line = recording.recorder_output.splitlines()[-1]
     assert summary_line.startswith("recorded "), recording.recorder_output
     summary, messages = _read_mcap(recording.bag)
-    assert {c.topic: c.message_encoding for c in summary.channels.values()} == {t: "cdr" for t in TOPICS}
-    by_topic: dict[str, list[Any]] = {t: [] for t in TOPICS}
+    assert {c.topic: c.message_encoding for c in summary.channels.values()} == \
+        {t: "cdr" for t in [*TOPICS, LATE_TOPIC]}
+    by_topic: dict[str, list[Any]] = {t: [] for t in [*TOPICS, LATE_TOPIC]}
     for _schema, channel, message, decoded in messages:
         by_topic[channel.topic].append((message, decoded))
     for topic in TOPICS:
@@ -105,6 +113,7 @@ def test_every_published_message_is_in_the_bag_as_its_bytes(recording: Recording
     assert sorted(d.version for _, d in by_topic["/kaitian/plan"]) == [1, 2]
     assert [d.status[0].name for _, d in by_topic["/diagnostics"]] == recording.sent["diagnostics"]
     assert [d.header.frame_id for _, d in by_topic["/camera/image_raw"]] == recording.sent["image"]
+    assert [d.data for _, d in by_topic[LATE_TOPIC]] == ["last"]
     times = [m.log_time for m, _ in by_topic["/kaitian/fused"]]
     assert times == sorted(times) and all(m.log_time == m.publish_time for m, _ in by_topic["/kaitian/fused"])
 
@@ -112,7 +121,7 @@ def test_every_published_message_is_in_the_bag_as_its_bytes(recording: Recording
 def test_message_definitions_are_embedded(recording: Recording) -> None:
     summary, _ = _read_mcap(recording.bag)
     schemas = {s.name: s for s in summary.schemas.values()}
-    assert set(schemas) == set(TOPICS.values())
+    assert set(schemas) == {*TOPICS.values(), "std_msgs/msg/String"}
     assert {s.encoding for s in schemas.values()} == {"ros2msg"}
     for name in ("FusedOutput", "LoadAssignment"):
         text = schemas[f"kaitian_ros/msg/{name}"].data.decode()
@@ -149,7 +158,7 @@ def test_bag_info_reads_the_bag_back(recording: Recording) -> None:
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "Storage id:        mcap" in out and "Files:             all_topics.mcap" in out
-    total = sum(len(h) for h in recording.sha256.values())
+    total = sum(len(h) for h in recording.sha256.values()) + 1  # + the late topic's latched sample
     assert f"Messages:          {total}" in out
     for topic, msg_type in TOPICS.items():
         count = len(recording.sha256[topic])

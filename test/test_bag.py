@@ -180,6 +180,19 @@ def test_named_topic_for_a_duration_gets_the_latched_sample(recording: Recording
     assert [(c.topic, d.version) for _, c, _, d in messages] == [("/kaitian/plan", 2)]
 
 
+def test_sigterm_closes_the_bag(recording: Recording, tmp_path: Path) -> None:
+    bag = tmp_path / "terminated"
+    recorder = Proc(_record_cmd(recording.router, "/kaitian/plan", "-o", str(bag)), child_env(recording.router.endpoint))
+    try:
+        recorder.wait_for(r"^recording 1 topic")
+        recorder.p.send_signal(signal.SIGTERM)
+        assert recorder.wait() == 0, recorder.output()
+    finally:
+        recorder.stop()
+    assert recorder.find(r"^recorded \d+ messages in .*: /kaitian/plan \d"), recorder.output()
+    assert (bag / "metadata.yaml").is_file()
+
+
 def _one_line_error(result: Any, *fragments: str) -> None:
     assert result.returncode != 0
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr

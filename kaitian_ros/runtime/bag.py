@@ -195,8 +195,12 @@ class Recorder:
         except OSError as exc:
             raise BagError(f"cannot create {self.output}: {exc.strerror or exc}") from None
         self._started_s = time.monotonic()
-        for topic in topics:
-            self._add(topic)
+        try:
+            for topic in topics:
+                self._add(topic)
+        except BaseException:
+            self._close()  # a bag that says what it holds rather than a half-written folder
+            raise
         return topics
 
     def _named_topics(self) -> list[RecordedTopic]:
@@ -245,6 +249,7 @@ class Recorder:
 
     # --- recording --------------------------------------------------------------------------
     def run(self, stop: threading.Event, duration_s: float | None = None) -> RecordSummary:
+        """Record (after ``start``) until ``stop`` is set or ``duration_s`` passed since ``start``."""
         next_discovery = time.monotonic() + REDISCOVER_S
         try:
             while not stop.is_set():

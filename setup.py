@@ -5,7 +5,7 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 PACKAGE = "kaitian_ros"
-NODES = ("image_source", "compute", "coordinator", "scheduler", "trainer", "monitor")
+NODES = ("image_source", "compute", "coordinator", "scheduler", "trainer", "monitor", "perception_example")
 
 
 def share_files(folder: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""The ``kaitian`` command: launch, router, node/topic/param introspection, train, bench.
+"""The ``kaitian`` command: launch, router, node/topic/param introspection, bags, train, bench.
 
 User mistakes print one line on stderr and exit non-zero, never a traceback.
 """
@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -252,6 +253,70 @@ def cmd_param(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bag(args: argparse.Namespace) -> int:
+    from kaitian_ros.runtime import bag
+
+    if args.bag_cmd == "info":
+        try:
+            info = bag.read_info(args.bag)
+        except bag.BagError as exc:
+            raise CliError(f"kaitian bag info: {exc}", 1) from None
+        print(format_bag_info(info))
+        return 0
+    if args.duration is not None and not args.duration > 0:
+        raise CliError(f"kaitian bag record: --duration must be > 0, got {args.duration}")
+    output = args.output or bag.default_output()
+    if output.exists() or output.is_symlink():  # before connecting: the commonest mistake, said at once
+        raise CliError(f"kaitian bag record: {output} exists already (a bag is never overwritten: "
+                       "choose another -o)")
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with _client(args) as client:
+            recorder = bag.Recorder(client, output, args.topics, include_chunks=args.include_chunks,
+                                    log=lambda line: print(line, flush=True))
+            try:
+                topics = recorder.start()
+                names = ", ".join(t.name for t in topics) or "none yet"
+                print(f"recording {len(topics)} topic{'' if len(topics) == 1 else 's'} to {output} (Ctrl-C to stop): "
+                      f"{names}", flush=True)
+                summary = recorder.run(stop, args.duration)
+            except bag.BagError as exc:
+                raise CliError(f"kaitian bag record: {exc}", 1) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    counts = ", ".join(f"{topic} {n}" for topic, n in summary.counts) or "no topics"
+    print(f"recorded {summary.total} messages in {summary.duration_s:.1f} s to {summary.path}: {counts}", flush=True)
+    return 0
+
+
+def format_bag_info(info: Any) -> str:
+    """``ros2 bag info``'s layout."""
+    def stamp(ns: int) -> str:
+        when = time.strftime("%b %d %Y %H:%M:%S", time.localtime(ns / 1e9))
+        return f"{when}.{ns // 1_000_000 % 1000:03d} ({ns / 1e9:.3f})"
+
+    size = info.size_bytes
+    shown = next(f"{size / 1024 ** k:.1f} {unit}" for k, unit in ((3, "GiB"), (2, "MiB"), (1, "KiB"), (0, "B"))
+                 if size >= 1024 ** k or k == 0)
+    lines = [f"Files:             {', '.join(info.files)}",
+             f"Bag size:          {shown}",
+             f"Storage id:        {info.storage}",
+             f"Duration:          {info.duration_ns / 1e9:.3f}s"]
+    if info.message_count:
+        lines += [f"Start:             {stamp(info.start_ns)}",
+                  f"End:               {stamp(info.start_ns + info.duration_ns)}"]
+    lines.append(f"Messages:          {info.message_count}")
+    for i, t in enumerate(info.topics):
+        head = "Topic information: " if i == 0 else " " * 19
+        lines.append(f"{head}Topic: {t.name} | Type: {t.msg_type} | Count: {t.count} | "
+                     f"Serialization Format: cdr{' | latched' if t.latched else ''}")
+    if not info.topics:
+        lines.append("Topic information:")
+    return "\n".join(lines)
+
+
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     module = importlib.import_module(f"kaitian_ros.bench.{args.bench}")
     return int(module.main(rest) or 0)
@@ -340,6 +405,25 @@ def build_parser() -> argparse.ArgumentParser:
     q = psub.add_parser("dump")
     q.add_argument("node")
 
+    p = sub.add_parser("bag", help="record topics into a rosbag2 (MCAP), summarise a bag (like ros2 bag)")
+    bsub = p.add_subparsers(dest="bag_cmd", required=True, parser_class=_Parser)
+    _inner_bsub = bsub.add_parser
+    bsub.add_parser = lambda name, _f=_inner_bsub, **kw: _f(name, parents=[common], **kw)  # type: ignore[method-assign]
+    q = bsub.add_parser("record", help="record topics until Ctrl-C/SIGTERM or --duration",
+                        description="Record what the graph publishes into a rosbag2 folder in MCAP storage, "
+                                    "the CDR bytes as they arrived, with every message definition embedded. "
+                                    "Latched topics' last samples are included.")
+    q.add_argument("topics", nargs="*", metavar="TOPIC",
+                   help="topics to record (default: every topic the graph publishes, also those that appear "
+                        "later, except the tensor chunks /kaitian/chunks/*)")
+    q.add_argument("-o", "--output", type=Path, metavar="DIR",
+                   help="bag folder to create (default rosbag2_YYYY_MM_DD-HH_MM_SS); must not exist")
+    q.add_argument("--duration", type=float, metavar="S", help="stop after this many seconds")
+    q.add_argument("--include-chunks", action="store_true",
+                   help="with no TOPIC: record the tensor chunk topics too (heavy: MiBs per frame)")
+    q = bsub.add_parser("info", help="topics, types, counts, duration and storage of a bag")
+    q.add_argument("bag", type=Path, metavar="DIR", help="bag folder (or its .mcap file)")
+
     # bench/train parse their own options (and -h) in their modules: no help option here
     p = sub.add_parser("bench", help="benchmarks (compare baselines side by side, write JSON + PNG)",
                        add_help=False)
@@ -368,6 +452,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_topic(args)
         if args.command == "param":
             return cmd_param(args)
+        if args.command == "bag":
+            return cmd_bag(args)
         if args.command == "bench":
             return cmd_bench(args, rest)
         return cmd_train(args, rest)

@@ -43,7 +43,7 @@ import yaml
 from kaitian_ros.runtime.interfaces import find_share_file
 from kaitian_ros.runtime.node_args import parse_value
 
-EXECUTABLES = ("image_source", "compute", "coordinator", "scheduler", "trainer", "monitor")
+EXECUTABLES = ("image_source", "compute", "coordinator", "scheduler", "trainer", "monitor", "perception_example")
 RESPAWNED_BY_DEFAULT = ("compute", "coordinator", "scheduler")
 RESPAWN_KEYS = ("respawn", "respawn_delay", "respawn_max_retries")
 ALL_NODES = ("/**", "**")  # the parameter-file sections that apply to every node

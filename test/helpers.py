@@ -7,6 +7,8 @@ also the small "other process" the transport tests talk to::
     python test/helpers.py latched_pub TOPIC TEXT... # publish Strings on a latched topic, then spin
     python test/helpers.py sub_print TOPIC QOS N     # print the first N Strings received, exit
     python test/helpers.py qos_pub                   # Strings on /qos/reliable and /qos/best_effort
+    python test/helpers.py fused_pub N TOPIC[,TOPIC] # a plan, then N FusedOutputs (+ diagnostics, images)
+                                                     # once every TOPIC has a subscriber
 
 Every child prints one JSON line ``{"ready": ...}`` once its entities are declared.
 """
@@ -344,6 +346,90 @@ def _role_qos_pub() -> None:
     rt.close()
 
 
+FUSED_PUB_TOPICS = {"fused": "/kaitian/fused", "plan": "/kaitian/plan", "diagnostics": "/diagnostics",
+                    "image": "/camera/image_raw"}
+
+
+def fused_output_fields(i: int) -> dict[str, Any]:
+    """The i-th FusedOutput fused_pub sends: every 5th (i % 5 == 3) incomplete, the others a
+    (1, 10) float32 logits tensor with top_class/top_score as the coordinator computes them."""
+    import numpy as np
+
+    fields: dict[str, Any] = {"request_id": 1_000_000 + i, "plan_version": 2, "latency_ms": 10.0 + 1.25 * i}
+    if i % 5 == 3:
+        return fields | {"complete": False, "top_class": -1, "top_score": 0.0,
+                         "status": "timeout: missing rows 4-6 from compute_1"}
+    logits = np.random.default_rng(i).normal(size=(1, 10)).astype(np.float32)
+    probs = np.exp(logits[0] - logits[0].max())
+    probs /= probs.sum()
+    return fields | {"complete": True, "top_class": int(probs.argmax()), "top_score": float(probs.max()),
+                     "status": "ok", "node_ids": ["compute_0", "compute_1"], "node_rows": [4, 3],
+                     "dtype_code": 2, "dtype_bits": 32, "shape": [1, 10], "data": logits.tobytes()}
+
+
+def _role_fused_pub(count: int, wait_for: list[str]) -> None:
+    """A latched plan (version 1) at once; when every topic in ``wait_for`` has a subscriber,
+    plan version 2, then ``count`` FusedOutputs and, with every other one, a DiagnosticArray and
+    a small Image. Prints what it sent, with the sha256 of each payload, then spins."""
+    import hashlib
+
+    import numpy as np
+
+    from kaitian_ros.runtime import interfaces
+    from kaitian_ros.runtime.api import QoS
+
+    rt = _child_runtime("fused_pub")
+    pubs = {"fused": rt.create_publisher(FUSED_PUB_TOPICS["fused"], "FusedOutput", QoS.RELIABLE),
+            "plan": rt.create_publisher(FUSED_PUB_TOPICS["plan"], "LoadAssignment", QoS.LATCHED),
+            "diagnostics": rt.create_publisher(FUSED_PUB_TOPICS["diagnostics"], "DiagnosticArray", QoS.RELIABLE),
+            "image": rt.create_publisher(FUSED_PUB_TOPICS["image"], "Image", QoS.BEST_EFFORT)}
+    sent: dict[str, list[Any]] = {name: [] for name in pubs}
+    hashes: dict[str, list[str]] = {FUSED_PUB_TOPICS[name]: [] for name in pubs}
+
+    def send(name: str, msg: Any, record: Any) -> None:
+        cdr = interfaces.encode(msg, pubs[name].msg_type)
+        hashes[FUSED_PUB_TOPICS[name]].append(hashlib.sha256(bytes(cdr)).hexdigest())
+        pubs[name].publish_raw(cdr)
+        sent[name].append(record)
+
+    def plan(version: int) -> Any:
+        return interfaces.make("LoadAssignment", incarnation=7, version=version, node_ids=["compute_0", "compute_1"],
+                               shares=np.array([0.5, 0.5]), policy="static", strategy="stripes",
+                               reason=f"test plan {version}")
+
+    send("plan", plan(1), 1)
+    _ready(topics=FUSED_PUB_TOPICS)
+    deadline = time.monotonic() + DEADLINE_S
+    while not all(pubs[name]._pub.matching_status.matching for name in wait_for):
+        if time.monotonic() > deadline:
+            print(json.dumps({"error": f"no subscriber on {wait_for}"}), flush=True)
+            rt.close()
+            return
+        time.sleep(0.05)
+    time.sleep(0.5)  # let a late joiner's query for the cached plan 1 be answered first
+    send("plan", plan(2), 2)
+    for i in range(count):
+        fields = fused_output_fields(i)
+        msg_fields = dict(fields)
+        for key, dtype in (("shape", np.int64), ("node_rows", np.uint32)):
+            if key in msg_fields:
+                msg_fields[key] = np.asarray(msg_fields[key], dtype)
+        if "data" in msg_fields:
+            msg_fields["data"] = np.frombuffer(msg_fields["data"], np.uint8)
+        send("fused", interfaces.make("FusedOutput", header=interfaces.header("camera"), **msg_fields),
+             {k: v for k, v in fields.items() if k != "data"})
+        if i % 2 == 0:
+            status = interfaces.make("DiagnosticStatus", level=0, name=f"fused_pub: {i}", message="ok")
+            send("diagnostics", interfaces.make("DiagnosticArray", header=interfaces.header(), status=[status]),
+                 f"fused_pub: {i}")
+            send("image", interfaces.make("Image", header=interfaces.header(f"frame {i}"), height=2, width=3,
+                                          encoding="rgb8", step=9, data=np.full(18, i, np.uint8)), f"frame {i}")
+        time.sleep(0.02)  # a camera's pace, not a burst: the best-effort images are not dropped
+    print(json.dumps({"sent": sent, "sha256": hashes}), flush=True)
+    rt.spin()
+    rt.close()
+
+
 def main(argv: list[str]) -> int:
     role, args = argv[0], argv[1:]
     if role == "echo":
@@ -354,6 +440,8 @@ def main(argv: list[str]) -> int:
         _role_sub_print(args[0], args[1], int(args[2]))
     elif role == "qos_pub":
         _role_qos_pub()
+    elif role == "fused_pub":
+        _role_fused_pub(int(args[0]), args[1].split(","))
     else:
         print(f"unknown role {role}", file=sys.stderr)
         return 2

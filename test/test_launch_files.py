@@ -44,6 +44,26 @@ def test_launch_file_compiles_and_names_an_existing_scenario(path: Path, tmp_pat
     assert scenario in ros_launch.LAUNCH_ARGUMENTS
 
 
+def test_every_node_executable_is_installed_by_every_build() -> None:
+    """A launch file names an executable that ``ros2 run``/launch_ros finds through CMake's
+    install(PROGRAMS scripts/...), pip through setup.py's NODES, and ``kaitian launch`` through
+    scenario.EXECUTABLES: one list each, so they must agree."""
+    from kaitian_ros.scenario import EXECUTABLES
+
+    setup_nodes = ast.literal_eval(next(
+        n.value for n in ast.parse((REPO / "setup.py").read_text()).body
+        if isinstance(n, ast.Assign) and n.targets[0].id == "NODES"))
+    cmake = (REPO / "CMakeLists.txt").read_text()
+    programs = cmake[cmake.index("install(PROGRAMS"):].split(")", 1)[0].split()
+    scripts = {p.name for p in (REPO / "scripts").iterdir()} - {"kaitian"}
+    assert set(setup_nodes) == set(EXECUTABLES) == scripts
+    assert {f"scripts/{name}" for name in scripts} | {"scripts/kaitian"} == \
+        {p for p in programs if p.startswith("scripts/")}
+    for name in scripts:
+        assert f"from kaitian_ros.nodes.{name} import main" in (REPO / "scripts" / name).read_text()
+        assert "def main(" in (REPO / "kaitian_ros" / "nodes" / f"{name}.py").read_text()
+
+
 def test_hetero_inference_with_three_compute_nodes() -> None:
     if not (REPO / "config" / "hetero_inference.yaml").exists():
         pytest.skip("config/hetero_inference.yaml not written yet")

@@ -29,6 +29,17 @@ class TopicInfo:
     subscribers: int
 
 
+@dataclass(frozen=True)
+class RawSample:
+    """One message as it came off the wire: its CDR bytes untouched, and when it arrived."""
+
+    payload: bytes
+    received_ns: int   # wall clock when this process got it
+    source_ns: int     # publisher's wall clock when it published (0: its attachment says nothing)
+    gid: bytes         # the publisher's GID (b"" if unknown)
+    cached: bool       # a latched publisher's answer to our late-joiner query, not a live sample
+
+
 class GraphClient:
     def __init__(self, router: str | None = None, domain: int | None = None) -> None:
         self.domain = zs.domain_id() if domain is None else domain
@@ -99,22 +110,43 @@ class GraphClient:
 
     def subscribe(self, topic: str, msg_type: str, callback: Callable[[Any, int], None]) -> Any:
         """Raw subscription for echo/hz: callback(decoded message or None, payload bytes)."""
-        key = zs.topic_key(self.domain, topic, msg_type)
 
-        def on_sample(sample: Any) -> None:
-            if not zs.is_concrete_key(str(sample.key_expr)):  # not a publisher's key (zs.is_concrete_key)
-                return
-            raw = sample.payload.to_bytes()
+        def on_raw(sample: RawSample) -> None:
             try:
-                msg = interfaces.decode(raw, msg_type)
+                msg = interfaces.decode(sample.payload, msg_type)
             except interfaces.DecodeError:
                 msg = None
-            callback(msg, len(raw))
+            callback(msg, len(sample.payload))
 
-        sub = self.session.declare_subscriber(key, on_sample)
-        if any(e.kind == "MP" and e.topic == topic for e in self.liveliness()):
-            # pick up a latched value like a late-joining transient-local subscriber would
-            zs.query_latched(self.session, key, lambda r: r.ok is not None and on_sample(r.ok), QUERY_TIMEOUT_S)
+        return self.subscribe_raw(topic, msg_type, on_raw)
+
+    def subscribe_raw(self, topic: str, msg_type: str, callback: Callable[[RawSample], None],
+                      *, latched: bool | None = None) -> Any:
+        """Undecoded samples of ``topic`` with this package's type hash, on zenoh's threads.
+
+        A latched publisher's cached last sample is asked for too, as a late-joining
+        transient-local subscriber would: ``latched`` None asks whenever the topic has a
+        publisher (one without a cache just does not answer), False never."""
+        key = zs.topic_key(self.domain, topic, msg_type)
+
+        def deliver(sample: Any, cached: bool) -> None:
+            if not zs.is_concrete_key(str(sample.key_expr)):  # not a publisher's key (zs.is_concrete_key)
+                return
+            received_ns = time.time_ns()
+            source_ns, gid = 0, b""
+            if sample.attachment is not None:
+                try:
+                    _, source_ns, gid = zs.parse_attachment(sample.attachment.to_bytes())
+                except ValueError:  # foreign publishers may attach nothing useful
+                    pass
+            callback(RawSample(sample.payload.to_bytes(), received_ns, source_ns, gid, cached))
+
+        sub = self.session.declare_subscriber(key, lambda sample: deliver(sample, False))
+        if latched is None:
+            latched = any(e.kind == "MP" and e.topic == topic for e in self.liveliness())
+        if latched:
+            zs.query_latched(self.session, key, lambda r: r.ok is not None and deliver(r.ok, True),
+                             QUERY_TIMEOUT_S)
         return sub
 
     def _param_request(self, node: str, op: str, request: dict[str, Any]) -> dict[str, Any]:

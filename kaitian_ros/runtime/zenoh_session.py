@@ -146,6 +146,18 @@ class LivelinessEntry:
     topic: str = ""
     dds_type: str = ""
     type_hash: str = ""
+    qos: str = ""        # rmw_zenoh's "reliability:durability:history,depth..." ('' = defaults)
+
+    @property
+    def latched(self) -> bool:
+        """Transient local (durability 1 in rmw's enum): the publisher serves its last sample."""
+        fields = self.qos.split(":")
+        return len(fields) > 1 and fields[1] == "1"
+
+    @property
+    def best_effort(self) -> bool:
+        """Reliability 2 in rmw's enum."""
+        return self.qos.split(":")[0] == "2"
 
     @property
     def node_fqn(self) -> str:
@@ -169,7 +181,7 @@ def parse_liveliness(key: str) -> LivelinessEntry | None:
         return LivelinessEntry(kind, ns, parts[8])
     if kind in ("MP", "MS") and len(parts) >= 12:
         return LivelinessEntry(kind, ns, parts[8], "/" + parts[9].replace("%", "/").lstrip("/"),
-                               parts[10], parts[11])
+                               parts[10], parts[11], parts[12] if len(parts) > 12 else "")
     return None
 
 

@@ -350,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-view", action="store_true", help="no live terminal view")
     p.add_argument("--no-warm-start", action="store_true",
                    help="respawn nodes in fresh processes (default: keep one interpreter with torch and the "
-                        "middleware imported, about 200 MB, to respawn the next node from)")
+                        "middleware imported, about 230 MB, to respawn the next node from)")
     p.add_argument("--secure", metavar="DIR", help="TLS + access control with the certificates in DIR "
                                                    "(made by `kaitian certs create DIR`; same as security:=DIR)")
 

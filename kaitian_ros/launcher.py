@@ -199,7 +199,7 @@ class Launcher:
             self.children.append(self._start_router())
         self.params_file.write_text(yaml.safe_dump(self.scenario.parameter_file_dict(), sort_keys=False))
         for spec in self.scenario.nodes:
-            process, reader = self._spawn(spec)
+            process, reader = self.spawn(spec)
             self.children.append(Child(spec, process, reader))
         self.warm_due = max(self.warm_due, time.monotonic() + WARM_START_AFTER_S)
 
@@ -212,7 +212,7 @@ class Launcher:
         """The router's process, once it listens; RuntimeError if it cannot (port taken, ...)."""
         spec = NodeSpec(ROUTER, ROUTER, {"listen": self.router_endpoint}, ROUTER_RESPAWN)
         ready = threading.Event()
-        process, reader = self._spawn(spec, ready)
+        process, reader = self.spawn(spec, ready)
         end = time.monotonic() + ROUTER_READY_S
         while not ready.wait(0.05):
             if process.poll() is not None or time.monotonic() > end:
@@ -230,7 +230,8 @@ class Launcher:
         """What a node's environment adds to the base one: its role's certificate, its own."""
         return security.child_env(self.security, spec.executable) | self.node_env.get(spec.name, {})
 
-    def _spawn(self, spec: NodeSpec, ready: threading.Event | None = None) -> tuple[subprocess.Popen, threading.Thread]:
+    def spawn(self, spec: NodeSpec, ready: threading.Event | None = None) -> tuple[subprocess.Popen, threading.Thread]:
+        """A fresh process of `spec` whose output the launcher prints under its name."""
         command = self.node_prefix.get(spec.name, []) + node_command(spec, self.params_file)
         process = subprocess.Popen(command, env=self._base_env() | self._node_env(spec),
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -274,7 +275,7 @@ class Launcher:
         warm = self.warm
         if warm is None or warm.process.poll() is not None or spec.name in self.node_prefix \
                 or spec.executable == ROUTER:
-            return self._spawn(spec)
+            return self.spawn(spec)
         self.warm, self.warm_due = None, now + WARM_START_AFTER_S
         argv = node_command(spec, self.params_file)[4:]  # after: python -u -m MODULE
         order = warm_start.Order(f"kaitian_ros.nodes.{spec.executable}", tuple(argv), self._node_env(spec))
@@ -283,7 +284,7 @@ class Launcher:
             warm.process.stdin.write(order.to_line())
             warm.process.stdin.close()
         except (BrokenPipeError, OSError):
-            return self._spawn(spec)
+            return self.spawn(spec)
         warm.name = spec.name
         self.say(f"[launch] {spec.name} respawns from the warm interpreter")
         self.say(f"[launch] started {spec.name} ({spec.executable}) pid {warm.process.pid}")

@@ -173,17 +173,11 @@ class AdaptivityGraph:
 
     def restart(self, name: str) -> int:
         """Start a node again with the scenario's parameters (as the launcher did); returns its pid."""
-        from kaitian_ros.launcher import Child, _die_with_parent, node_command
+        from kaitian_ros.launcher import Child
 
         spec = self.scenario.node(name)
-        env = dict(os.environ, KAITIAN_ROUTER=self.endpoint, KAITIAN_RUNTIME="embedded", PYTHONUNBUFFERED="1")
-        process = subprocess.Popen(node_command(spec, self.launcher.params_file), env=env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   preexec_fn=_die_with_parent, text=True, bufsize=1)
-        reader = threading.Thread(target=self.launcher._pump, args=(name, process), daemon=True)
-        reader.start()
+        process, reader = self.launcher.spawn(spec)
         self.launcher.children.append(Child(spec, process, reader))  # stop() ends it with the rest
-        self.launcher.say(f"[adaptivity] restarted {name} pid {process.pid}")
         return process.pid
 
     def set_param(self, node: str, name: str, value: Any) -> None:

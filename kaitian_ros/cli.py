@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-BENCHES = ("transport", "inference", "adaptivity", "training", "chaos")
+BENCHES = ("transport", "inference", "adaptivity", "training", "chaos", "digits")
 
 
 class CliError(Exception):

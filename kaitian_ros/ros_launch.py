@@ -41,6 +41,13 @@ LAUNCH_ARGUMENTS: dict[str, dict[str, str]] = {
         "ranks": "number of training ranks (one process per device)",
         "policy": "batch split policy: adaptive | static | equal | profile_once",
     },
+    "digits_demo": {
+        "weights": "state_dict file of the trained digits_cnn (kaitian train --save-weights PATH)",
+        "strategy": "plan strategy: auto (fastest predicted) | single | layerwise | stripes",
+        "policy": "share policy: adaptive | static | equal | profile_once",
+        "slowdowns": "EMULATED slowdown per compute node, e.g. [1.0,3.0]",
+        "rate_hz": "digit frames published per second",
+    },
     "camera_demo": {
         "source": "'synthetic', a video file, or a folder of images",
         "rate_hz": "frames published per second",

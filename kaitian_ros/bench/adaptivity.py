@@ -101,7 +101,10 @@ def scenario_config(*, model: str = "resnet18", height: int = 128, width: int = 
 class AdaptivityGraph:
     """coordinator + scheduler + compute nodes as real processes, the driver in this process."""
 
-    def __init__(self, config: dict[str, Any], *, echo: bool = False) -> None:
+    def __init__(self, config: dict[str, Any], *, echo: bool = False,
+                 frames: Callable[[int], Any] | None = None) -> None:
+        """``frames(i)``: the i-th camera Image to publish, with a stamp of its own (default:
+        random rgb8 pixels of the model's input size)."""
         from kaitian_ros.launcher import CapturedOutput, start_on_free_port
         from kaitian_ros.nodes import inference_common as ic
         from kaitian_ros.runtime.api import QoS
@@ -143,6 +146,7 @@ class AdaptivityGraph:
             raise
         self.sent: dict[tuple[int, int], float] = {}  # image stamp -> publish time (monotonic)
         self._frame_index = 0
+        self._frames = frames or self._random_frame
         self._lock = threading.Lock()
 
     def _on_diagnostics(self, array: Any) -> None:
@@ -243,10 +247,13 @@ class AdaptivityGraph:
 
     # --- driving -------------------------------------------------------------------------
     def _frame(self) -> Any:
-        from kaitian_ros.runtime import interfaces
-
         i = self._frame_index
         self._frame_index += 1
+        return self._frames(i)
+
+    def _random_frame(self, i: int) -> Any:
+        from kaitian_ros.runtime import interfaces
+
         _, h, w = self.input_shape
         rng = np.random.default_rng(i)
         pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)

@@ -316,11 +316,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=("sgd", "adam"))
     p.add_argument("--standardize-inputs", action="store_true",
                    help="standardise images with the training set's mean and std")
+    p.add_argument("--camera-inputs", action="store_true",
+                   help="train on images as the inference nodes see camera frames of them "
+                        "(uint8 pixels, their normalisation): for weights served with weights:=PATH")
     p.add_argument("--warmup-steps", type=int, help="linear lr warm-up steps")
     p.add_argument("--seed", type=int)
     p.add_argument("--work-stealing", choices=("auto", "on", "off"),
                    help="move slice boundaries inside a step (auto: with --policy adaptive)")
     p.add_argument("--checkpoint-dir")
+    p.add_argument("--save-weights", metavar="PATH",
+                   help="write the final model's state_dict here (what coordinator and compute "
+                        "nodes load with weights:=PATH)")
     p.add_argument("--timeout", type=float, help="collective / failure timeout in seconds")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -359,6 +365,7 @@ def _config_from_args(a: argparse.Namespace) -> tuple[Any, int | None]:
                          ("warmup_steps", "warmup_steps"), ("work_stealing", "work_stealing"),
                          ("optimizer", "optimizer"),
                          ("seed", "seed"), ("checkpoint_dir", "checkpoint_dir"),
+                         ("save_weights", "save_weights"),
                          ("timeout", "timeout_s")):
         v = getattr(a, k_arg)
         if v is not None:
@@ -367,6 +374,8 @@ def _config_from_args(a: argparse.Namespace) -> tuple[Any, int | None]:
         d["resume"] = True
     if a.standardize_inputs:
         d["standardize_inputs"] = True
+    if a.camera_inputs:
+        d["camera_inputs"] = True
     cfg = TrainingConfig.from_dict(d)
     if ranks is None:
         ranks = max(len(cfg.devices), len(cfg.emulated_slowdown))
@@ -414,6 +423,13 @@ def _run_one_rank(cfg: Any) -> int:
 
 def _spawn_local(argv: list[str], cfg: Any, ranks: int, as_json: bool) -> int:
     """Spawn ``ranks`` children with torchrun env; watch them; aggregate their results."""
+    if cfg.save_weights:
+        try:  # before minutes of training, not after
+            Path(cfg.save_weights).resolve().parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            print(f"kaitian train: error: cannot write --save-weights {cfg.save_weights}: "
+                  f"{e.strerror}", file=sys.stderr)
+            return 2
     port = free_port()
     tmp = Path(tempfile.mkdtemp(prefix="kaitian-train-"))
     procs: list[subprocess.Popen] = []
@@ -474,7 +490,8 @@ def _spawn_local(argv: list[str], cfg: Any, ranks: int, as_json: bool) -> int:
                "accuracy_per_epoch": r0["accuracy_per_epoch"],
                "samples_per_s": r0["samples_per_s"], "train_seconds": r0["train_seconds"],
                "comm_seconds": [x["comm_seconds"] for x in results],
-               "final_shares": r0["final_shares"], "epochs_completed": r0["epochs_completed"]}
+               "final_shares": r0["final_shares"], "epochs_completed": r0["epochs_completed"],
+               "weights": cfg.save_weights}
     if as_json:
         print(json.dumps(summary))
     else:
@@ -483,7 +500,8 @@ def _spawn_local(argv: list[str], cfg: Any, ranks: int, as_json: bool) -> int:
               f"({', '.join(summary['devices'])}; slowdowns {summary['emulated_slowdown']}"
               f"{' EMULATED' if emu else ''}), policy {cfg.policy}: test accuracy "
               f"{summary['test_accuracy']:.4f}, {summary['samples_per_s']:.0f} samples/s, "
-              f"final shares {[round(s, 3) for s in summary['final_shares']]}")
+              f"final shares {[round(s, 3) for s in summary['final_shares']]}"
+              + (f"; weights in {cfg.save_weights}" if cfg.save_weights else ""))
     return 0
 
 

@@ -74,6 +74,10 @@ class TrainingConfig:
     optimizer: str = "sgd"  # "sgd" (with ``momentum``) or "adam" (default betas, no decay)
     # standardise inputs with the training set's pixel mean and std (after resizing)
     standardize_inputs: bool = False
+    # train on what the compute nodes feed the model for a camera frame of the image: pixels
+    # quantised to uint8 and normalised as the nodes do (normalise: true), so weights saved
+    # with ``save_weights`` see at inference exactly the tensors they were trained on
+    camera_inputs: bool = False
     warmup_steps: int = 0  # linear ramp of the lr over the first steps (both schedules)
     seed: int = 0
     policy: str = "adaptive"
@@ -88,6 +92,8 @@ class TrainingConfig:
     devices: tuple[str, ...] = ("cpu",)
     emulated_slowdown: tuple[float, ...] = (1.0,)
     checkpoint_dir: str | None = None
+    # rank 0 writes the final model's state_dict here: the file inference nodes load (weights:=PATH)
+    save_weights: str | None = None
     resume: bool = False
     timeout_s: float = 60.0
     max_steps: int | None = None  # stop after this many steps in total (benchmarks)
@@ -112,6 +118,9 @@ class TrainingConfig:
         if self.work_stealing not in WORK_STEALING:
             raise ValueError(f"work_stealing must be one of {', '.join(WORK_STEALING)}, "
                              f"got {self.work_stealing!r}")
+        if self.camera_inputs and self.standardize_inputs:
+            raise ValueError("camera_inputs and standardize_inputs exclude each other: camera "
+                             "inputs are normalised as the inference nodes do it")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.global_batch <= 0 or self.epochs <= 0 or self.rebalance_every <= 0:
@@ -320,16 +329,38 @@ def standardize_split(data: DataSplit) -> DataSplit:
     return DataSplit(one(data.train), one(data.test), data.num_classes, data.in_channels)
 
 
+def camera_split(data: DataSplit) -> DataSplit:
+    """Train and test images as the compute nodes see a camera frame of them: quantised to
+    uint8 pixels (``core.tensors.to_pixels``, images in [0, 1]) and turned into model input by
+    the nodes' own ``core.tensors.normalise_input`` (``normalise: true``).
+
+    Only for in-memory ``(x, y)`` tensor sets.
+    """
+    from kaitian_ros.core.tensors import normalise_input, to_pixels
+
+    if not isinstance(data.train, tuple) or not isinstance(data.test, tuple):
+        # a configuration mistake: ValueError, which the CLI and the node report as one line
+        raise ValueError("camera_inputs needs an in-memory (x, y) tensor dataset")  # noqa: TRY004
+
+    def one(ds: tuple) -> tuple:
+        return (normalise_input(to_pixels(ds[0]), data.in_channels), ds[1])
+
+    return DataSplit(one(data.train), one(data.test), data.num_classes, data.in_channels)
+
+
 def load_data(spec: str, num_classes: int | None = None, image_size: int | None = None,
-              *, standardize: bool = False) -> DataSplit:
+              *, standardize: bool = False, camera: bool = False) -> DataSplit:
     """``"digits"`` or ``"package.module:callable"`` returning a Dataset or (train, test).
 
     A single Dataset is split 75/25 deterministically. Items are ``(x, label)``. With
     `image_size` every image is resized (bilinear) to that square size; with `standardize`
-    then standardised (:func:`standardize_split`).
+    then standardised (:func:`standardize_split`), with `camera` made camera inputs
+    (:func:`camera_split`).
     """
     if standardize:
         return standardize_split(load_data(spec, num_classes, image_size))
+    if camera:
+        return camera_split(load_data(spec, num_classes, image_size))
     if spec == "digits":
         return resize_split(_digits(), image_size)
     mod, _, attr = spec.partition(":")
@@ -466,6 +497,17 @@ class RankTrainer:
                     "config": self.config.to_dict(), "world_size": self.world_size}, tmp)
         os.replace(tmp, path)  # atomic: a crash mid-save never leaves a torn checkpoint
 
+    def _save_weights(self, model: nn.Module) -> None:
+        """The final state_dict in the form ``core.models.build_model(state_dict_path=...)``
+        loads (plain tensors, no DDP prefix); every rank holds the same parameters."""
+        if not self.config.save_weights or self.rank != 0:
+            return
+        path = Path(self.config.save_weights)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, tmp)
+        os.replace(tmp, path)  # a reader never sees a half-written file
+
     def _load(self) -> dict | None:
         """Rank 0 reads the checkpoint and broadcasts it (other hosts need no shared disk)."""
         path = self._checkpoint_path()
@@ -480,7 +522,8 @@ class RankTrainer:
         cfg = self.config
         torch.manual_seed(cfg.seed)
         data = self._data or load_data(cfg.dataset, cfg.num_classes, cfg.image_size,
-                                       standardize=cfg.standardize_inputs)
+                                       standardize=cfg.standardize_inputs,
+                                       camera=cfg.camera_inputs)
         self.groups = build_groups(self.group_label, timeout_s=cfg.timeout_s)
         model = _build_model(cfg, data).to(self.device).train()
         self.model = model
@@ -628,6 +671,7 @@ class RankTrainer:
                 accs.append(evaluate(model, data.test, self.device))
             self._save(model, opt, sampler, epoch, accs)
         acc = evaluate(model, data.test, self.device)
+        self._save_weights(model)
         return TrainingResult(
             rank=self.rank, world_size=self.world_size, device=self.device_label,
             epochs_completed=max(epoch + (0 if stop else 1), 0), steps=steps,

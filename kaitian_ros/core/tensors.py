@@ -34,6 +34,14 @@ def image_to_array(data: np.ndarray, height: int, width: int, encoding: str, ste
     return pixels
 
 
+def to_pixels(images: torch.Tensor) -> torch.Tensor:
+    """Float images in [0, 1] -> uint8 pixels ``round(255 x)`` (half to even), what a camera
+    delivering them would publish. Training on ``normalise_input(to_pixels(x))`` (the trainer's
+    ``camera_inputs``) makes a model's training samples the very tensors the compute nodes feed
+    it for those frames."""
+    return torch.round(images.to(torch.float32) * 255.0).clamp_(0.0, 255.0).to(torch.uint8)
+
+
 def resize_pixels(pixels: np.ndarray, out_height: int, out_width: int, in_channels: int = 3) -> torch.Tensor:
     """uint8 HxWxC -> uint8 (1, C, out_height, out_width): what the coordinator streams.
 

@@ -80,6 +80,8 @@ PARAMETERS = (
       choices=("sgd", "adam")),
     P("standardize_inputs", T.BOOL, False, "standardise images with the training set's "
       "mean and std", read_only=True),
+    P("camera_inputs", T.BOOL, False, "train on images as the inference nodes see camera frames "
+      "of them (uint8 pixels, their normalisation)", read_only=True),
     P("warmup_steps", T.INTEGER, 0, "linear lr warm-up steps", 0, 2**31 - 1, read_only=True),
     P("seed", T.INTEGER, 0, "seed of weights and sample order", 0, 2**31 - 1, read_only=True),
     P("policy", T.STRING, "adaptive", "batch split policy", read_only=True, choices=_POLICIES),
@@ -93,6 +95,8 @@ PARAMETERS = (
     P("hook", T.STRING, "hierarchical", "gradient all-reduce", read_only=True, choices=_HOOKS),
     P("checkpoint_dir", T.STRING, "", "rank 0 saves checkpoint.pt here per epoch ('': none)",
       read_only=True),
+    P("save_weights", T.STRING, "", "rank 0 writes the final state_dict here, the file inference "
+      "nodes load with weights:=PATH ('': none)", read_only=True),
     P("resume", T.BOOL, False, "continue from the checkpoint", read_only=True),
     P("timeout_s", T.DOUBLE, 60.0, "collective / rendezvous timeout (failure detection)", 1.0,
       86400.0, read_only=True),
@@ -101,7 +105,7 @@ PARAMETERS = (
 
 _CONFIG_KEYS = ("model", "dataset", "global_batch", "epochs", "lr", "momentum", "lr_schedule",
                 "warmup_steps", "seed", "policy", "work_stealing", "optimizer",
-                "standardize_inputs",
+                "standardize_inputs", "camera_inputs",
                 "rebalance_every", "ewma_alpha", "hook", "timeout_s")
 
 
@@ -146,6 +150,7 @@ def training_config(params: dict[str, Any]) -> Any:
     d["devices"] = (params["device"],)
     d["emulated_slowdown"] = (params["emulated_slowdown"],)
     d["checkpoint_dir"] = params["checkpoint_dir"] or None
+    d["save_weights"] = params["save_weights"] or None
     d["resume"] = params["resume"]
     d["max_steps"] = params["max_steps"] or None
     d["image_size"] = params["image_size"] or None
@@ -278,7 +283,9 @@ class TrainerNode:
                 self.rt.logger.info(
                     f"training finished: {r.steps} steps, {r.epochs_completed} epochs, test "
                     f"accuracy {r.test_accuracy:.4f}, {r.samples_per_s:.0f} samples/s, final "
-                    f"shares {[round(x, 3) for x in r.final_shares]}")
+                    f"shares {[round(x, 3) for x in r.final_shares]}"
+                    + (f", weights in {self.config.save_weights}"
+                       if self.config.save_weights and self.rank == 0 else ""))
             self.rt.shutdown()
             return
         if now - self._last_report >= self.params["diagnostics_period_s"]:

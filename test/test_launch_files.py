@@ -28,7 +28,7 @@ LAUNCH_FILES = sorted((REPO / "launch").glob("*.launch.py"))
 def test_the_launch_files_exist() -> None:
     names = {p.name for p in LAUNCH_FILES}
     assert {"hetero_inference.launch.py", "camera_demo.launch.py", "hetero_training.launch.py",
-            "robot_edge.launch.py"} <= names
+            "robot_edge.launch.py", "digits_demo.launch.py"} <= names
 
 
 @pytest.mark.parametrize("path", LAUNCH_FILES, ids=lambda p: p.name)
@@ -125,6 +125,26 @@ def test_robot_edge_overrides_strategy_and_slowdowns() -> None:
     assert "strategy" not in by_name["compute_0"]  # only the coordinator plans
     assert [by_name[n]["emulated_slowdown"] for n in ("compute_0", "compute_1")] == [3.0, 1.0]
     assert {by_name[n]["model"] for n in ("coordinator", "compute_0", "compute_1")} == {"mobilenet_v2"}
+
+
+def test_digits_demo_serves_trained_weights_on_two_nodes() -> None:
+    """The camera renders the held-out digits at a size the coordinator resizes to the model's 8x8
+    mono input; every inference node loads the same weights file (weights:=PATH replaces it)."""
+    kwargs = ros_launch.node_kwargs(load_scenario("digits_demo", ["weights:=/models/d.pt", "rate_hz:=2.0"]))
+    by_name = {k["name"]: k["parameters"][0] for k in kwargs}
+    assert {k["name"]: k["executable"] for k in kwargs} == {
+        "image_source": "image_source", "coordinator": "coordinator", "scheduler": "scheduler",
+        "compute_0": "compute", "compute_1": "compute"}
+    camera = by_name["image_source"]
+    assert camera["source"] == "digits" and camera["rate_hz"] == 2.0
+    assert camera["width"] % 8 == 0 and camera["height"] % 8 == 0
+    inference = ("coordinator", "compute_0", "compute_1")
+    assert {by_name[n]["weights"] for n in inference} == {"/models/d.pt"}
+    assert {(by_name[n]["model"], by_name[n]["input_channels"], by_name[n]["input_height"],
+             by_name[n]["input_width"], by_name[n]["normalise"]) for n in inference} == {("digits_cnn", 1, 8, 8, True)}
+    assert [by_name[n]["emulated_slowdown"] for n in ("compute_0", "compute_1")] == [1.0, 3.0]
+    assert by_name["coordinator"]["strategy"] == "stripes"
+    assert load_scenario("digits_demo").node("compute_0").parameters["weights"] == "digits_cnn.pt"
 
 
 def test_camera_demo_nodes() -> None:
@@ -282,3 +302,14 @@ def test_robot_edge_launch_file_declares_the_inference_arguments_and_strategy(
     assert [n.kwargs["name"] for n in nodes if n.kwargs["executable"] == "compute"] == ["compute_0", "compute_1"]
     coordinator = next(n for n in nodes if n.kwargs["name"] == "coordinator")
     assert coordinator.kwargs["parameters"][0]["strategy"] == "layerwise"
+
+
+def test_digits_demo_launch_file_takes_weights_and_strategy(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeLaunch(monkeypatch)
+    declared, nodes = _run_launch_file(REPO / "launch" / "digits_demo.launch.py",
+                                       {"weights": "/models/d.pt", "strategy": "auto"})
+    assert {d.name for d in declared} == {"weights", "strategy", "policy", "slowdowns", "rate_hz"}
+    params = {n.kwargs["name"]: n.kwargs["parameters"][0] for n in nodes}
+    assert params["coordinator"]["strategy"] == "auto"
+    assert {params[n]["weights"] for n in ("coordinator", "compute_0", "compute_1")} == {"/models/d.pt"}
+    assert params["image_source"]["source"] == "digits"

@@ -216,7 +216,9 @@ def plot(r: dict[str, Any], path: Path) -> None:
                            (0.2, "single_device_accuracy", "single device")):
         a.bar([x + dx for x in xs], [r["per_class"][c][key] or 0.0 for c in classes], width=0.4, label=label)
     a.set_xticks(list(xs), classes)
-    a.set_ylim(0.8, 1.0)
+    lowest = min((v[k] for v in r["per_class"].values() for k in ("fused_accuracy", "single_device_accuracy")
+                  if v[k] is not None), default=1.0)
+    a.set_ylim(min(0.8, lowest - 0.02), 1.0)
     a.set_xlabel("digit")
     a.set_ylabel("top-1 accuracy")
     a.set_title(f"fused {r['fused_accuracy']:.4f}, single {r['single_device_accuracy']:.4f} "

@@ -108,7 +108,7 @@ def test_saved_weights_load_in_the_inference_build_path_with_the_trainers_accura
     test_x, test_y = load_data("digits", camera=True).test
     with torch.no_grad():  # the trunk as compute nodes run it, the head as the coordinator does
         top = torch.cat([graph.run_head(graph.run_trunk(x[None])) for x in test_x]).argmax(1)
-    accuracy = float((top == test_y).float().mean())
+    accuracy = int((top == test_y).sum()) / len(test_y)  # as the trainer's evaluate() counts
     assert accuracy == summary["test_accuracy"]
     assert accuracy >= 0.95, summary
 

@@ -153,7 +153,7 @@ def run_bench(*, frames: int, weights: Path | None, train_to: Path, epochs: int,
     for f, _, _ in rows:
         plan = plans.get(int(f.plan_version))
         strategies[(plan.strategy or "stripes") if plan is not None else "unknown"] += 1
-        nodes_used[",".join(n for n, r in zip(f.node_ids, f.node_rows) if int(r) > 0)] += 1
+        nodes_used[" ".join(f"{n}:{int(r)}" for n, r in zip(f.node_ids, f.node_rows) if int(r) > 0)] += 1
     n = len(rows)
     per_class = {}
     for c in range(10):
@@ -172,7 +172,7 @@ def run_bench(*, frames: int, weights: Path | None, train_to: Path, epochs: int,
         "inputs_equal_training_samples": same_input,
         "max_abs_logit_diff": max(diffs, default=0.0),
         "strategies": dict(strategies),
-        "nodes_with_rows": dict(nodes_used),
+        "trunk_output_rows": dict(nodes_used),
         "latency_ms_median": statistics.median(latencies) if latencies else None,
         "per_class": per_class,
         "latencies_ms": latencies,
@@ -191,7 +191,7 @@ def table(r: dict[str, Any]) -> str:
              f"{'single device':24} {r['single_device_accuracy']:9.4f} {r['frames']:7d}",
              (f"agree {r['agree']:.4f}, incomplete {r['incomplete']}, model input == training sample for "
               f"{r['inputs_equal_training_samples']}/{r['frames']} frames, max |logit diff| "
-              f"{r['max_abs_logit_diff']:.1e}, plans {r['strategies']}, rows on {r['nodes_with_rows']}, "
+              f"{r['max_abs_logit_diff']:.1e}, plans {r['strategies']}, trunk output rows per node {r['trunk_output_rows']}, "
               f"median latency {r['latency_ms_median'] or 0:.1f} ms"),
              (f"weights {r['weights']}: test accuracy {r['weights_test_accuracy']:.4f} on the trainer's "
               "whole test split")]
@@ -227,7 +227,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
     b.plot(r["latencies_ms"], lw=0.8)
     b.set_xlabel("frame")
     b.set_ylabel("latency ms (coordinator)")
-    b.set_title("compute_1 EMULATED 3x slower")
+    b.set_title("slowdowns " + ", ".join(f"{k} x{v:g}" for k, v in r["graph"]["slowdowns"].items()) + " (EMULATED)")
     b.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

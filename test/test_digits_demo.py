@@ -24,7 +24,6 @@ from kaitian_ros.runtime import interfaces
 from kaitian_ros.scenario import load_scenario
 
 REPO = Path(__file__).resolve().parents[1]
-E2E_FRAMES = 60
 
 
 def _demo_params() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -118,12 +117,12 @@ def test_bench_digits_fused_accuracy_equals_single_device(trained: tuple[Path, d
     weights, _ = trained
     out = tmp_path / "digits.json"
     done = subprocess.run([sys.executable, "-m", "kaitian_ros.cli", "bench", "digits", "--quick", "--weights",
-                           str(weights), "--frames", str(E2E_FRAMES), "--json", str(out)],
+                           str(weights), "--json", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=240, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     r = json.loads(out.read_text())
-    assert r["frames"] == E2E_FRAMES and r["incomplete"] == 0
-    assert r["inputs_equal_training_samples"] == E2E_FRAMES
+    assert r["frames"] == bench.QUICK_FRAMES and r["incomplete"] == 0
+    assert r["inputs_equal_training_samples"] == bench.QUICK_FRAMES
     assert r["fused_accuracy"] == r["single_device_accuracy"] and r["agree"] == 1.0
     assert r["fused_accuracy"] >= 0.95
     assert r["emulated"] is True and set(r["strategies"]) == {"stripes"}

@@ -90,6 +90,15 @@ def test_image_source_publishes_labelled_mono8_digits_and_refuses_odd_sizes() ->
     assert image_source.parse_digit_frame_id("camera") is None
 
 
+def test_camera_inputs_exclude_standardised_ones() -> None:
+    from kaitian_ros.comm.trainer import TrainingConfig
+
+    with pytest.raises(ValueError, match="exclude each other"):
+        TrainingConfig(camera_inputs=True, standardize_inputs=True)
+    cfg = TrainingConfig.from_dict({"camera_inputs": True, "save_weights": "/tmp/w.pt"})
+    assert TrainingConfig.from_dict(cfg.to_dict()) == cfg
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     """``kaitian train`` with the bench's recipe and quick schedule: 2 real ranks, EMULATED 1:1/3."""

@@ -102,12 +102,55 @@ def preflight(scenario: Scenario) -> str:
         checks = [("model", _model_problem), ("weights", _weights_problem)]
         if spec.executable == "compute":  # trainers name devices their own way (cpu:<tag>)
             checks.append(("device", _device_problem))
-        for key, check in checks:
-            value = spec.parameters.get(key)
-            if isinstance(value, str) and (problem := check(value)):
-                problems.setdefault(problem, []).append(spec.name)
+        found = [problem for key, check in checks
+                 if isinstance(value := spec.parameters.get(key), str) and (problem := check(value))]
+        if not found and spec.executable in ("coordinator", "compute"):
+            found = _inference_model_problems(spec.parameters)
+        for problem in found:
+            problems.setdefault(problem, []).append(spec.name)
     return "; ".join(f"{problem} (node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)})"
                      for problem, nodes in problems.items())
+
+
+def _inference_model_problems(params: Mapping[str, Any]) -> list[str]:
+    """A weights file that does not load into the model, labels that do not fit its classes."""
+    from kaitian_ros.nodes import inference_common as ic
+
+    defaults = {p.name: p.default for p in ic.MODEL_PARAMETERS}
+
+    def get(key: str) -> Any:
+        return params.get(key, defaults.get(key))
+
+    out = []
+    if params.get("labels") or params.get("labels_file"):
+        try:
+            ic.load_labels(params.get("labels") or [], params.get("labels_file") or "", int(get("num_classes")))
+        except (ValueError, TypeError) as exc:
+            out.append(str(exc))
+    if get("weights"):
+        out += _weights_problem(str(get("model")), str(get("weights")), int(get("num_classes")),
+                                int(get("input_channels")))
+    return out
+
+
+_WEIGHTS_CHECKED: dict[tuple, list[str]] = {}  # every compute node names the same file: load it once
+
+
+def _weights_problem(model: str, weights: str, num_classes: int, in_channels: int) -> list[str]:
+    key = (model, weights, num_classes, in_channels)
+    if key not in _WEIGHTS_CHECKED:
+        from kaitian_ros.core.models import build_model
+
+        try:
+            build_model(model, num_classes=num_classes, in_channels=in_channels, state_dict_path=weights)
+            _WEIGHTS_CHECKED[key] = []
+        except FileNotFoundError:
+            _WEIGHTS_CHECKED[key] = [f"weights file {weights!r} does not exist"]
+        except Exception as exc:  # noqa: BLE001 - torch.load/load_state_dict raise many kinds; all mean unusable
+            first = " ".join(str(exc).split())[:300]
+            _WEIGHTS_CHECKED[key] = [f"weights {weights!r} do not load into model {model!r} "
+                                     f"({num_classes} classes, {in_channels} input channels): {first}"]
+    return _WEIGHTS_CHECKED[key]
 
 
 def _model_problem(name: str) -> str:

@@ -23,6 +23,7 @@ class LiveView:
         self.client: GraphClient | None = None
         self.lock = threading.Lock()
         self.fused: collections.deque = collections.deque(maxlen=500)  # (arrival, latency, complete)
+        self.last_result: tuple[int, str, float] | None = None  # the newest complete result's class, name, score
         self.nodes: dict[str, dict[str, Any]] = {}  # the scenario's compute nodes only
         self.compute_names = {n.name for n in scenario.compute_nodes()}
         self.strangers = 0  # telemetry from node ids the scenario does not have (counted, not kept)
@@ -49,6 +50,8 @@ class LiveView:
         if msg is not None:
             with self.lock:
                 self.fused.append((time.monotonic(), float(msg.latency_ms), bool(msg.complete)))
+                if msg.complete and msg.top_class >= 0:
+                    self.last_result = (int(msg.top_class), str(msg.top_label), float(msg.top_score))
 
     def _on_telemetry(self, msg: Any, size: int) -> None:
         if msg is None:
@@ -87,6 +90,7 @@ class LiveView:
             version = plan.version if plan is not None else 0
             nodes = {k: dict(v, ms=list(v["ms"])) for k, v in self.nodes.items()}
             strangers = self.strangers
+            last = self.last_result
         fps = len(recent) / 5.0
         p50 = lat[len(lat) // 2] if lat else float("nan")
         p95 = lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else float("nan")
@@ -97,6 +101,10 @@ class LiveView:
             if plan.runner_up:
                 line += f"; runner-up {plan.runner_up} {plan.runner_up_ms:.1f} ms"
             lines.append(_printable(line))
+        if last is not None:
+            cls, label, score = last
+            lines.append(_printable(f"[view]   last result: class {cls}" + (f" ({label})" if label else "")
+                                    + f", score {score:.2f}"))
         for name in sorted(nodes):
             n = nodes[name]
             ms = sorted(n["ms"])

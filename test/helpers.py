@@ -350,6 +350,9 @@ FUSED_PUB_TOPICS = {"fused": "/kaitian/fused", "plan": "/kaitian/plan", "diagnos
                     "image": "/camera/image_raw"}
 
 
+FUSED_LABELS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+
 def fused_output_fields(i: int) -> dict[str, Any]:
     """The i-th FusedOutput fused_pub sends: every 5th (i % 5 == 3) incomplete, the others a
     (1, 10) float32 logits tensor with top_class/top_score as the coordinator computes them."""
@@ -363,6 +366,7 @@ def fused_output_fields(i: int) -> dict[str, Any]:
     probs = np.exp(logits[0] - logits[0].max())
     probs /= probs.sum()
     return fields | {"complete": True, "top_class": int(probs.argmax()), "top_score": float(probs.max()),
+                     "top_label": FUSED_LABELS[int(probs.argmax())],
                      "status": "ok", "node_ids": ["compute_0", "compute_1"], "node_rows": [4, 3],
                      "dtype_code": 2, "dtype_bits": 32, "shape": [1, 10], "data": logits.tobytes()}
 

@@ -33,7 +33,7 @@ STARTUP_S = 45.0  # liveness deadline for a graph to come up on 2 busy cores (no
 
 def scenario_dict(*, model: str, height: int, width: int, channels: int = 3, num_classes: int = 10,
                   slowdowns: Sequence[float], shares: Sequence[float], slab_rows: int = 4,
-                  coordinator: dict[str, Any] | None = None,
+                  weights: str = "", coordinator: dict[str, Any] | None = None,
                   compute: dict[str, Any] | None = None) -> dict[str, Any]:
     """A hetero_inference-like graph (coordinator + compute_i), no image_source, no scheduler.
 
@@ -41,7 +41,7 @@ def scenario_dict(*, model: str, height: int, width: int, channels: int = 3, num
     and keeps its first plan unless another is predicted twice as fast (``min_plan_gain`` 1.0):
     these tests check results against the plan that ran, not the planner's taste."""
     model_params = {"model": model, "input_height": height, "input_width": width,
-                    "input_channels": channels, "num_classes": num_classes, "seed": 0, "weights": "",
+                    "input_channels": channels, "num_classes": num_classes, "seed": 0, "weights": weights,
                     "slab_rows": slab_rows}
     names = [f"compute_{i}" for i in range(len(slowdowns))]
     graph: dict[str, Any] = {"coordinator": {"ros__parameters": {

@@ -78,3 +78,41 @@ def test_rounds_report_the_median_and_every_round() -> None:
     assert len(out["rounds"]) == 3
     two = combine_rounds([[_run("a", good)], [_run("a", late)]])["policies"]["a"]
     assert two["requests_to_reconverge"] == 8  # even count: the upper median, never the kinder one
+
+
+def test_with_a_reference_a_phase_is_judged_in_ms_against_the_best_fixed_plan() -> None:
+    """Same round, two runs whose calibrations differ 1.6x (this machine's noise, not the
+    policies): by the calibration both re-converge or not depending on that noise; against the
+    round's measured best fixed plan (ms) the one that is fastest in ms re-converges and the one
+    that stays 1.3x slower does not."""
+    fast = _timeline(calibration=_flat(50.0), killed=_recovering(900.0, 56.0, 1))
+    slow = _timeline(calibration=_flat(80.0), killed=_flat(72.0))
+    reference = {"slowed": 66.0, "recovered": 66.0, "killed": 55.0}
+    out = summarise([_run("fast", fast), _run("slow", slow)], reference)["policies"]
+    assert out["fast"]["phases"]["killed"]["requests_to_reconverge"] == 0  # rolling median of 3 from the start
+    assert out["fast"]["phases"]["killed"]["reference_ms"] == 55.0
+    assert out["slow"]["phases"]["killed"]["reconverged"] is False
+    assert out["slow"]["requests_to_reconverge"] == PHASE_LEN
+    # the calibration-normalised verdict is kept beside it, and here it is the other way round
+    assert out["fast"]["requests_to_reconverge_calibrated"] == PHASE_LEN
+    assert out["slow"]["phases"]["killed"]["requests_to_reconverge_calibrated"] == 0
+    rounds = combine_rounds([[_run("fast", fast)], [_run("fast", fast)]], [reference, None])["policies"]["fast"]
+    assert rounds["requests_to_reconverge_per_round"] == [2, 2]
+    assert rounds["requests_to_reconverge_calibrated_per_round"] == [2, 2]
+    assert rounds["worst_round"] == 2 and rounds["reconverged_every_phase_every_round"] is True
+
+
+def test_reference_plans_are_every_alive_single_node_and_stripes_by_speed() -> None:
+    import math
+
+    from kaitian_ros.bench.adaptivity import reference_plans
+
+    names = ["compute_0", "compute_1", "compute_2"]
+    plans = reference_plans(names, [1.0, 3.0, 1.0])
+    assert [p[0] for p in plans] == ["single compute_0", "single compute_1", "single compute_2", "stripes by speed"]
+    assert plans[1][1:] == ("single", [0.0, 1.0, 0.0])
+    assert plans[3][1] == "stripes" and plans[3][2] == [1.0, 1 / 3, 1.0]
+    dead = reference_plans(names, [1.0, 1.0, math.inf])
+    assert [p[0] for p in dead] == ["single compute_0", "single compute_1", "stripes by speed"]
+    assert dead[-1][2] == [1.0, 1.0, 0.0]
+    assert [p[0] for p in reference_plans(names, [1.0, math.inf, math.inf])] == ["single compute_0"]

@@ -323,6 +323,26 @@ def test_unknown_model_or_device_fails_before_any_node_starts():
     assert "nosuchdevice:0" in line and "compute_1" in line
 
 
+def test_labels_or_weights_that_do_not_fit_the_model_fail_before_any_node_starts(tmp_path):
+    """robot_edge's model has 1000 classes: 9 names, a weights file of another model, a missing
+    weights file - each one line naming the problem and the nodes, nothing started."""
+    nine = tmp_path / "nine.txt"
+    nine.write_text("\n".join(f"c{i}" for i in range(9)) + "\n")
+    line = _one_line_error(run_cli("launch", "robot_edge", f"labels_file:={nine}", "--no-view"))
+    assert "has 9 names, the model has num_classes 1000" in line and "coordinator" in line
+    assert "[launch] started" not in line
+    import torch
+
+    from kaitian_ros.core.models import build_model
+
+    other = tmp_path / "digits.pt"
+    torch.save(build_model("digits_cnn").state_dict(), other)
+    line = _one_line_error(run_cli("launch", "robot_edge", f"weights:={other}", "--no-view"))
+    assert f"weights '{other}' do not load into model 'resnet18'" in line and "compute_1" in line
+    line = _one_line_error(run_cli("launch", "robot_edge", f"weights:={tmp_path / 'none.pt'}", "--no-view"))
+    assert "does not exist" in line
+
+
 def test_bench_inference_mistakes_are_one_line():
     line = _one_line_error(run_cli("bench", "inference", "--model", "nosuchnet"))
     assert "unknown model 'nosuchnet'" in line

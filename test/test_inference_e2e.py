@@ -14,9 +14,21 @@ FRAMES = 6
 
 
 def test_two_compute_processes_match_single_device(tmp_path):
-    """resnet18 (4 segments, HALO exchange between the two nodes), uneven shares, 4-row slabs."""
+    """resnet18 (4 segments, HALO exchange between the two nodes), uneven shares, 4-row slabs;
+    weights from a file (`weights:=PATH`: the single-device reference loads the same file, so
+    nodes that ignored it would not match) and class names from a labels file."""
+    import torch
+
+    from kaitian_ros.core.models import build_model
+
+    weights = tmp_path / "resnet18_seed5.pt"
+    torch.save(build_model("resnet18", num_classes=10, seed=5).state_dict(), weights)
+    names = [f"class-{i}" for i in range(10)]
+    labels = tmp_path / "labels.txt"
+    labels.write_text("\n".join(names) + "\n\n")
     with InferenceGraph(tmp_path, model="resnet18", height=128, width=128, slowdowns=[1.0, 2.0],
-                        shares=[1.0, 2.0], slab_rows=4) as g:
+                        shares=[1.0, 2.0], slab_rows=4, weights=str(weights),
+                        coordinator={"labels_file": str(labels)}) as g:
         plan = g.wait_ready()
         assert list(plan.node_ids) == ["compute_0", "compute_1"]
         frames = g.frames(FRAMES)
@@ -27,6 +39,7 @@ def test_two_compute_processes_match_single_device(tmp_path):
         for f in outputs:  # (check_outputs compared node_ids/node_rows with the announced plan)
             # the planner may refine cuts as measurements come in; the nodes stay both
             assert list(g.executed_plan(f.plan_version).node_ids) == ["compute_0", "compute_1"]
+            assert 0 <= f.top_class < 10 and f.top_label == names[f.top_class]
         assert not g.dead_children()
 
 

@@ -24,6 +24,7 @@ in ``docs/benchmarks-adaptivity.md``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import statistics
@@ -32,7 +33,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ DEFAULT_JSON = Path("bench/results/adaptivity.json")
 CAMERA_TOPIC = "/camera/image_raw"
 POLICIES = ("adaptive", "static", "profile_once")
 RECONVERGE_FACTOR = 1.10
+REFERENCE_ANSWERS = 10  # answers per fixed plan in the reference run (after two warm-up answers)
 ROLLING = 3  # requests in the rolling median that decides "reconverged"
 
 
@@ -455,6 +457,59 @@ def run_policy(policy: str, timeline: Timeline, *, model: str, size: int, slowdo
         return PolicyRun(policy, records, bounds, kill_detect, startup, check_requests(records), g.out.text(30))
 
 
+def reference_plans(names: Sequence[str], slowdowns: Sequence[float]) -> list[tuple[str, str, list[float]]]:
+    """The fixed plans a user who knows the device speeds could pick: the whole trunk on each
+    alive node, and row stripes with shares by speed (1/slowdown) over the alive nodes. A dead
+    node has slowdown inf. (label, coordinator strategy, static_shares)"""
+    out = []
+    for i, n in enumerate(names):
+        if math.isfinite(slowdowns[i]):
+            out.append((f"single {n}", "single", [1.0 if j == i else 0.0 for j in range(len(names))]))
+    speeds = [1.0 / s if math.isfinite(s) else 0.0 for s in slowdowns]
+    if sum(1 for x in speeds if x > 0) >= 2:
+        out.append(("stripes by speed", "stripes", speeds))
+    return out
+
+
+def run_reference(timeline: Timeline, *, model: str, size: int, slowdowns: Sequence[float], dead_after_s: float,
+                  window: int, per_plan: int, echo: bool = False) -> dict[str, Any]:
+    """One launch that measures, for each event phase's device speeds, every `reference_plans`
+    plan (coordinator with fixed shares and a forced strategy, as `kaitian param set` does):
+    two warm-up answers, then the median of `per_plan` answers. Returns the best per phase
+    (``best_ms``) and every plan's median (``plans``)."""
+    cfg = scenario_config(model=model, height=size, width=size, slowdowns=slowdowns, policy="static",
+                          static_shares=[1.0] * len(slowdowns), dead_after_s=dead_after_s,
+                          coordinator={"use_scheduler": False, "static_shares": [1.0] * len(slowdowns),
+                                       "strategy": "stripes"})
+    plans: dict[str, dict[str, float]] = {}
+    with AdaptivityGraph(cfg, echo=echo) as g:
+        g.wait_ready(timeout_s=120.0)
+        g.drive(timeline.warm, window=window, timeout_s=300.0)
+        names = g.compute_names
+        slow = names.index(timeline.slow_node)
+        speeds = list(slowdowns)
+        for phase in EVENT_PHASES:
+            if phase == "slowed":
+                speeds[slow] = slowdowns[slow] * timeline.slow_factor
+                g.set_param(f"/{timeline.slow_node}", "emulated_slowdown", speeds[slow])
+            elif phase == "recovered":
+                speeds[slow] = slowdowns[slow]
+                g.set_param(f"/{timeline.slow_node}", "emulated_slowdown", speeds[slow])
+            else:
+                g.kill(timeline.kill_node)
+                speeds[names.index(timeline.kill_node)] = math.inf
+            plans[phase] = {}
+            for label, strategy, shares in reference_plans(names, speeds):
+                g.set_param("/coordinator", "strategy", strategy)
+                g.set_param("/coordinator", "static_shares", shares)
+                g.drive(2, window=window, timeout_s=300.0)  # the plan's first requests: new shapes
+                before = len(g.fused)
+                g.drive(per_plan, window=window, timeout_s=300.0)
+                got = [float(m.latency_ms) for _, m in g.fused.snapshot()[before:] if m.complete]
+                plans[phase][label] = round(statistics.median(got), 2) if got else math.inf
+    return {"best_ms": {p: min(v.values()) for p, v in plans.items()}, "plans": plans}
+
+
 def phase_slices(run: PolicyRun) -> dict[str, list[float]]:
     """Latencies (ms) of each phase's requests, in request-id order."""
     by_id = {r["request_id"]: r for r in run.records if r["complete"]}
@@ -485,14 +540,19 @@ def requests_to_reconverge(latencies: Sequence[float], best: float) -> int | Non
     return None
 
 
-def summarise(runs: Sequence[PolicyRun]) -> dict[str, Any]:
+def summarise(runs: Sequence[PolicyRun], reference: Mapping[str, float] | None = None) -> dict[str, Any]:
     """Metrics per policy (definitions: docs/benchmarks-adaptivity.md).
 
-    Each run's latencies are normalised by the median of its calibration phase (equal static
-    shares on the equal start devices, the same plan in every run), which cancels most of the
-    background load that differs between the runs on a shared machine without depending on
-    what the policy did. A phase's best steady state is the lowest normalised steady state any
-    policy reached in that phase."""
+    With `reference` (event phase -> ms: the best fixed plan for that phase's device speeds,
+    measured in the same round, `run_reference`), a phase has re-converged once the rolling
+    median of its latencies is within RECONVERGE_FACTOR of that reference.
+
+    Without it, and always as ``requests_to_reconverge_calibrated``: each run's latencies are
+    normalised by the median of its calibration phase (equal static shares on the equal start
+    devices, the same plan in every run), and a phase's reference is the lowest normalised
+    steady state any policy reached in it. That normaliser is the run's noisiest number on this
+    machine (the same plan's calibration took 23-48 ms in runs of one round), so a policy could
+    be the fastest in ms and still count as never re-converged."""
     slices = {r.policy: phase_slices(r) for r in runs}
     norm: dict[str, float] = {}
     for r in runs:
@@ -509,22 +569,28 @@ def summarise(runs: Sequence[PolicyRun]) -> dict[str, Any]:
         phases: dict[str, Any] = {}
         worst = 0
         never = False
+        worst_cal = 0
         for p in EVENT_PHASES:
             xs = rel[r.policy][p]
-            k = requests_to_reconverge(xs, best[p]) if best[p] is not None else None
-            if k is None:
-                never = True
-                k_count = len(xs)  # censored: the whole phase
+            k_cal = requests_to_reconverge(xs, best[p]) if best[p] is not None else None
+            k_cal_count = len(xs) if k_cal is None else k_cal  # never: censored at the whole phase
+            if reference is not None and reference.get(p) is not None:
+                k = requests_to_reconverge(slices[r.policy][p], reference[p])
             else:
-                k_count = k
-            worst = max(worst, k_count)
+                k = k_cal
+            k_count = len(xs) if k is None else k
+            never = never or k is None
+            worst, worst_cal = max(worst, k_count), max(worst_cal, k_cal_count)
             phases[p] = {"first_request": r.boundaries[p], "requests": len(xs),
                          "requests_to_reconverge": k_count, "reconverged": k is not None,
+                         "reference_ms": _round(reference.get(p)) if reference is not None else None,
+                         "requests_to_reconverge_calibrated": k_cal_count,
                          "steady_ms": _round(steady_state(slices[r.policy][p])),
                          "steady_rel": _round(steady_state(xs), 3), "best_steady_rel": _round(best[p], 3),
                          "p50_ms": _round(statistics.median(slices[r.policy][p]) if xs else None)}
         policies[r.policy] = {
             "requests_to_reconverge": worst, "reconverged_every_phase": not never,
+            "requests_to_reconverge_calibrated": worst_cal,
             "lost_requests": r.lost["lost"], "missing_ids": r.lost["missing"], "incomplete_ids": r.lost["incomplete"],
             "duplicate_ids": r.lost["duplicates"], "requests": len(r.records),
             "p50_ms": _round(float(np.percentile(lat, 50)) if lat else None),
@@ -536,15 +602,17 @@ def summarise(runs: Sequence[PolicyRun]) -> dict[str, Any]:
     return {"policies": policies}
 
 
-def combine_rounds(rounds: Sequence[Sequence[PolicyRun]]) -> dict[str, Any]:
+def combine_rounds(rounds: Sequence[Sequence[PolicyRun]],
+                   references: Sequence[Mapping[str, float] | None] | None = None) -> dict[str, Any]:
     """Metrics over repeated rounds (each round: one run per policy, summarised on its own, so a
     phase's best steady state comes from runs minutes apart, not a quarter of an hour).
 
     Per policy: ``requests_to_reconverge`` is the median over rounds (the upper median for an
     even count), ``lost_requests`` the sum, p50/p95 over every answer of every round; the
     round whose value is that median supplies ``phases``; every round's summary is kept under
-    ``rounds``."""
-    per_round = [summarise(runs)["policies"] for runs in rounds]
+    ``rounds``. `references`: one per round (see `summarise`)."""
+    refs = list(references) if references is not None else [None] * len(rounds)
+    per_round = [summarise(runs, ref)["policies"] for runs, ref in zip(rounds, refs)]
     out: dict[str, Any] = {}
     for name in per_round[0]:
         values = [r[name]["requests_to_reconverge"] for r in per_round]
@@ -554,6 +622,10 @@ def combine_rounds(rounds: Sequence[Sequence[PolicyRun]]) -> dict[str, Any]:
                for x in run.records if x["complete"]]
         out[name] = {
             "requests_to_reconverge": med, "requests_to_reconverge_per_round": values,
+            "worst_round": max(values),
+            "requests_to_reconverge_calibrated_per_round": [r[name]["requests_to_reconverge_calibrated"]
+                                                            for r in per_round],
+            "reconverged_every_phase_every_round": all(r[name]["reconverged_every_phase"] for r in per_round),
             "lost_requests": sum(r[name]["lost_requests"] for r in per_round),
             "p50_ms": _round(float(np.percentile(lat, 50)) if lat else None),
             "p95_ms": _round(float(np.percentile(lat, 95)) if lat else None),
@@ -621,8 +693,9 @@ def print_table(summary: dict[str, Any], speeds: str) -> None:
         per = " / ".join(f"{ph['requests_to_reconverge']}{'' if ph['reconverged'] else '(never)'}"
                          for ph in m["phases"].values())
         rounds = ",".join(map(str, m["requests_to_reconverge_per_round"]))
+        cal = ",".join(map(str, m["requests_to_reconverge_calibrated_per_round"]))
         print(f"{name:<13}{m['requests_to_reconverge']:>11}{m['lost_requests']:>6}{m['p50_ms']:>9}{m['p95_ms']:>9}"
-              f"   {rounds:<10} {per}")
+              f"   {rounds:<10} {per:<28} (calibration-normalised per round: {cal})")
 
 
 def main(argv: list[str]) -> int:
@@ -662,9 +735,18 @@ def main(argv: list[str]) -> int:
     print(f"kaitian bench adaptivity: {args.model} {args.size}x{args.size}, {speeds}; EMULATED speeds; "
           f"window {args.window}, dead_after_s {args.dead_after}", flush=True)
     all_rounds: list[list[PolicyRun]] = []
+    references: list[dict[str, Any]] = []
     t_all = time.monotonic()
     for k in range(rounds):
         order = policies[k % len(policies):] + policies[:k % len(policies)]  # drift hits all alike
+        t = time.monotonic()
+        ref = run_reference(timeline, model=args.model, size=args.size, slowdowns=slowdowns,
+                            dead_after_s=args.dead_after, window=args.window, per_plan=REFERENCE_ANSWERS,
+                            echo=args.echo)
+        references.append(ref)
+        print(f"  round {k + 1}/{rounds} reference (best fixed plan per phase): "
+              + ", ".join(f"{p} {ms:.1f} ms" for p, ms in ref["best_ms"].items())
+              + f" ({time.monotonic() - t:.0f} s)", flush=True)
         runs = []
         for policy in order:
             t = time.monotonic()
@@ -676,7 +758,8 @@ def main(argv: list[str]) -> int:
                   f"lost {run.lost['lost']}, kill detected after "
                   f"{run.kill_detect_s if run.kill_detect_s is None else round(run.kill_detect_s, 2)} s", flush=True)
         all_rounds.append(sorted(runs, key=lambda r: policies.index(r.policy)))
-    summary = combine_rounds(all_rounds)
+    summary = combine_rounds(all_rounds, [r["best_ms"] for r in references])
+    summary["references"] = references
     summary["setup"] = {"model": args.model, "input": [3, args.size, args.size], "compute_nodes": 3,
                         "start_slowdowns": slowdowns, "emulated": True, "timeline": speeds,
                         "answers_per_phase": n, "warmup_answers": warm, "window": args.window,

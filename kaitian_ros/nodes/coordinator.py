@@ -67,6 +67,9 @@ PARAMETERS = ic.MODEL_PARAMETERS + (
       "latency gain of at least this fraction", 0.0, 1.0),
     P("replan_period_s", T.DOUBLE, 5.0, "re-predict the candidates this often with the newest measurements",
       0.1, 3600.0),
+    P("labels", T.STRING_ARRAY, [], "class names by class index, num_classes of them (FusedOutput.top_label)",
+      read_only=True),
+    P("labels_file", T.STRING, "", "a UTF-8 file with one class name per line, instead of labels", read_only=True),
     P("plan_link_mbit", T.DOUBLE, 1000.0,
       "prior rate of a link nobody has measured yet (Mbit/s); measured rates replace it", 1.0, 1e6,
       read_only=True),
@@ -102,6 +105,7 @@ class Coordinator:
         if problem:
             raise ValueError(problem)
         self.spec = ic.ModelSpec.from_params(self.params)
+        self.labels = ic.load_labels(self.params["labels"], self.params["labels_file"], self.spec.num_classes)
         self.graph = ic.build_graph(self.spec)
         self.out_shape = self.graph.trunk_output_shape
         self.nodes = tuple(self.params["compute_nodes"])
@@ -616,6 +620,7 @@ class Coordinator:
         self.fused_pub.publish(interfaces.make(
             "FusedOutput", header=interfaces.header(req.frame_id, req.image_stamp), request_id=req.request_id,
             plan_version=req.version, complete=complete, top_class=top_class, top_score=top_score,
+            top_label=self.labels[top_class] if 0 <= top_class < len(self.labels) else "",
             latency_ms=latency_ms, node_ids=list(nodes), node_rows=np.asarray(rows, np.uint32),
             status=status, **fields))
         if complete:

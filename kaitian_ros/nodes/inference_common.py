@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -77,6 +78,44 @@ MODEL_PARAMETERS = (
     P("normalise", T.BOOL, True, "ImageNet mean/std normalisation of the input (on the compute nodes)",
       read_only=True),
 )
+
+
+MAX_LABELS_FILE_BYTES = 16 << 20
+MAX_LABEL_CHARS = 256
+
+
+def load_labels(names: Sequence[str], path: str, num_classes: int) -> tuple[str, ...]:
+    """The class names by class index: `names` (the ``labels`` parameter) or the lines of the
+    file at `path` (``labels_file``, UTF-8, one name per line); () when neither is given.
+    ValueError saying what is wrong: both given, an unreadable or empty file, an empty or
+    overlong name, or a count other than `num_classes`."""
+    if names and path:
+        raise ValueError("give labels or labels_file, not both")
+    if path:
+        try:
+            raw = Path(path).read_bytes()[:MAX_LABELS_FILE_BYTES + 1]
+        except OSError as exc:
+            raise ValueError(f"labels_file {path!r}: {exc.strerror or exc}") from None
+        if len(raw) > MAX_LABELS_FILE_BYTES:
+            raise ValueError(f"labels_file {path!r} is over {MAX_LABELS_FILE_BYTES >> 20} MB")
+        try:
+            lines = [line.strip() for line in raw.decode("utf-8").splitlines()]
+        except UnicodeDecodeError:
+            raise ValueError(f"labels_file {path!r} is not UTF-8 text") from None
+        while lines and not lines[-1]:
+            lines.pop()
+        names, where = lines, f"labels_file {path!r}"
+    else:
+        where = "labels"
+    if not names:
+        return ()
+    for i, name in enumerate(names):
+        if not name or len(name) > MAX_LABEL_CHARS:
+            raise ValueError(f"{where}: class {i} has {'an empty' if not name else 'an overlong'} name "
+                             f"(1-{MAX_LABEL_CHARS} characters)")
+    if len(names) != num_classes:
+        raise ValueError(f"{where} has {len(names)} names, the model has num_classes {num_classes}")
+    return tuple(names)
 
 
 def chunk_topic(node_id: str) -> str:

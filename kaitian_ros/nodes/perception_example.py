@@ -1,7 +1,7 @@
 """perception_example node: what a perception node downstream of the collaborative inference
 looks like. It subscribes to ``/kaitian/fused`` and logs, per result, the request id, the top
-class (named from the ``labels`` parameter when given), its score, the latency and whether the
-result is complete.
+class (with its name, when the coordinator has ``labels``: ``FusedOutput.top_label``), its
+score, the latency and whether the result is complete.
 
 The class and score come from the result tensor itself, decoded with the package's helper
 (``interfaces.array_from_fields``), as a node that uses more than the top class would read it.
@@ -23,7 +23,6 @@ from kaitian_ros.runtime.api import QoS, Runtime, SetParametersResult
 # node that needs numpy only
 PARAMETERS = (
     P("input_topic", T.STRING, "/kaitian/fused", "FusedOutput topic to read", read_only=True),
-    P("labels", T.STRING_ARRAY, [], "class names by class index ([] = class numbers only)"),
 )
 
 
@@ -51,17 +50,11 @@ class PerceptionExample:
         self.results = 0
         self.incomplete = 0
         rt.create_subscription(self.params["input_topic"], "FusedOutput", self._on_fused, QoS.RELIABLE)
-        labels = self.params["labels"]
-        rt.logger.info(f"listening on {self.params['input_topic']}"
-                       + (f" ({len(labels)} labels)" if labels else ""))
+        rt.logger.info(f"listening on {self.params['input_topic']}")
 
     def _on_set(self, changes: dict[str, Any]) -> SetParametersResult:
         self.params |= changes
         return SetParametersResult(True)
-
-    def _label(self, index: int) -> str:
-        labels = self.params["labels"]
-        return f" ({labels[index]})" if 0 <= index < len(labels) else ""
 
     def _on_fused(self, msg: Any) -> None:
         self.results += 1
@@ -82,8 +75,9 @@ class PerceptionExample:
             self.rt.logger.info(f"request {msg.request_id}: result shape {shape}, {timing}, complete")
             return
         index, score = top
-        self.rt.logger.info(f"request {msg.request_id}: class {index}{self._label(index)} score {score:.3f}, "
-                            f"{timing}, complete")
+        # the coordinator names its own top class; the name belongs to this index only if they agree
+        name = f" ({msg.top_label})" if msg.top_label and index == msg.top_class else ""
+        self.rt.logger.info(f"request {msg.request_id}: class {index}{name} score {score:.3f}, {timing}, complete")
 
     def close(self) -> None:
         self.rt.logger.info(f"{self.results} results, {self.incomplete} incomplete")

@@ -93,13 +93,13 @@ def stop_process_groups(processes: list[subprocess.Popen],
 
 
 def preflight(scenario: Scenario) -> str:
-    """'' if every node's ``model``, ``device`` and ``weights`` can be used on this machine, else one line
+    """'' if every node's ``model`` and ``device`` can be used on this machine, else one line
     saying which cannot and which nodes name it: checked before any process starts, so a typo
     is one clear error instead of every node refusing to start (the launcher starts all nodes
     on this host, so this host's devices are the ones that count)."""
     problems: dict[str, list[str]] = {}
     for spec in scenario.nodes:
-        checks = [("model", _model_problem), ("weights", _weights_problem)]
+        checks = [("model", _model_problem)]
         if spec.executable == "compute":  # trainers name devices their own way (cpu:<tag>)
             checks.append(("device", _device_problem))
         found = [problem for key, check in checks
@@ -145,7 +145,8 @@ def _weights_problem(model: str, weights: str, num_classes: int, in_channels: in
             build_model(model, num_classes=num_classes, in_channels=in_channels, state_dict_path=weights)
             _WEIGHTS_CHECKED[key] = []
         except FileNotFoundError:
-            _WEIGHTS_CHECKED[key] = [f"weights file {weights!r} does not exist"]
+            _WEIGHTS_CHECKED[key] = [f"weights file {weights!r} does not exist (kaitian train --save-weights "
+                                     "PATH writes one)"]
         except Exception as exc:  # noqa: BLE001 - torch.load/load_state_dict raise many kinds; all mean unusable
             first = " ".join(str(exc).split())[:300]
             _WEIGHTS_CHECKED[key] = [f"weights {weights!r} do not load into model {model!r} "
@@ -171,18 +172,6 @@ def _model_problem(name: str) -> str:
             return f"model '{name}': module {module!r} has no attribute {attr!r}"
         obj = getattr(obj, part)
     return "" if callable(obj) else f"model '{name}' is not callable"
-
-
-def _weights_problem(path: str) -> str:
-    # '' = random weights from the seed; a missing file would stop every inference node at once
-    if not path:
-        return ""
-    try:
-        if Path(path).is_file():
-            return ""
-    except (OSError, ValueError):  # too long a name, a NUL byte: not a usable file either
-        pass
-    return f"weights file {path!r} does not exist (train one: kaitian train --save-weights PATH)"
 
 
 def _device_problem(name: str) -> str:

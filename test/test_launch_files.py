@@ -144,6 +144,7 @@ def test_digits_demo_serves_trained_weights_on_two_nodes() -> None:
              by_name[n]["input_width"], by_name[n]["normalise"]) for n in inference} == {("digits_cnn", 1, 8, 8, True)}
     assert [by_name[n]["emulated_slowdown"] for n in ("compute_0", "compute_1")] == [1.0, 3.0]
     assert by_name["coordinator"]["strategy"] == "stripes"
+    assert by_name["coordinator"]["labels"][7] == "seven" and len(by_name["coordinator"]["labels"]) == 10
     assert load_scenario("digits_demo").node("compute_0").parameters["weights"] == "digits_cnn.pt"
 
 

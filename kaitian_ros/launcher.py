@@ -145,8 +145,8 @@ def _weights_problem(model: str, weights: str, num_classes: int, in_channels: in
             build_model(model, num_classes=num_classes, in_channels=in_channels, state_dict_path=weights)
             _WEIGHTS_CHECKED[key] = []
         except FileNotFoundError:
-            _WEIGHTS_CHECKED[key] = [f"weights file {weights!r} does not exist (kaitian train --save-weights "
-                                     "PATH writes one)"]
+            hint = "kaitian train --save-weights PATH writes one"
+            _WEIGHTS_CHECKED[key] = [f"weights file {weights!r} does not exist ({hint})"]
         except Exception as exc:  # noqa: BLE001 - torch.load/load_state_dict raise many kinds; all mean unusable
             first = " ".join(str(exc).split())[:300]
             _WEIGHTS_CHECKED[key] = [f"weights {weights!r} do not load into model {model!r} "

@@ -88,7 +88,12 @@ def test_slowed_node_gets_a_smaller_share_and_latency_recovers(tmp_path):
         shares = [(r["request_id"], r["plan_version"], round(r["shares"].get("compute_1", 0.0), 3)) for r in slowed]
         assert adapted is not None, f"compute_1 share never shrank below 0.8 x {share_before:.3f}: {shares}"
         k = adapted["request_id"] - r_slow
-        old_plan = [r["latency_ms"] for r in slowed if r["shares"].get("compute_1", 0.0) >= 0.8 * share_before]
+        # the slowed requests before the policy reacted: those still at the old share - or, when the
+        # share had already dipped below 0.8x by then (the shares move with telemetry noise, and the
+        # planner waits for its process now, so the graph is warmer when the test starts), the first
+        # two slowed requests, which ran before the scheduler could have seen two slowed samples
+        old_plan = [r["latency_ms"] for r in slowed if r["shares"].get("compute_1", 0.0) >= 0.8 * share_before] \
+            or [r["latency_ms"] for r in slowed[:2]]
         end = [r["latency_ms"] for r in records[-6:]]
         final_share = records[-1]["shares"]["compute_1"]
         print(f"\nstartup+run {time.monotonic() - t0:.1f} s; compute_1 share {share_before:.3f} -> "

@@ -123,7 +123,10 @@ def _plan_with_shares(g: InferenceGraph, shares: tuple[float, float]):
         plan = g.latest_plan()
         return plan if plan is not None and [round(s, 3) for s in plan.shares] == list(shares) else None
 
-    return wait_until(check, f"a plan with shares {shares}", 30.0, interval_s=0.05)
+    try:
+        return wait_until(check, f"a plan with shares {shares}", 30.0, interval_s=0.05)
+    except AssertionError as exc:  # what the coordinator said meanwhile, for whoever reads the failure
+        raise AssertionError(f"{exc}; latest plan {g.latest_plan()}; output:\n{g.out.text(40)}") from None
 
 
 def test_coordinator_warns_when_no_scheduler_assignment_comes(scheduled):

@@ -207,7 +207,7 @@ class Coordinator:
         # periodic round (every full search costs the coordinator's host CPU time)
         if profile.node_id in self.alive and (old is None or not old.trunk_ms / SPEED_CHANGE <= profile.trunk_ms
                                               <= old.trunk_ms * SPEED_CHANGE):
-            running = self.plans.get(self.current.version) if self.current is not None else None
+            running = self._running_plan()
             self._replan_soon(f"{profile.node_id} profile v{profile.version}: trunk "
                               f"{old.trunk_ms if old else 0.0:.1f} -> {profile.trunk_ms:.1f} ms",
                               quick=running is not None and profile.node_id in running.active_nodes())
@@ -254,10 +254,10 @@ class Coordinator:
         spec, slab_rows = plan.spec, plan.slab_rows
         trunks = {n: self.profiles[n].trunk_ms for n in spec.node_ids if n in self.profiles}
         key = planner.spec_key(spec, slab_rows)
-        running = self.plans.get(self.current.version) if self.current is not None else None
+        running = self._running_plan()
+        is_running = running is not None and planner.spec_key(running.spec, running.slab_rows) == key
         # the newest prediction of the running plan (re-predicted every round), else its own
-        predicted = self.predicted_ms if running is not None and \
-            planner.spec_key(running.spec, running.slab_rows) == key else plan.estimated_ms
+        predicted = self.predicted_ms if is_running else plan.estimated_ms
         seen = self.observed.get(key)
         if seen is None or not self._still_valid(seen):
             self.observed[key] = ObservedPlan(spec, slab_rows, ms, 1, time.monotonic(), trunks, predicted,
@@ -269,13 +269,14 @@ class Coordinator:
             for k, _ in sorted(self.observed.items(), key=lambda kv: kv[1].last_s)[:len(self.observed) - 64]:
                 del self.observed[k]
         now = self.observed.get(key)
-        if now is not None and now.n == MEASURED_MIN and self.current is not None and \
-                self.plans.get(self.current.version) is not None and \
-                planner.spec_key(self.plans[self.current.version].spec,
-                                 self.plans[self.current.version].slab_rows) == key and \
+        if now is not None and now.n == MEASURED_MIN and is_running and \
                 now.ms > self.predicted_ms * (1.0 + self.params["min_plan_gain"]):
             # the model was wrong about the running plan: choose again with what it measured
             self._replan_soon(f"measured {now.ms:.1f} ms, predicted {self.predicted_ms:.1f} ms")
+
+    def _running_plan(self) -> Plan | None:
+        """The plan of the version in effect (None before the first)."""
+        return self.plans.get(self.current.version) if self.current is not None else None
 
     def _still_valid(self, seen: ObservedPlan) -> bool:
         """A measurement stays valid while it is recent and no node of the plan changed speed
@@ -738,7 +739,7 @@ class Coordinator:
         level = Level.OK if self.current and self.alive else Level.WARN
         text = (f"{self.counts['completed']} frames, p50 {p50:.1f} ms" if self.current
                 else "waiting for compute nodes")
-        plan = self.plans.get(self.current.version) if self.current else None
+        plan = self._running_plan()
         if plan is not None:
             text += f", {self._plan_text(plan)} (predicted {self.predicted_ms:.1f} ms)"
         if self.counts["timeouts"]:

@@ -138,7 +138,7 @@ class AdaptivityGraph:
             self.rt.create_subscription(ic.PLAN_TOPIC, "LoadAssignment", self.plans, QoS.LATCHED)
             self.rt.create_subscription(ic.ASSIGNMENT_TOPIC, "LoadAssignment", self.assignments, QoS.LATCHED)
             self.rt.create_subscription(ic.TELEMETRY_TOPIC, "NodeTelemetry", self.telemetry)
-            self.planner_state = ""  # the coordinator's `planner` on /diagnostics
+            self.coordinator_values: dict[str, str] = {}  # the coordinator's latest /diagnostics values
             self.rt.create_subscription(DIAGNOSTICS_TOPIC, "DiagnosticArray", self._on_diagnostics)
             self.camera = self.rt.create_publisher(CAMERA_TOPIC, "Image", QoS.BEST_EFFORT)
             self._spin = threading.Thread(target=self.rt.spin, daemon=True)
@@ -154,7 +154,12 @@ class AdaptivityGraph:
     def _on_diagnostics(self, array: Any) -> None:
         for status in array.status:
             if status.name.removeprefix("kaitian: ") == "coordinator":
-                self.planner_state = next((kv.value for kv in status.values if kv.key == "planner"), "")
+                self.coordinator_values = {kv.key: kv.value for kv in status.values}
+
+    @property
+    def planner_state(self) -> str:
+        """The coordinator's planner process: starting, ready or lost (its /diagnostics)."""
+        return self.coordinator_values.get("planner", "")
 
     # --- lifecycle -----------------------------------------------------------------------
     def pid(self, name: str) -> int:

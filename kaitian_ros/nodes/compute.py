@@ -538,6 +538,7 @@ def prepare(argv: list[str]) -> str:
     costs, inputs = profiling.measure_profile(graph, ic.busy_clock(device), slowdown=1.0,
                                               budget_s=key.profile_budget_s)
     _PREPARED[key] = Prepared(graph, costs, inputs)
+    memory.trim_heap()  # the measurement's activations are freed: give their pages back while it waits
     return f"{key.spec.name} {key.spec.input_shape} on {key.device}: built, costs measured ({costs.trunk_ms:.1f} ms)"
 
 

@@ -39,7 +39,7 @@ class RunSummary:
     p50_ms: float | None                       # over the complete frames
     p95_ms: float | None
     drops: tuple[tuple[str, int], ...]         # (what dropped, count) for counts > 0
-    plans: int                                 # distinct plans seen (a restart's plans count anew)
+    plans: int                                 # plans that came, each unlike the one before
     last_plan: str                             # the last plan in words ("" if none came)
 
     @property
@@ -60,7 +60,8 @@ class RunTally:
         self.complete = 0
         self.incomplete: collections.Counter[str] = collections.Counter()
         self.latencies: collections.deque[float] = collections.deque(maxlen=latency_window)
-        self.plan_keys: set[tuple[int, int]] = set()
+        self.plans = 0
+        self.last_plan_key: tuple[int, int] | None = None
         self.last_plan = ""
 
     def add_fused(self, latency_ms: float, complete: bool, status: str) -> None:
@@ -73,12 +74,13 @@ class RunTally:
             self.incomplete[incomplete_reason(status)] += 1
 
     def add_plan(self, incarnation: int, version: int, description: str) -> None:
-        """One /kaitian/plan sample; a latched re-delivery of the same plan counts once. The
-        set of keys grows by one per plan a coordinator really published (bounded by its
-        replan rate), not by what arrives."""
+        """One /kaitian/plan sample: a plan unlike the previous one counts (a latched
+        re-delivery of the same plan does not). Only the last plan is kept: anyone can publish
+        on the topic, a flood of made-up versions must not grow the tally."""
         key = (incarnation, version)
-        if key not in self.plan_keys:
-            self.plan_keys.add(key)
+        if key != self.last_plan_key:
+            self.plans += 1
+            self.last_plan_key = key
             self.last_plan = description
 
     def summary(self, duration_s: float, drops: Mapping[str, int] | Iterable[tuple[str, int]] = ()) -> RunSummary:
@@ -89,7 +91,7 @@ class RunTally:
             incomplete=tuple(self.incomplete.most_common()),
             p50_ms=percentile(lat, 0.5), p95_ms=percentile(lat, 0.95),
             drops=tuple((name, int(n)) for name, n in pairs if int(n) > 0),
-            plans=len(self.plan_keys), last_plan=self.last_plan)
+            plans=self.plans, last_plan=self.last_plan)
 
 
 def format_summary(s: RunSummary) -> str:

@@ -88,18 +88,21 @@ def cmd_launch(args: argparse.Namespace) -> int:
         os.environ.update({security.ENV_DIR: str(secure.cert_dir), security.ENV_ROLE: security.NODE})
     router = args.router or zs.router_endpoint()
     view = None
-    if not args.no_view and any(n.executable == "coordinator" for n in scenario.nodes):
+    if any(n.executable == "coordinator" for n in scenario.nodes):
         from kaitian_ros.live_view import LiveView
 
-        view = LiveView(router, scenario)
+        # with --no-view it still listens: the summary at exit is told either way
+        view = LiveView(router, scenario, show=not args.no_view)
     try:
         code = launch(scenario, router, duration_s=args.duration, on_tick=view.tick if view else None,
-                      warm_start=not args.no_warm_start)
+                      out=view.output if view else sys.stdout, warm_start=not args.no_warm_start)
     except RuntimeError as exc:
         raise CliError(str(exc), 1) from None
     finally:
         if view is not None:
             view.close()
+    if view is not None:
+        print(view.summary_text(), flush=True)
     return code
 
 

@@ -761,6 +761,8 @@ def main(argv: list[str]) -> int:
     t_all = time.monotonic()
     for k in range(rounds):
         order = policies[k % len(policies):] + policies[:k % len(policies)]  # drift hits all alike
+        # said before the round's first run: each run takes minutes, its line comes after it
+        print(f"  round {k + 1}/{rounds}: reference, then {', '.join(order)}", flush=True)
         t = time.monotonic()
         ref = run_reference(timeline, model=args.model, size=args.size, slowdowns=slowdowns,
                             dead_after_s=args.dead_after, window=args.window, per_plan=REFERENCE_ANSWERS,

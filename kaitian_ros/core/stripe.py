@@ -167,7 +167,6 @@ class StripeRunner(_Wavefront[Emission]):
     1-2 row conv call costs ~1.5x per row of a 56-row call, so the default batches a little.
     """
 
-
     def feed(self, segment: int, row_offset: int, rows: Tensor,
              emit: Callable[[Emission], None] | None = None) -> list[Emission]:
         """Take `rows` of `segment`'s input at `row_offset`, compute what they complete and

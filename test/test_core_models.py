@@ -44,7 +44,7 @@ def test_digits_cnn_default_and_other_sizes() -> None:
 
 
 def test_unknown_name_lists_valid_names() -> None:
-    with pytest.raises(ValueError, match="resnet18.*mobilenet_v2.*vgg11.*digits_cnn"):
+    with pytest.raises(ValueError, match=r"resnet18.*mobilenet_v2.*vgg11.*digits_cnn"):
         build_model("resnet1000")
 
 

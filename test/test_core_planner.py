@@ -184,7 +184,7 @@ def test_two_identical_nodes_on_a_free_link_split_the_rows() -> None:
 
 def test_a_very_slow_link_to_the_second_node_keeps_everything_on_the_first() -> None:
     g = _graph("resnet18")
-    links = {k: SLOW for k in ((COORDINATOR, "b"), ("b", COORDINATOR), ("a", "b"), ("b", "a"))}
+    links = dict.fromkeys(((COORDINATOR, "b"), ("b", COORDINATOR), ("a", "b"), ("b", "a")), SLOW)
     choice = choose_plan(g, ["a", "b"], _two(g, links=links), slab_rows=8)
     assert choice.best.spec == PlanSpec.single("a")
     # every candidate in which b computes anything is predicted slower

@@ -64,7 +64,7 @@ def test_finish_times_equal_and_optimal(m):
     w, b, sp, lk, fx = m
     x = equalise_finish_time(w, b, sp, lk, fx)
     t = predicted_makespan(w, b, sp, lk, fx, x)
-    k = [max(w / s, 0.0 if math.isinf(l) or b == 0 else b / l) for s, l in zip(sp, lk)]
+    k = [max(w / s, 0.0 if math.isinf(link) or b == 0 else b / link) for s, link in zip(sp, lk)]
     for xi, ki, fi in zip(x, k, fx):
         if xi > 0:  # every participating node finishes at the common T
             assert xi * ki + fi == pytest.approx(t, rel=1e-9, abs=1e-9)
@@ -215,7 +215,7 @@ class Sim:
                  links: dict[str, float] | None = None, bytes_total: float = B):
         self.cfg = cfg
         self.speeds = dict(speeds)
-        self.links = links or {n: math.inf for n in speeds}
+        self.links = links or dict.fromkeys(speeds, math.inf)
         self.bytes_total = bytes_total
         self.state: PolicyState = initial_state(cfg, list(speeds))
         self.published: list[Assignment] = []

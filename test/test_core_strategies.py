@@ -5,6 +5,7 @@ input rows), `Plan.shares`, `describe()`, and the refusals of malformed specs.""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -38,7 +39,7 @@ def _input(seed: int) -> torch.Tensor:
 def _seg_flops(g, cuts) -> list[float]:
     bounds = [0, *cuts, g.output_value]
     return [sum(g.ops[j].flops_per_row * g.ops[j].out_shape[1] for j in range(a, b))
-            for a, b in zip(bounds, bounds[1:])]
+            for a, b in itertools.pairwise(bounds)]
 
 
 def _run_all_ways(g, plan, x, ref, rng: random.Random) -> None:

@@ -19,6 +19,7 @@ import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -283,7 +284,7 @@ class _Slot:
         self.i = i
 
 
-def _subst(obj: object, xs: Sequence[Tensor]) -> object:
+def _subst(obj: object, xs: Sequence[Tensor]) -> Any:  # the args of whatever op was traced
     if isinstance(obj, _Slot):
         return xs[obj.i]
     if isinstance(obj, (list, tuple)):
@@ -323,6 +324,8 @@ def _conv_params(m: nn.Conv2d) -> tuple[int, int, int, int, int, int]:
 
 
 def _bn_affine(bn: nn.modules.batchnorm._BatchNorm) -> tuple[Tensor, Tensor]:
+    assert bn.running_var is not None and bn.running_mean is not None, (
+        "BatchNorm without running statistics normalises by the batch; it cannot be folded")
     scale = torch.rsqrt(bn.running_var + bn.eps)
     if bn.affine:
         scale = scale * bn.weight
@@ -332,19 +335,31 @@ def _bn_affine(bn: nn.modules.batchnorm._BatchNorm) -> tuple[Tensor, Tensor]:
     return scale.detach().clone(), shift.detach().clone()
 
 
-def _pair(v: object) -> tuple[int, int]:
-    return (int(v[0]), int(v[1])) if isinstance(v, (tuple, list)) else (int(v), int(v))  # type: ignore[index]
+def _pair(v: int | tuple[int, ...] | list[int]) -> tuple[int, int]:
+    return (int(v[0]), int(v[1])) if isinstance(v, (tuple, list)) else (int(v), int(v))
 
 
-def _pool_module(node: fx.Node, gm: fx.GraphModule) -> nn.Module:
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def _module_of(node: fx.Node, gm: fx.GraphModule, cls: type[_M]) -> _M:
+    """The module a call_module node calls, which `_classify` found to be a `cls`."""
+    m = gm.get_submodule(str(node.target))
+    assert isinstance(m, cls), (node.name, type(m))
+    return m
+
+
+def _pool_module(node: fx.Node, gm: fx.GraphModule) -> nn.MaxPool2d | nn.AvgPool2d:
     """MaxPool2d/AvgPool2d module for a module call or a F.max_pool2d/F.avg_pool2d call."""
     if node.op == "call_module":
-        return gm.get_submodule(str(node.target))
+        m = gm.get_submodule(str(node.target))
+        assert isinstance(m, (nn.MaxPool2d, nn.AvgPool2d)), (node.name, type(m))
+        return m
     names = (["kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"]
              if node.target is F.max_pool2d else
              ["kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
               "divisor_override"])
-    kw = dict(zip(names, node.args[1:]))
+    kw: dict[str, Any] = dict(zip(names, node.args[1:]))  # values as traced
     kw.update(node.kwargs)
     return (nn.MaxPool2d if node.target is F.max_pool2d else nn.AvgPool2d)(**kw)
 
@@ -388,7 +403,7 @@ def _caller(node: fx.Node, gm: fx.GraphModule, trunk: set[fx.Node], inplace_ok: 
     """A function of the node's trunk-tensor args (in order) that replays the node."""
     ins: list[fx.Node] = []
 
-    def slot(n: fx.Node) -> object:
+    def slot(n: fx.Node) -> Any:  # a _Slot, which map_arg's Argument type does not admit
         if n in trunk:
             if n not in ins:
                 ins.append(n)
@@ -406,10 +421,11 @@ def _caller(node: fx.Node, gm: fx.GraphModule, trunk: set[fx.Node], inplace_ok: 
         mod = gm.get_submodule(str(node.target))
         if not inplace_ok and getattr(mod, "inplace", False):
             mod = copy.copy(mod)
-            mod.inplace = False
+            mod.inplace = False  # type: ignore[assignment]  # torch types Module attributes as Tensor | Module
         return (lambda xs: mod(*_subst(args, xs), **_subst(kwargs, xs))), ins
     if node.op == "call_function":
         fn = node.target
+        assert callable(fn), node.name
         return (lambda xs: fn(*_subst(args, xs), **_subst(kwargs, xs))), ins
     name = str(node.target)
     if not inplace_ok and name.endswith("_"):
@@ -418,13 +434,13 @@ def _caller(node: fx.Node, gm: fx.GraphModule, trunk: set[fx.Node], inplace_ok: 
                                                           **_subst(kwargs, xs))), ins
 
 
-def _fetch_attr(gm: fx.GraphModule, target: str) -> Tensor:
+def _fetch_attr(gm: fx.GraphModule, target: str) -> object:
     obj: object = gm
     for part in target.split("."):
         obj = getattr(obj, part)
     if isinstance(obj, Tensor) and obj.dim() >= 2 and obj.shape[-2] != 1:
         raise UnsplittableModelError(f"constant '{target}' varies along rows; cannot split rows")
-    return obj  # type: ignore[return-value]
+    return obj
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -586,7 +602,7 @@ def _compile(raw: _Raw, epilogue: list[Callable[[Tensor], Tensor]], gm: fx.Graph
 
     epi_flops = float(cout * wout * len(epilogue))
     if raw.kind == "conv":
-        m = gm.get_submodule(str(node.target))
+        m = _module_of(node, gm, nn.Conv2d)
         if m.padding_mode != "zeros":
             raise UnsplittableModelError(
                 f"op {_describe(node, gm)} uses padding_mode={m.padding_mode!r}; only zero "
@@ -605,7 +621,7 @@ def _compile(raw: _Raw, epilogue: list[Callable[[Tensor], Tensor]], gm: fx.Graph
         packed = prepacked_conv(weight, bias, padding, stride, dil, groups,
                                 (1, cin, (hout - 1) * sh + dh * (kh - 1) + 1, win + (0 if sym else pl + pr)))
 
-        def run(xs: list[Tensor], lo: int, hi: int) -> Tensor:
+        def run_conv(xs: list[Tensor], lo: int, hi: int) -> Tensor:
             x = xs[0] if sym else F.pad(xs[0], (pl, pr, 0, 0))
             if packed is not None and x.dtype == torch.float32 and x.device.type == "cpu":
                 return finish(packed(x))
@@ -613,16 +629,17 @@ def _compile(raw: _Raw, epilogue: list[Callable[[Tensor], Tensor]], gm: fx.Graph
 
         flops = 2.0 * cout * wout * (cin // groups) * kh * m.kernel_size[1]
         window = Window(kh, sh, ptop, dh, hin, hout)
-        return TrunkOp(name, (value_of[raw.inputs[0]],), (cout, hout, wout), window, 0.0, run,
+        return TrunkOp(name, (value_of[raw.inputs[0]],), (cout, hout, wout), window, 0.0, run_conv,
                        flops + epi_flops)
     if raw.kind in ("maxpool", "avgpool"):
-        m = _pool_module(node, gm)
-        k, s, p = _pair(m.kernel_size), _pair(m.stride or m.kernel_size), _pair(m.padding)
+        pool = _pool_module(node, gm)
+        k, s, p = _pair(pool.kernel_size), _pair(pool.stride or pool.kernel_size), _pair(pool.padding)
         if raw.kind == "maxpool":
-            if m.return_indices:
+            assert isinstance(pool, nn.MaxPool2d)
+            if pool.return_indices:
                 raise UnsplittableModelError(f"op {_describe(node, gm)} returns indices")
-            d = _pair(m.dilation)
-            pad_w, ceil = (0, p[1]), m.ceil_mode
+            d = _pair(pool.dilation)
+            pad_w, ceil = (0, p[1]), pool.ceil_mode
 
             def run(xs: list[Tensor], lo: int, hi: int) -> Tensor:
                 # The rows hold the H padding already (`border_rows`), so the pool pads only W;
@@ -634,8 +651,9 @@ def _compile(raw: _Raw, epilogue: list[Callable[[Tensor], Tensor]], gm: fx.Graph
             window = Window(k[0], s[0], p[0], d[0], hin, hout)
             pad_value = float("-inf")
         else:
-            div = _avg_divisor(m, (hin, win), (hout, wout), _model_device(gm))
-            ceil = m.ceil_mode
+            assert isinstance(pool, nn.AvgPool2d)
+            div = _avg_divisor(pool, (hin, win), (hout, wout), _model_device(gm))
+            ceil = pool.ceil_mode
 
             def run(xs: list[Tensor], lo: int, hi: int) -> Tensor:
                 # Sum pool (explicit zero rows) / exact torch divisor of these output rows.
@@ -647,17 +665,17 @@ def _compile(raw: _Raw, epilogue: list[Callable[[Tensor], Tensor]], gm: fx.Graph
         return TrunkOp(name, (value_of[raw.inputs[0]],), (cout, hout, wout), window, pad_value,
                        run, float(cout * wout * k[0] * k[1]) + epi_flops)
     if raw.kind == "bn":
-        scale, shift = _bn_affine(gm.get_submodule(str(node.target)))
+        scale, shift = _bn_affine(_module_of(node, gm, nn.BatchNorm2d))
         sc, sh_ = scale.view(1, -1, 1, 1), shift.view(1, -1, 1, 1)
 
-        def run(xs: list[Tensor], lo: int, hi: int) -> Tensor:
+        def run_bn(xs: list[Tensor], lo: int, hi: int) -> Tensor:
             return finish(torch.addcmul(sh_, xs[0], sc))
 
-        return TrunkOp(name, (value_of[raw.inputs[0]],), (cout, hout, wout), None, 0.0, run,
+        return TrunkOp(name, (value_of[raw.inputs[0]],), (cout, hout, wout), None, 0.0, run_bn,
                        2.0 * cout * wout + epi_flops)
     call, ins = _caller(node, gm, trunk, inplace_ok=False)
 
-    def run(xs: list[Tensor], lo: int, hi: int) -> Tensor:
+    def run_call(xs: list[Tensor], lo: int, hi: int) -> Tensor:
         y = call(xs)
         # Identity-like ops return their input (a view of a row buffer): the in-place
         # epilogue must not write through it.
@@ -666,7 +684,7 @@ def _compile(raw: _Raw, epilogue: list[Callable[[Tensor], Tensor]], gm: fx.Graph
             y = y.clone()
         return finish(y)
 
-    return TrunkOp(name, tuple(value_of[i] for i in ins), (cout, hout, wout), None, 0.0, run,
+    return TrunkOp(name, tuple(value_of[i] for i in ins), (cout, hout, wout), None, 0.0, run_call,
                    float(cout * wout * max(1, len(ins))) + epi_flops)
 
 
@@ -674,7 +692,7 @@ def _epilogue(raw: _Raw, gm: fx.GraphModule, trunk: set[fx.Node]
               ) -> Callable[[Tensor], Tensor]:
     """Pointwise unary op applied in place to a freshly computed run."""
     if raw.kind == "bn":
-        scale, shift = _bn_affine(gm.get_submodule(str(raw.node.target)))
+        scale, shift = _bn_affine(_module_of(raw.node, gm, nn.BatchNorm2d))
         sc, sh = scale.view(1, -1, 1, 1), shift.view(1, -1, 1, 1)
         return lambda y: y.mul_(sc).add_(sh)
     call, _ = _caller(raw.node, gm, trunk, inplace_ok=True)
@@ -772,9 +790,10 @@ def split_model(model: nn.Module, input_shape: tuple[int, int, int]) -> ModelGra
             and (r.kind == "bn" or (r.kind == "pointwise" and len(n.all_input_nodes) == 1))
         )
         if fusible:
+            assert prev is not None
             g = groups[group_of[prev]]
             if r.kind == "bn" and g["raw"].kind == "conv" and not g["epi"] and g["fold"] is None:
-                g["fold"] = _bn_affine(gm.get_submodule(str(n.target)))
+                g["fold"] = _bn_affine(_module_of(n, gm, nn.BatchNorm2d))
             else:
                 g["epi"].append(_epilogue(r, gm, trunk))
             g["names"].append(n.name)
@@ -790,7 +809,7 @@ def split_model(model: nn.Module, input_shape: tuple[int, int, int]) -> ModelGra
         ops.append(_compile(g["raw"], g["epi"], gm, trunk, value_of, "+".join(g["names"]),
                             g["out"], g["fold"]))
         value_of[g["out"]] = gi + 1
-    value_shapes = [tuple(int(v) for v in _shape(image)[1:])] + [op.out_shape for op in ops]
+    value_shapes = [(c, h, w)] + [op.out_shape for op in ops]  # the image was propagated at (c, h, w)
 
     # 4. cut candidates: after op j only value j+1 is read by later ops.
     m = len(ops)
@@ -810,9 +829,9 @@ def split_model(model: nn.Module, input_shape: tuple[int, int, int]) -> ModelGra
     trunk_module, head_module = _sub_modules(gm, image, order, trunk_out)
     return ModelGraph(
         input_shape=(c, h, w),
-        trunk_output_shape=value_shapes[-1],  # type: ignore[arg-type]
+        trunk_output_shape=value_shapes[-1],
         ops=tuple(ops),
-        value_shapes=tuple(value_shapes),  # type: ignore[arg-type]
+        value_shapes=tuple(value_shapes),
         cut_values=tuple(cuts),
         consumers=tuple(tuple(x) for x in consumers),
         trunk_module=trunk_module,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -213,6 +213,7 @@ def _randomise_bn(model: nn.Module, in_channels: int, gen: torch.Generator) -> N
         bn.momentum = mom
         # ...then perturb everything so BN is a non-trivial, non-identity affine map.
         c = bn.num_features
+        assert bn.running_mean is not None and bn.running_var is not None  # zoo BNs track stats
         bn.running_mean.add_(0.1 * torch.randn(c, generator=gen))
         bn.running_var.mul_(torch.empty(c).uniform_(0.7, 1.3, generator=gen))
         if bn.affine:
@@ -234,7 +235,7 @@ def _import_callable(path: str) -> Callable[..., nn.Module]:
         obj = getattr(obj, part)
     if not callable(obj):
         raise ValueError(f"{path!r} is not callable")
-    return obj  # type: ignore[return-value]
+    return obj
 
 
 def build_model(
@@ -266,10 +267,11 @@ def build_model(
     elif ":" in name:
         fn = _import_callable(name)
         kwargs: dict[str, int] = {}
+        params: Mapping[str, inspect.Parameter]
         try:
             params = inspect.signature(fn).parameters
         except (TypeError, ValueError):
-            params = {}  # type: ignore[assignment]
+            params = {}
         if num_classes is not None and "num_classes" in params:
             kwargs["num_classes"] = num_classes
         if in_channels is not None and "in_channels" in params:

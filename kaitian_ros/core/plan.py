@@ -27,10 +27,10 @@ cost model (`CostModel`, flop-based priors; `PlanCosts` for measured per-node co
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-
 from typing import Protocol
 
 from .graph import EMPTY, Interval, ModelGraph, intersect, iv_sub
@@ -374,12 +374,12 @@ def build_plan(graph: ModelGraph, spec: PlanSpec, *, slab_rows: int = 8, estimat
     if spec.strategy == "single" and (len(ids) != 1 or cuts):
         raise ValueError(f"a single plan runs one segment on one node, got {len(ids)} nodes and cuts {list(cuts)}")
     if spec.strategy == "layerwise" and (any(len(o) != 1 for o in owners) or
-                                         any(a == b for a, b in zip(owners, owners[1:]))):
+                                         any(a == b for a, b in itertools.pairwise(owners))):
         raise ValueError("a layer-wise plan runs each segment whole on one node, another than the previous one")
     bounds = [0, *cuts, graph.output_value]
     segments = _build_segments(graph, ids, norms, bounds)
     seg_flops = [sum(graph.ops[j].flops_per_row * graph.ops[j].out_shape[1] for j in range(a, b))
-                 for a, b in zip(bounds, bounds[1:])]
+                 for a, b in itertools.pairwise(bounds)]
     total = math.fsum(seg_flops)
     if total > 0:
         work = [math.fsum(n[i] * f for n, f in zip(norms, seg_flops)) / total for i in range(len(ids))]
@@ -443,6 +443,7 @@ def make_plan(
         e = estimate_ms(graph, plan, costs)
         if best is None or e < best[0] - 1e-9 * (1.0 + abs(e)):
             best = (e, plan)
+    assert best is not None  # specs holds at least the plain stripes
     e, plan = best
     return replace(plan, estimated_ms=e)
 

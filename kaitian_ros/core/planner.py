@@ -290,16 +290,16 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
         if nodes not in by_nodes and math.isfinite(ratio) and ratio > 0:
             by_nodes[nodes] = [ratio]
             by_nodes.setdefault(len(nodes), []).append(ratio)
-    errors.update({k: min(MODEL_ERROR_MAX, max(1.0 / MODEL_ERROR_MAX, max(v))) for k, v in by_nodes.items()})
+    errors.update({k: min(MODEL_ERROR_MAX, max(1.0 / MODEL_ERROR_MAX, *v)) for k, v in by_nodes.items()})
 
     if strategy in ("auto", "single"):
         for n in ids:
             evaluate(PlanSpec.single(n))
     if strategy in ("auto", "layerwise"):
-        quick = sorted((_layerwise_quick_ms(graph, a, b, c, costs), a, b, c)
-                       for a, b in itertools.permutations(ids, 2) for c in graph.cut_values)
-        for _, a, b, c in quick[:LAYERWISE_SIMULATED]:
-            evaluate(PlanSpec.layerwise(a, b, c))
+        quick = sorted((_layerwise_quick_ms(graph, a, b, cut, costs), a, b, cut)
+                       for a, b in itertools.permutations(ids, 2) for cut in graph.cut_values)
+        for _, a, b, cut in quick[:LAYERWISE_SIMULATED]:
+            evaluate(PlanSpec.layerwise(a, b, cut))
     if strategy in ("auto", "stripes"):
         vectors = _share_vectors(graph, ids, costs, given, adapt_shares)
         first = []

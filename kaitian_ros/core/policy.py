@@ -19,6 +19,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
+from typing import Any
 
 __all__ = [
     "PARAMETERS",
@@ -184,18 +185,19 @@ def config_from_params(params: Mapping[str, object], base: PolicyConfig | None =
     Unknown names raise ValueError so a typo in a parameter file is not silently ignored.
     """
     base = base if base is not None else PolicyConfig()
-    changes: dict[str, object] = {}
+    changes: dict[str, Any] = {}  # typed per name by _DESC; PolicyConfig checks the values
     for name, value in params.items():
         d = _DESC.get(name)
         if d is None:
             raise ValueError(f"unknown policy parameter {name!r}")
         if d.type == "double" and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
+            changes[name] = float(value)
         elif d.type == "double_array" and isinstance(value, Sequence) \
                 and not isinstance(value, str):
-            value = tuple(float(v) if isinstance(v, int) and not isinstance(v, bool) else v
-                          for v in value)
-        changes[name] = value
+            changes[name] = tuple(float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+                                  for v in value)
+        else:
+            changes[name] = value
     return replace(base, **changes)
 
 
@@ -305,14 +307,14 @@ def _slopes(work: float, bytes_total: float, speeds: Sequence[float],
     if not (math.isfinite(bytes_total) and bytes_total >= 0):
         raise ValueError(f"bytes_total must be finite and >= 0, got {bytes_total!r}")
     k = []
-    for s, l, f in zip(speeds, link_rates, fixed_ms):
+    for s, link, f in zip(speeds, link_rates, fixed_ms):
         if not (math.isfinite(s) and s > 0):
             raise ValueError(f"speeds must be finite and > 0, got {s!r}")
-        if not (l > 0) or math.isnan(l):
-            raise ValueError(f"link_rates must be > 0 (inf allowed), got {l!r}")
+        if not (link > 0) or math.isnan(link):
+            raise ValueError(f"link_rates must be > 0 (inf allowed), got {link!r}")
         if not (math.isfinite(f) and f >= 0):
             raise ValueError(f"fixed_ms must be finite and >= 0, got {f!r}")
-        transfer = 0.0 if (bytes_total == 0 or math.isinf(l)) else bytes_total / l
+        transfer = 0.0 if (bytes_total == 0 or math.isinf(link)) else bytes_total / link
         # Overlap model: compute and transfer of slabs overlap, so the slower one dominates.
         k.append(max(work / s, transfer))
     return k
@@ -591,8 +593,10 @@ def decide(state: PolicyState, now_s: float, newest_request_id: int, config: Pol
     dead = dict(state.dead)
     newly_dead = []
     for n in state.order:
-        if n not in dead and now_s - ests[n].last_seen_s >= config.dead_after_s:
-            dead[n] = ests[n].last_seen_s
+        seen = ests[n].last_seen_s
+        assert seen is not None  # set for every node by the loop above
+        if n not in dead and now_s - seen >= config.dead_after_s:
+            dead[n] = seen
             newly_dead.append(n)
     members_set = set(state.members) - set(dead)
     profile = {k: v for k, v in state.profile.items() if k not in dead}
@@ -677,6 +681,7 @@ def decide(state: PolicyState, now_s: float, newest_request_id: int, config: Pol
 
     publish = structural
     if not publish and config.policy == "adaptive":
+        assert cur is not None  # no plan yet is structural
         cur_ms = _makespan(state, state.estimates, cur.node_ids, cur.shares, config)
         gain = (cur_ms - new_ms) / cur_ms if cur_ms > 0 else 0.0
         interval_ok = (state.last_publish_s is None

@@ -17,6 +17,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -154,15 +155,17 @@ def probe(graph: ModelGraph, measured: MeasuredCosts, clock: Callable[[], float]
     slowdown included). After idling, a first call is 2-5x slower here (cold caches) and the
     next ones up to 1.5x: the warm-up pass and the minimum keep that out of the comparison.
     `inputs` are the whole values the ops read (as `measure_profile` returns them)."""
+    assert all(inputs[u] is not None for j in measured.probe_ops for u in graph.ops[j].inputs)
+    vals = cast("list[torch.Tensor]", inputs)  # None only at values no probe op reads
     with torch.no_grad():
-        outs = {j: torch.empty((inputs[graph.ops[j].inputs[0]].shape[0], *graph.ops[j].out_shape),
+        outs = {j: torch.empty((vals[graph.ops[j].inputs[0]].shape[0], *graph.ops[j].out_shape),
                                device=graph.device).contiguous(memory_format=graph.activation_format)
                 for j in measured.probe_ops}
         times = []
         for k in range(reps + 1):
             c0 = clock()
             for j in measured.probe_ops:
-                _call(graph, inputs, j, 0, graph.ops[j].out_shape[1], outs[j])
+                _call(graph, vals, j, 0, graph.ops[j].out_shape[1], outs[j])
             _sync(graph)
             if k:
                 times.append((clock() - c0) * 1e3)

@@ -23,13 +23,13 @@ in ``kaitian bench inference`` (``predicted_ms`` against ``latency_ms`` of ``our
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .costs import COORDINATOR, Costs
 from .graph import ModelGraph, iv_add, iv_sub
 from .plan import Plan
-from .stripe import StripeRunner
+from .stripe import _Wavefront
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,8 @@ class _Sent:
     rows: int
 
 
-class _ShadowRunner(StripeRunner):
-    """A StripeRunner that computes nothing: runs cost measured time on `clock_ms`."""
+class _ShadowRunner(_Wavefront[_Sent]):
+    """StripeRunner's wavefront computing nothing: runs cost measured time on `clock_ms`."""
 
     def __init__(self, graph: ModelGraph, plan: Plan, node_id: str, costs: Costs) -> None:
         profile = costs.profiles[node_id]
@@ -60,9 +60,6 @@ class _ShadowRunner(StripeRunner):
         self.clock_ms = 0.0
         self.busy_ms = 0.0
         self.runs = 0
-
-    def _allocate(self, n: int, dtype: object) -> None:  # no buffers
-        self._n = n
 
     def _compute(self, j: int, a: int, b: int) -> None:
         ms = self._profile.op_costs[j].ms(b - a) + self._profile.run_ms
@@ -83,7 +80,7 @@ class _ShadowRunner(StripeRunner):
                 out.append(_Sent("HALO", seg, dst, lo, hi - lo))
         return out
 
-    def feed_rows(self, segment: int, lo: int, hi: int, sink: object) -> None:
+    def feed_rows(self, segment: int, lo: int, hi: int, sink: Callable[[_Sent], None]) -> None:
         self._check_expected(segment, lo, hi)
         self._arrive(segment, lo, hi)
         self._advance({self._seg_in[segment]}, sink)

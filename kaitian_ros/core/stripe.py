@@ -18,6 +18,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -52,14 +53,12 @@ def _contains(ivs: list[Interval], row: int) -> bool:
     return any(a <= row < b for a, b in ivs)
 
 
-class StripeRunner:
-    """Executes `node_id`'s part of `plan` for one request (see module docstring).
+_E = TypeVar("_E")
 
-    `min_run_rows`: a run shorter than this is deferred while rows next to it are still to
-    come (they will arrive - the plan guarantees every needed row), trading a little latency
-    for fewer, larger torch calls. 1 = fully eager. Measured (ResNet-18 224, one thread): a
-    1-2 row conv call costs ~1.5x per row of a 56-row call, so the default batches a little.
-    """
+
+class _Wavefront(Generic[_E]):
+    """The row bookkeeping and wavefront of `StripeRunner`, generic in what a run hands on:
+    subclasses say what a run computes (`_compute`) and what its rows emit (`_emit`)."""
 
     def __init__(self, graph: ModelGraph, plan: Plan, node_id: str, *,
                  min_run_rows: int = DEFAULT_MIN_RUN_ROWS,
@@ -113,6 +112,61 @@ class StripeRunner:
     def stats(self) -> dict:
         return dict(self._stats)
 
+    def _check_expected(self, segment: int, lo: int, hi: int) -> None:
+        exp = self._expect[self._seg_in[segment]]
+        if not any(a <= lo and hi <= b for a, b in exp):
+            raise ValueError(f"node {self.node_id}: rows [{lo},{hi}) of segment {segment} not "
+                             f"expected (still expecting {exp})")
+
+    def _arrive(self, segment: int, lo: int, hi: int) -> None:
+        v = self._seg_in[segment]
+        self._expect[v] = iv_sub(self._expect[v], (lo, hi))
+        self._avail[v] = iv_add(self._avail[v], (lo, hi))
+        self._stats["rows_in" if segment == 0 else "halo_rows_in"] += hi - lo
+        self._stats["feeds"] += 1
+
+    # ------------------------------------------------------------------ internals
+    def _advance(self, changed: set[int], sink: Callable[[_E], None]) -> None:
+        ops = self.graph.ops
+        for j in self._ops:
+            v = j + 1
+            rem = self._remaining[v]
+            if not rem:
+                continue
+            op = ops[j]
+            if not any(u in changed for u in op.inputs):
+                continue  # nothing new to compute from
+            cov: list[Interval] | None = None
+            for u in op.inputs:
+                cu: list[Interval] = []
+                for iv in self._avail[u]:
+                    cu = iv_add(cu, op.covered(iv))
+                cov = cu if cov is None else iv_intersect(cov, cu)
+            runs = iv_intersect(rem, cov or [])
+            for a, b in runs:
+                if b - a < self.min_run_rows and (_contains(rem, a - 1) or _contains(rem, b)):
+                    continue  # more rows next to this run are coming: compute them together
+                self._compute(j, a, b)
+                changed.add(v)
+                for e in self._emit(v, a, b):
+                    sink(e)
+
+    def _compute(self, j: int, a: int, b: int) -> None:
+        raise NotImplementedError
+
+    def _emit(self, v: int, a: int, b: int) -> list[_E]:
+        raise NotImplementedError
+
+
+class StripeRunner(_Wavefront[Emission]):
+    """Executes `node_id`'s part of `plan` for one request (see module docstring).
+
+    `min_run_rows`: a run shorter than this is deferred while rows next to it are still to
+    come (they will arrive - the plan guarantees every needed row), trading a little latency
+    for fewer, larger torch calls. 1 = fully eager. Measured (ResNet-18 224, one thread): a
+    1-2 row conv call costs ~1.5x per row of a 56-row call, so the default batches a little.
+    """
+
     def feed(self, segment: int, row_offset: int, rows: Tensor,
              emit: Callable[[Emission], None] | None = None) -> list[Emission]:
         """Take `rows` of `segment`'s input at `row_offset`, compute what they complete and
@@ -140,12 +194,15 @@ class StripeRunner:
         t0 = time.perf_counter()
         out: list[Emission] = []
         handed_s = 0.0  # time inside `emit`: the caller's, not this node's compute
+        sink: Callable[[Emission], None] = out.append
+        if emit is not None:
+            def hand_on(e: Emission) -> None:
+                nonlocal handed_s
+                h0 = time.perf_counter()
+                emit(e)
+                handed_s += time.perf_counter() - h0
 
-        def hand_on(e: Emission) -> None:
-            nonlocal handed_s
-            h0 = time.perf_counter()
-            emit(e)
-            handed_s += time.perf_counter() - h0
+            sink = hand_on
 
         if (lo, hi) == self._buf_rng[v] and rows.device == self.graph.device and \
                 rows.is_contiguous(memory_format=self.graph.activation_format):
@@ -153,22 +210,9 @@ class StripeRunner:
         else:  # also host -> device when the graph is there
             self._buffer(v)[:, :, lo - self._buf_rng[v][0]:hi - self._buf_rng[v][0]].copy_(rows)
         self._arrive(segment, lo, hi)
-        self._advance({v}, out.append if emit is None else hand_on)
+        self._advance({v}, sink)
         self._stats["compute_s"] += time.perf_counter() - t0 - handed_s
         return out
-
-    def _check_expected(self, segment: int, lo: int, hi: int) -> None:
-        exp = self._expect[self._seg_in[segment]]
-        if not any(a <= lo and hi <= b for a, b in exp):
-            raise ValueError(f"node {self.node_id}: rows [{lo},{hi}) of segment {segment} not "
-                             f"expected (still expecting {exp})")
-
-    def _arrive(self, segment: int, lo: int, hi: int) -> None:
-        v = self._seg_in[segment]
-        self._expect[v] = iv_sub(self._expect[v], (lo, hi))
-        self._avail[v] = iv_add(self._avail[v], (lo, hi))
-        self._stats["rows_in" if segment == 0 else "halo_rows_in"] += hi - lo
-        self._stats["feeds"] += 1
 
     # ------------------------------------------------------------------ internals
     def _allocate(self, n: int, dtype: torch.dtype) -> None:
@@ -180,37 +224,13 @@ class StripeRunner:
         whole-image MobileNetV2 trunk in page faults)."""
         buf = self._bufs[v]
         if buf is None:
+            assert self._n is not None  # set by the first feed, before anything is written
             lo, hi = self._buf_rng[v]
             c, _, w = self.graph.value_shapes[v]
             buf = self._bufs[v] = torch.empty((self._n, c, hi - lo, w), dtype=self._dtype,
                                               device=self.graph.device,
                                               memory_format=self.graph.activation_format)
         return buf
-
-    def _advance(self, changed: set[int], sink: Callable[[Emission], None]) -> None:
-        ops = self.graph.ops
-        for j in self._ops:
-            v = j + 1
-            rem = self._remaining[v]
-            if not rem:
-                continue
-            op = ops[j]
-            if not any(u in changed for u in op.inputs):
-                continue  # nothing new to compute from
-            cov: list[Interval] | None = None
-            for u in op.inputs:
-                cu: list[Interval] = []
-                for iv in self._avail[u]:
-                    cu = iv_add(cu, op.covered(iv))
-                cov = cu if cov is None else iv_intersect(cov, cu)
-            runs = iv_intersect(rem, cov or [])
-            for a, b in runs:
-                if b - a < self.min_run_rows and (_contains(rem, a - 1) or _contains(rem, b)):
-                    continue  # more rows next to this run are coming: compute them together
-                self._compute(j, a, b)
-                changed.add(v)
-                for e in self._emit(v, a, b):
-                    sink(e)
 
     def _compute(self, j: int, a: int, b: int) -> None:
         t0 = time.perf_counter() if self.on_run is not None else 0.0
@@ -221,10 +241,10 @@ class StripeRunner:
             ra, rb = op.window.raw(a, b)
             ca, cb = max(ra, 0), min(rb, op.window.in_h)
             off = rngs[u][0]
-            x = border_rows(bufs[u][:, :, ca - off:cb - off], ca - ra, rb - cb, op.pad_value)
+            x = border_rows(_filled(bufs[u])[:, :, ca - off:cb - off], ca - ra, rb - cb, op.pad_value)
             xs = [x]
         else:
-            xs = [bufs[u][:, :, a - rngs[u][0]:b - rngs[u][0]] for u in op.inputs]
+            xs = [_filled(bufs[u])[:, :, a - rngs[u][0]:b - rngs[u][0]] for u in op.inputs]
         y = op.run(xs, a, b)
         v = j + 1
         off = rngs[v][0]
@@ -244,7 +264,7 @@ class StripeRunner:
 
     def _emit(self, v: int, a: int, b: int) -> list[Emission]:
         out: list[Emission] = []
-        buf, off = self._bufs[v], self._buf_rng[v][0]
+        buf, off = _filled(self._bufs[v]), self._buf_rng[v][0]
         if v == self._final:
             out.append(Emission("OUTPUT", self._last_seg, COORDINATOR, a,
                                 buf[:, :, a - off:b - off].clone()))
@@ -255,6 +275,11 @@ class StripeRunner:
                 out.append(Emission("HALO", seg, dst, lo, buf[:, :, lo - off:hi - off].clone()))
                 self._stats["halo_rows_out"] += hi - lo
         return out
+
+
+def _filled(buf: Tensor | None) -> Tensor:
+    assert buf is not None  # rows were written to this value before it is read
+    return buf
 
 
 def run_plan_locally(

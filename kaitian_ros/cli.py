@@ -88,7 +88,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     host_router = not args.connect
     router = args.connect or args.router or zs.router_endpoint()
     try:
-        zs.split_endpoint(router)
+        if args.connect:
+            zs.split_endpoint(args.connect)
         if args.listen is not None:
             # every process of this launcher (nodes, its own sessions) listens there: the other
             # host's peers connect to it directly
@@ -138,8 +139,13 @@ def _spans_hosts(router: str, host_router: bool) -> bool:
     on an address other hosts can reach."""
     from kaitian_ros.runtime import zenoh_session as zs
 
-    address = zs.split_endpoint(router)[1]
-    return not host_router or not (address.startswith("127.") or address in ("localhost", "[::1]"))
+    if not host_router:
+        return True
+    try:
+        address = zs.split_endpoint(router)[1]
+    except ValueError:  # not an IP endpoint (a unix socket, ...): this host only
+        return False
+    return not (address.startswith("127.") or address in ("localhost", "[::1]"))
 
 
 def cmd_router(args: argparse.Namespace) -> int:

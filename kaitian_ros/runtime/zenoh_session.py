@@ -35,7 +35,7 @@ def split_endpoint(endpoint: str) -> tuple[str, str, str]:
     """(protocol, address, port) of ``proto/address:port`` (an IPv6 address in brackets);
     ValueError for anything else."""
     proto, sep, rest = endpoint.partition("/")
-    address, colon, port = rest.rpartition(":")
+    address, colon, port = rest.split("?")[0].split("#")[0].rpartition(":")  # less zenoh's metadata/config
     if not (sep and proto and colon and address and port.isdigit() and int(port) < 65536):
         raise ValueError(f"not a zenoh endpoint like tcp/192.168.1.10:7447: {endpoint!r}")
     return proto, address, port
@@ -44,8 +44,10 @@ def split_endpoint(endpoint: str) -> tuple[str, str, str]:
 def local_endpoint(endpoint: str) -> str:
     """Where this host's own processes connect to a router listening on ``endpoint``: the
     same, except loopback for an any-address (``tcp/0.0.0.0:7447`` -> ``tcp/127.0.0.1:7447``)."""
-    proto, address, port = split_endpoint(endpoint)
-    return f"{proto}/{_ANY_ADDRESS.get(address, address)}:{port}"
+    for any_address, loopback in _ANY_ADDRESS.items():
+        if f"/{any_address}:" in endpoint:
+            return endpoint.replace(f"/{any_address}:", f"/{loopback}:", 1)
+    return endpoint
 
 
 def peer_listen_endpoint(address_or_endpoint: str) -> str:

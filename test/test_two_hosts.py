@@ -219,6 +219,24 @@ def test_unreachable_router_is_one_line_and_exit_1(tmp_path: Path) -> None:
     assert "started" not in proc.stdout, proc.stdout
 
 
+def test_unreachable_master_is_one_line_per_rank() -> None:
+    """Node 1 of 2 whose node 0 never comes: its rank says so in one line, the launcher that it
+    stopped, exit 1, no traceback (torch's own connect timeout would print a C++ stack)."""
+    from kaitian_ros.comm.launch import free_port
+
+    port = free_port()
+    proc = subprocess.run([sys.executable, "-m", "kaitian_ros.cli", "train", "--nnodes", "2", "--node-rank", "1",
+                           "--master-addr", "127.0.0.1", "--master-port", str(port), "--ranks", "1",
+                           "--devices", "cpu", "--timeout", "3"], env=_env(), capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 1, proc
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0] == (f"kaitian train: rank 1: no rendezvous store at 127.0.0.1:{port} within 3 s (is rank 0 "
+                        f"running there, e.g. `kaitian train --node-rank 0 ...` on that host, and is port "
+                        f"{port}/tcp open?)"), proc.stderr
+    assert lines[1:] == ["kaitian train: rank 1 (cpu) died (exit code 1); training stopped"], proc.stderr
+
+
 def test_host_split_options_say_what_is_wrong() -> None:
     """--only/--exclude naming no node of the scenario, --router with --connect, a bad --listen."""
     def run(*args: str) -> subprocess.CompletedProcess:

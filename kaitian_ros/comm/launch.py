@@ -457,6 +457,20 @@ def _config_from_args(a: argparse.Namespace) -> tuple[Any, int | None]:
     return cfg, ranks
 
 
+def store_reachable(env: DistEnv, timeout_s: float) -> bool:
+    """Whether rank 0's rendezvous store accepts a connection within ``timeout_s``: checked
+    before joining it, since torch's own timeout there prints a C++ stack per attempt."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((env.master_addr, env.master_port), timeout=1.0):
+                return True
+        except OSError:  # refused (rank 0 not up yet), unreachable, no route: try again until due
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+
+
 def _run_one_rank(cfg: Any) -> int:
     """Run as one rank from the torchrun environment; errors as one stderr line."""
     from kaitian_ros.comm.trainer import RankTrainer
@@ -465,6 +479,11 @@ def _run_one_rank(cfg: Any) -> int:
     env = DistEnv.from_environ()
     hb = None
     trainer = None
+    if env.rank != 0 and not store_reachable(env, cfg.timeout_s):
+        print(f"kaitian train: rank {env.rank}: no rendezvous store at {env.master_addr}:{env.master_port} "
+              f"within {cfg.timeout_s:g} s (is rank 0 running there, e.g. `kaitian train --node-rank 0 ...` "
+              f"on that host, and is port {env.master_port}/tcp open?)", file=sys.stderr, flush=True)
+        return 1
     try:
         hb = init_distributed(env, timeout_s=cfg.timeout_s)
         trainer = RankTrainer(cfg, local_rank=env.local_rank)

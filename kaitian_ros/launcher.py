@@ -16,6 +16,10 @@ interpreter that already imported torch and the middleware at a low CPU priority
 for the node to become), which skips the 1.5-3 s of imports of a fresh process; the launcher
 keeps one ready from ``WARM_START_AFTER_S`` after the graph started (``warm_start=False``: never).
 Nodes started under a command prefix (a network namespace in the benchmarks) always start fresh.
+
+A graph may span hosts (docs/deployment.md): one launcher hosts the router, on an address the
+other hosts reach, and the others join it (``host_router=False``), each starting its share of
+the scenario's nodes.
 """
 
 from __future__ import annotations

@@ -114,18 +114,22 @@ def cmd_launch(args: argparse.Namespace) -> int:
         print("[launch] note: nodes listen on 127.0.0.1 only, so nodes on other hosts cannot reach them; "
               "give --listen <this host's address>", flush=True)
     view = None
-    if not args.no_view and any(n.executable == "coordinator" for n in scenario.nodes):
+    if any(n.executable == "coordinator" for n in scenario.nodes):
         from kaitian_ros.live_view import LiveView
 
-        view = LiveView(zs.local_endpoint(router) if host_router else router, scenario)
+        # with --no-view it still listens: the summary at exit is told either way
+        view = LiveView(zs.local_endpoint(router) if host_router else router, scenario, show=not args.no_view)
     try:
         code = launch(scenario, router, duration_s=args.duration, on_tick=view.tick if view else None,
-                      warm_start=not args.no_warm_start, host_router=host_router)
+                      out=view.output if view else sys.stdout, warm_start=not args.no_warm_start,
+                      host_router=host_router)
     except RuntimeError as exc:
         raise CliError(str(exc), 1) from None
     finally:
         if view is not None:
             view.close()
+    if view is not None:
+        print(view.summary_text(), flush=True)
     return code
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import json
 import os
 import signal
 import socket
@@ -303,8 +304,16 @@ class Launcher:
             if ready is not None and line.startswith(ROUTER_READY_LINE):
                 ready.set()
 
+    def _warm_command(self) -> list[str]:
+        """The warm interpreter's command line: it prepares (model, start-up costs) for every
+        compute node it may become."""
+        compute = [node_command(n, self.params_file)[4:] for n in self.scenario.nodes
+                   if n.executable == "compute" and n.respawn.enabled and n.name not in self.node_prefix]
+        return [sys.executable, "-u", "-m", "kaitian_ros.warm_start"] + (
+            ["--prepare-compute", json.dumps(compute)] if compute else [])
+
     def _start_warm(self) -> None:
-        process = subprocess.Popen([sys.executable, "-u", "-m", "kaitian_ros.warm_start"], env=self._base_env(),
+        process = subprocess.Popen(self._warm_command(), env=self._base_env(),
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
                                    preexec_fn=_die_with_parent, text=True, bufsize=1)
         warm = WarmInterpreter(process, threading.Thread())
@@ -411,11 +420,12 @@ class Launcher:
     def stop(self) -> None:
         """SIGINT every node, then SIGTERM, then SIGKILL; never leave a process behind."""
         self._stopping.set()
-        if self.warm is not None:  # nothing of its own to lose: it ignores SIGINT until it becomes a node
-            self.warm.process.kill()
-            self.warm.process.wait()
-            self.warm.reader.join(timeout=1.0)
-            self.warm = None
+        # taken first: the supervising thread and the caller may both be stopping the graph
+        warm, self.warm = self.warm, None
+        if warm is not None:  # nothing of its own to lose: it ignores SIGINT until it becomes a node
+            warm.process.kill()
+            warm.process.wait()
+            warm.reader.join(timeout=1.0)
         # the router last: nodes shutting down still talk to each other through it
         for group in (self.nodes, [c for c in self.children if c.spec.executable == ROUTER]):
             stop_process_groups([c.process for c in group])

@@ -48,6 +48,7 @@ RESPAWNED_BY_DEFAULT = ("compute", "coordinator", "scheduler")
 RESPAWN_KEYS = ("respawn", "respawn_delay", "respawn_max_retries")
 ALL_NODES = ("/**", "**")  # the parameter-file sections that apply to every node
 SECURITY_KEY = "security"
+COMPUTE_RESPAWN_DELAY_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,11 @@ class Respawn:
 
     @staticmethod
     def default_for(executable: str) -> Respawn:
-        return Respawn(enabled=executable in RESPAWNED_BY_DEFAULT)
+        # a missing compute node costs every frame until it is back (the plan runs on the
+        # slower rest), and its restart is cheap from a warm interpreter; the retry cap, not
+        # the delay, is what stops a node that fails at start-up
+        return Respawn(enabled=executable in RESPAWNED_BY_DEFAULT,
+                       delay_s=COMPUTE_RESPAWN_DELAY_S if executable == "compute" else 1.0)
 
     def with_setting(self, key: str, value: Any, where: str) -> Respawn:
         """This policy with one ``RESPAWN_KEYS`` setting changed (ScenarioError if invalid)."""

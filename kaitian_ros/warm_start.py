@@ -8,7 +8,13 @@ standard input. A respawn hands it the node to become - one JSON line: the node'
 arguments and its environment - and it runs that node's ``main`` at once; the launcher then
 starts the next warm interpreter.
 
-The imports run on a thread of their own at a low CPU priority (``nice`` 10; on Linux a
+A compute node costs more than its imports: building and tracing its model and timing every op
+for its cost profile took another 2 s. The launcher names the compute nodes that may respawn
+(`--prepare-compute`, their command lines as JSON); after the imports the interpreter does
+that work for them (`compute.prepare`: model built, costs measured at slowdown 1), and a compute
+node it becomes takes the result instead of doing it again.
+
+The imports and preparations run on a thread of their own at a low CPU priority (``nice`` 10; on Linux a
 thread's nice value is its own), so a waiting interpreter hardly slows the running nodes, while
 the node it becomes runs on the main thread at normal priority - without the privilege a
 process needs to lower its own nice value again. Needed before its imports finished, it asks
@@ -58,7 +64,7 @@ class Order:
         return Order(module, tuple(argv), dict(env))
 
 
-def _preload(modules: Sequence[str]) -> None:
+def _preload(modules: Sequence[str], compute_argvs: Sequence[Sequence[str]] = ()) -> None:
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IDLE_NICE)
     except (OSError, AttributeError):
@@ -68,10 +74,39 @@ def _preload(modules: Sequence[str]) -> None:
             importlib.import_module(name)
         except ImportError:
             pass  # the node that needs it reports it when it imports it itself
+    for argv in compute_argvs:
+        try:
+            from kaitian_ros.nodes import compute
+
+            print(f"warm interpreter: {compute.prepare(list(argv))}", file=sys.stderr, flush=True)
+        except Exception as exc:  # noqa: BLE001 - a node that cannot be prepared starts the slow way
+            print(f"warm interpreter: not prepared: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+
+def parse_prepare(text: str) -> list[list[str]]:
+    """The `--prepare-compute` value: a JSON list of compute node argument lists (ValueError)."""
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--prepare-compute: not JSON: {exc}") from None
+    if not isinstance(raw, list) or not all(isinstance(a, list) and all(isinstance(x, str) for x in a) for a in raw):
+        raise ValueError("--prepare-compute: expected a JSON list of argument lists")
+    return raw
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    loader = threading.Thread(target=_preload, args=(PRELOAD,), name="kaitian-preload", daemon=True)
+    args = list(sys.argv[1:] if argv is None else argv)
+    compute_argvs: list[list[str]] = []
+    if args[:1] == ["--prepare-compute"] and len(args) == 2:
+        try:
+            compute_argvs = parse_prepare(args[1])
+        except ValueError as exc:
+            print(f"warm interpreter: {exc}", file=sys.stderr)
+            return 2
+    elif args:
+        print(f"warm interpreter: unknown arguments {args} (only --prepare-compute JSON)", file=sys.stderr)
+        return 2
+    loader = threading.Thread(target=_preload, args=(PRELOAD, compute_argvs), name="kaitian-preload", daemon=True)
     loader.start()
     line = sys.stdin.readline()
     if not line:  # the launcher stopped without needing this interpreter

@@ -116,3 +116,17 @@ def test_reference_plans_are_every_alive_single_node_and_stripes_by_speed() -> N
     assert [p[0] for p in dead] == ["single compute_0", "single compute_1", "stripes by speed"]
     assert dead[-1][2] == [1.0, 1.0, 0.0]
     assert [p[0] for p in reference_plans(names, [1.0, math.inf, math.inf])] == ["single compute_0"]
+
+
+def test_equal_plans_spread_compares_single_plans_of_nodes_at_the_same_speed_only() -> None:
+    import math
+
+    from kaitian_ros.bench.adaptivity import equal_plans_spread
+
+    names = ["compute_0", "compute_1", "compute_2"]
+    plans = {"single compute_0": 20.0, "single compute_1": 60.0, "single compute_2": 25.0, "stripes by speed": 10.0}
+    # compute_1 is slowed 3x: only compute_0 and compute_2 run at the same speed
+    assert equal_plans_spread(plans, names, [1.0, 3.0, 1.0]) == 1.25
+    assert equal_plans_spread(plans, names, [1.0, 1.0, 1.0]) == 3.0
+    assert equal_plans_spread(plans, names, [1.0, 3.0, math.inf]) is None  # no two alive at one speed
+    assert equal_plans_spread({"single compute_0": 20.0}, names, [1.0, 1.0, 1.0]) is None

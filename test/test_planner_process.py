@@ -3,6 +3,7 @@ the coordinator never waiting for it."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -73,3 +74,47 @@ def test_the_planner_process_chooses_what_a_round_in_process_chooses() -> None:
     finally:
         proc.close()
     assert not proc.alive()
+
+
+def test_a_round_runs_below_the_frame_path_priority() -> None:
+    import os
+
+    proc = PlannerProcess(SPEC)
+    try:
+        deadline = time.monotonic() + 120.0
+        while not proc.is_ready() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.is_ready()
+        child = os.getpriority(os.PRIO_PROCESS, proc._proc.pid)
+        assert child >= min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
+    finally:
+        proc.close()
+
+
+def test_inputs_that_moved_less_than_their_noise_plan_the_same_round_and_real_changes_do_not() -> None:
+    graph = ic.build_graph(SPEC)
+    costs = _costs(graph)
+    base = _request(costs)
+    assert base.material() == _request(costs).material()
+
+    def with_trunk(factor: float) -> PlanRequest:
+        p = costs.profiles["b"]
+        moved = Costs(dict(costs.profiles) | {"b": dataclasses.replace(p, trunk_ms=p.trunk_ms * factor)},
+                      costs.links, costs.link_prior)
+        return _request(moved)
+
+    # a trunk time within a bucket of 5 % keeps the material; one that moved by 20 % changes it
+    near = [with_trunk(f).material() == base.material() for f in (1.001, 0.999)]
+    assert any(near)
+    assert with_trunk(1.2).material() != base.material()
+    running = PlanSpec.single("a")
+    slower = {spec_key(running, 8): MeasuredPlan(running, 8, 6.0)}
+    assert _request(costs, measured=slower).material() != base.material()  # the running plan got slower
+    assert _request(costs, alive=("a",), nodes=("a",), shares=(1.0,)).material() != base.material()
+    assert _request(costs, strategy="stripes").material() != base.material()
+    assert _request(costs, earlier_errors={frozenset({"a", "b"}): 1.5}).material() != base.material()
+    faster_link = Costs(costs.profiles, {("a", "coordinator"): LinkEstimate(2e4, 0.5)}, costs.link_prior)
+    assert _request(faster_link).material() != base.material()
+    # the scheduler's shares are compared at the planner's own grain (0.05 of the total)
+    assert _request(costs, shares=(1.0, 1.001)).material() == base.material()
+    assert _request(costs, shares=(1.0, 2.0)).material() != base.material()

@@ -110,6 +110,14 @@ def test_slowed_node_gets_a_smaller_share_and_latency_recovers(tmp_path):
             print(f"  proposal v{m.version} from request {m.effective_from_request}: {m.reason}")
         assert not g.dead_children()
 
+        # no frames now: periodic re-predictions over unchanged inputs are skipped and counted
+        skipped = int(g.coordinator_values.get("plan_rounds_skipped", "0"))
+        g.set_param("coordinator", "replan_period_s", 0.2)
+        deadline = time.monotonic() + 20.0
+        while int(g.coordinator_values.get("plan_rounds_skipped", "0")) <= skipped and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert int(g.coordinator_values.get("plan_rounds_skipped", "0")) > skipped, g.coordinator_values
+
 
 def test_killed_node_leaves_the_plan_and_a_restarted_node_rejoins(tmp_path):
     """3 compute nodes, scheduler ``adaptive``: SIGKILL compute_2 while two requests are in flight

@@ -113,6 +113,9 @@ def test_killed_rank_is_named_and_others_fail_then_resume(tmp_path: Path) -> Non
     res = json.loads(out.strip().splitlines()[-1])
     assert res["epochs_completed"] == ep + 2
     assert len(res["accuracy_per_epoch"]) == ep + 2  # history carried over from the checkpoint
+    # rank 0 told the epochs on stderr (the last one always), stdout kept for the result
+    assert f"[progress] kaitian train epochs: {ep + 2}/{ep + 2} - test acc " in err2, err2
+    assert "[progress]" not in out
 
 
 def test_worker_alone_names_missing_peer_on_timeout(tmp_path: Path) -> None:

@@ -3,8 +3,10 @@ line, and a real interpreter becoming a node that refuses bad parameters."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -38,3 +40,80 @@ def test_a_warm_interpreter_becomes_the_node_it_is_told_and_exits_with_its_code(
     assert unused.returncode == 0 and unused.stdout == ""
     garbage = subprocess.run(cmd, input="hello\n", capture_output=True, text=True, timeout=120)
     assert garbage.returncode == 2 and "not an order" in garbage.stderr
+
+
+def test_prepared_costs_are_the_measured_ones_scaled_and_a_bad_preparation_is_refused() -> None:
+    """`compute.prepare` resolves a compute node's parameters as the node does, builds its model
+    and measures its costs at slowdown 1; a node's costs at slowdown s are those scaled."""
+    from kaitian_ros.nodes import compute
+    from kaitian_ros.warm_start import parse_prepare
+
+    argv = ["--ros-args", "-r", "__node:=compute_7", "-p", "model:=digits_cnn", "-p", "input_height:=32",
+            "-p", "input_width:=32", "-p", "input_channels:=1", "-p", "profile_budget_s:=0.5"]
+    compute._PREPARED.clear()
+    try:
+        assert "built, costs measured" in compute.prepare(argv)
+        assert "already prepared" in compute.prepare(argv + ["-p", "emulated_slowdown:=3.0"])  # speed: scaled
+        (prepared,) = compute._PREPARED.values()
+        slow = prepared.costs.scaled(3.0)
+        assert slow.trunk_ms == pytest.approx(3 * prepared.costs.trunk_ms)
+        assert slow.probe_base_ms == pytest.approx(3 * prepared.costs.probe_base_ms)
+        assert [c.row_ms for c in slow.op_costs] == pytest.approx([3 * c.row_ms for c in prepared.costs.op_costs])
+        assert slow.probe_ops == prepared.costs.probe_ops
+        assert compute.prepare(argv + ["-p", "threads:=0"]).startswith("not prepared")  # the node would refuse it
+    finally:
+        compute._PREPARED.clear()
+    assert parse_prepare('[["--ros-args"]]') == [["--ros-args"]]
+    for bad in ("{", '{"a": 1}', "[[1]]"):
+        with pytest.raises(ValueError, match="prepare-compute"):
+            parse_prepare(bad)
+
+
+def test_a_compute_node_respawned_from_a_warm_interpreter_takes_the_model_and_costs_it_prepared(
+        tmp_path, router) -> None:
+    params = tmp_path / "p.yaml"
+    params.write_text("compute_0:\n  ros__parameters:\n    model: digits_cnn\n    input_height: 32\n"
+                      "    input_width: 32\n    input_channels: 1\n    emulated_slowdown: 2.0\n"
+                      "    profile_budget_s: 0.5\n")
+    argv = ("--ros-args", "-r", "__node:=compute_0", "--params-file", str(params))
+    order = Order("kaitian_ros.nodes.compute", argv, {"KAITIAN_RUNTIME": "embedded", "KAITIAN_ROUTER": router.endpoint})
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "kaitian_ros.warm_start", "--prepare-compute",
+                             json.dumps([list(argv)])], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = []
+    watchdog = threading.Timer(120.0, proc.kill)  # a line that never comes ends the reads below
+    watchdog.start()
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        for line in proc.stdout:  # the preparation is reported before the order is written
+            lines.append(line)
+            if "built, costs measured" in line:
+                break
+        proc.stdin.write(order.to_line())
+        proc.stdin.close()
+        for line in proc.stdout:
+            lines.append(line)
+            if "slowdown 2.0" in line:  # the node's start-up done
+                break
+    finally:
+        watchdog.cancel()
+        proc.kill()
+        proc.wait(timeout=30)
+    text = "".join(lines)
+    assert "costs measured by the warm interpreter before this respawn" in text, text
+    assert "(EMULATED)" in text
+
+
+def test_the_launchers_warm_interpreter_prepares_for_the_compute_nodes_it_may_become() -> None:
+    from kaitian_ros.launcher import Launcher
+    from kaitian_ros.scenario import load_scenario
+
+    launcher = Launcher(load_scenario("hetero_inference"), "tcp/127.0.0.1:1",
+                        node_prefix={"compute_2": ["ip", "netns", "exec", "x"]})
+    command = launcher._warm_command()
+    assert command[-2] == "--prepare-compute"
+    names = [next(a.split(":=")[1] for a in argv if a.startswith("__node:=")) for argv in json.loads(command[-1])]
+    assert names == ["compute_0", "compute_1"]  # a node under a command prefix always starts fresh
+    assert all(str(launcher.params_file) in argv for argv in json.loads(command[-1]))
+    off = Launcher(load_scenario("hetero_inference", ["respawn:=false"]), "tcp/127.0.0.1:1")
+    assert "--prepare-compute" not in off._warm_command()

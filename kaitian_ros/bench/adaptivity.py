@@ -138,7 +138,7 @@ class AdaptivityGraph:
             self.rt.create_subscription(ic.PLAN_TOPIC, "LoadAssignment", self.plans, QoS.LATCHED)
             self.rt.create_subscription(ic.ASSIGNMENT_TOPIC, "LoadAssignment", self.assignments, QoS.LATCHED)
             self.rt.create_subscription(ic.TELEMETRY_TOPIC, "NodeTelemetry", self.telemetry)
-            self.planner_state = ""  # the coordinator's `planner` on /diagnostics
+            self.coordinator_values: dict[str, str] = {}  # the coordinator's latest /diagnostics values
             self.rt.create_subscription(DIAGNOSTICS_TOPIC, "DiagnosticArray", self._on_diagnostics)
             self.camera = self.rt.create_publisher(CAMERA_TOPIC, "Image", QoS.BEST_EFFORT)
             self._spin = threading.Thread(target=self.rt.spin, daemon=True)
@@ -154,7 +154,12 @@ class AdaptivityGraph:
     def _on_diagnostics(self, array: Any) -> None:
         for status in array.status:
             if status.name.removeprefix("kaitian: ") == "coordinator":
-                self.planner_state = next((kv.value for kv in status.values if kv.key == "planner"), "")
+                self.coordinator_values = {kv.key: kv.value for kv in status.values}
+
+    @property
+    def planner_state(self) -> str:
+        """The coordinator's planner process: starting, ready or lost (its /diagnostics)."""
+        return self.coordinator_values.get("planner", "")
 
     # --- lifecycle -----------------------------------------------------------------------
     def pid(self, name: str) -> int:
@@ -482,6 +487,7 @@ def run_reference(timeline: Timeline, *, model: str, size: int, slowdowns: Seque
                           coordinator={"use_scheduler": False, "static_shares": [1.0] * len(slowdowns),
                                        "strategy": "stripes"})
     plans: dict[str, dict[str, float]] = {}
+    spreads: dict[str, float | None] = {}
     with AdaptivityGraph(cfg, echo=echo) as g:
         g.wait_ready(timeout_s=120.0)
         g.drive(timeline.warm, window=window, timeout_s=300.0)
@@ -507,7 +513,23 @@ def run_reference(timeline: Timeline, *, model: str, size: int, slowdowns: Seque
                 g.drive(per_plan, window=window, timeout_s=300.0)
                 got = [float(m.latency_ms) for _, m in g.fused.snapshot()[before:] if m.complete]
                 plans[phase][label] = round(statistics.median(got), 2) if got else math.inf
-    return {"best_ms": {p: min(v.values()) for p, v in plans.items()}, "plans": plans}
+            spreads[phase] = equal_plans_spread(plans[phase], names, speeds)
+    return {"best_ms": {p: min(v.values()) for p, v in plans.items()}, "plans": plans,
+            "equal_plans_spread": spreads}
+
+
+def equal_plans_spread(plans: Mapping[str, float], names: Sequence[str], speeds: Sequence[float]) -> float | None:
+    """The reference's own repeatability: slowest / fastest measured single-node plan among nodes
+    at the same emulated speed (the same plan on equal devices, measured one after the other).
+    A reconvergence tolerance below it is below what this machine can tell apart. None when no
+    two alive nodes run at the same speed."""
+    groups: dict[float, list[float]] = {}
+    for n, s in zip(names, speeds):
+        ms = plans.get(f"single {n}")
+        if math.isfinite(s) and ms is not None and math.isfinite(ms):
+            groups.setdefault(s, []).append(ms)
+    ratios = [max(v) / min(v) for v in groups.values() if len(v) >= 2 and min(v) > 0]
+    return round(max(ratios), 3) if ratios else None
 
 
 def phase_slices(run: PolicyRun) -> dict[str, list[float]]:
@@ -739,6 +761,8 @@ def main(argv: list[str]) -> int:
     t_all = time.monotonic()
     for k in range(rounds):
         order = policies[k % len(policies):] + policies[:k % len(policies)]  # drift hits all alike
+        # said before the round's first run: each run takes minutes, its line comes after it
+        print(f"  round {k + 1}/{rounds}: reference, then {', '.join(order)}", flush=True)
         t = time.monotonic()
         ref = run_reference(timeline, model=args.model, size=args.size, slowdowns=slowdowns,
                             dead_after_s=args.dead_after, window=args.window, per_plan=REFERENCE_ANSWERS,
@@ -746,7 +770,9 @@ def main(argv: list[str]) -> int:
         references.append(ref)
         print(f"  round {k + 1}/{rounds} reference (best fixed plan per phase): "
               + ", ".join(f"{p} {ms:.1f} ms" for p, ms in ref["best_ms"].items())
-              + f" ({time.monotonic() - t:.0f} s)", flush=True)
+              + f" ({time.monotonic() - t:.0f} s); the same plan on equal nodes, slowest / fastest: "
+              + ", ".join(f"{p} {x:.2f}" for p, x in ref["equal_plans_spread"].items() if x is not None),
+              flush=True)
         runs = []
         for policy in order:
             t = time.monotonic()

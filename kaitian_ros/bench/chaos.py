@@ -520,6 +520,14 @@ def _int(text: str) -> int:
         return 0
 
 
+def _float(text: str) -> float:
+    """A /diagnostics value as a float ("nan" is NaN; unreadable text is 0, not an effect)."""
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return 0.0
+
+
 def _hex(incarnation: int) -> str:
     return f"{int(incarnation):016x}"
 
@@ -1176,11 +1184,14 @@ def forgery_variants(g: ChaosGraph, kind: str) -> list[Variant]:
     def scheduler_value(key: str, value: str) -> Callable[[float], bool]:
         return lambda since: any(d.get(key) == value for d in g.diag_since("scheduler", since))
 
-    def samples_of(node: str | None) -> Callable[[float], bool | None]:
-        if node is None:  # every node has work: a sample of its own would hide the forged one
-            return lambda since: None
-        start = _int(g.diag("scheduler").get(f"{node}.samples", "0"))
-        return lambda since: any(_int(d.get(f"{node}.samples", "0")) > start for d in g.diag_since("scheduler", since))
+    def speed_not_finite(node: str) -> Callable[[float], bool]:
+        # what taking the sample does: the node's speed estimate becomes NaN. (A rising sample
+        # count of an idle node, the marker before, also rose when real work reached the node.)
+        def seen(since: float) -> bool:
+            return any(not math.isfinite(_float(d.get(f"{node}.speed_flops_per_ms", "0")))
+                       or any(k.startswith("share.") and not math.isfinite(_float(v)) for k, v in d.items())
+                       for d in g.diag_since("scheduler", since))
+        return seen
 
     ahead = int((time.time() + 1800) * 1e6)  # half an hour ahead: inside the one-hour clock skew allowed
     nxt = g.latest_request_id() + 1
@@ -1190,7 +1201,7 @@ def forgery_variants(g: ChaosGraph, kind: str) -> list[Variant]:
                 "every later assignment would take effect at an impossible request"),
         Variant("nan_compute_ms", f"NaN compute time for {idle or 'an idle node (none)'}", True, ic.TELEMETRY_TOPIC,
                 telemetry(idle or busy, nxt, compute_ms=math.nan), ("scheduler",), "implausible telemetry",
-                samples_of(idle), "the scheduler would estimate a speed from NaN"),
+                speed_not_finite(idle or busy), "the scheduler would estimate a speed from NaN"),
         Variant("request_id_ahead", "a request id half an hour ahead of the clock (plausible)", False,
                 ic.TELEMETRY_TOPIC, telemetry(busy, ahead), ("scheduler",), "",
                 scheduler_value("newest_request", str(ahead)),

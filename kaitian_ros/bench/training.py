@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from kaitian_ros.bench import BenchArgumentParser
+from kaitian_ros.progress import Progress
 
 DEFAULT_DIR = Path("bench/results")
 # digits upsampled to 16x16: 4x the compute per sample of the native 8x8 with the same
@@ -359,77 +360,85 @@ def run_bench(quick: bool, image_size: int | None = DEFAULT_IMAGE_SIZE) -> tuple
         solo_log.setdefault(slowdown, []).append(r["samples_per_s"])
         return r["samples_per_s"]
 
-    t0 = time.perf_counter()
-    r = _run(single, base)
-    r["seconds"], r["spec"] = time.perf_counter() - t0, single
-    runs[single.name] = r
-    solo_log.setdefault(1.0, []).append(r["samples_per_s"])
-    for spec in specs:
-        # solo rates of this run's device speeds, measured right before and right after it
-        # (the mean of both: the box's speed drifts by 10-30 % within minutes)
-        phases = spec.phases()
-        needed = sorted({x for ph in phases for x in ph})
-        solo_before = {s: measure_solo(s) for s in needed}
-        conc_before = {ph: _concurrent_solo(ph, base, solo_steps) for ph in phases}
+    # one step per run (between runs: no cost while one is measured), on stderr
+    progress = Progress("kaitian bench training runs (EMULATED speeds)", 1 + len(specs) + 1)
+    try:
         t0 = time.perf_counter()
-        r = _run(spec, base)
-        r["seconds"] = time.perf_counter() - t0
-        solo_after = {s: measure_solo(s) for s in needed}
-        conc_after = {ph: _concurrent_solo(ph, base, solo_steps) for ph in phases}
-        r["spec"], r["name"] = spec, spec.name
-        r["solo"] = {s: (solo_before[s] + solo_after[s]) / 2 for s in needed}
-        r["concurrent_solo"] = {ph: [(a + b) / 2 for a, b in zip(conc_before[ph], conc_after[ph])]
-                                for ph in phases}
-        r["ideal_samples"] = {"isolated_before_after": {str(s): [solo_before[s], solo_after[s]]
-                                                        for s in needed},
-                              "concurrent_before_after": {":".join(map(str, ph)): [conc_before[ph],
-                                                                                     conc_after[ph]]
-                                                          for ph in phases}}
-        runs[spec.name] = r
-    single_acc = runs[single.name]["final_accuracy"]
-    result: dict[str, Any] = {
-        "policies": {},
-        "single_device_accuracy": single_acc,
-        "emulated_speeds": True,
-        "setup": {"model": base.model, "dataset": base.dataset, "image_size": base.image_size,
-                  "global_batch": base.global_batch,
-                  "epochs": epochs, "optimizer": base.optimizer, "lr": base.lr,
-                  "standardize_inputs": base.standardize_inputs, "lr_schedule": base.lr_schedule,
-                  "warmup_steps": base.warmup_steps, "rebalance_every": base.rebalance_every,
-                  "share_model": base.share_model, "threads_per_rank": 1, "quick": quick,
-                  "cpus": os.cpu_count(),
-                  "solo_samples_per_s_median": {f"{1 / k:.2g}": statistics.median(v)
-                                                for k, v in sorted(solo_log.items())},
-                  "solo_samples_per_s_all": {f"{1 / k:.2g}": v
-                                             for k, v in sorted(solo_log.items())}},
-    }
-    for name, r in runs.items():
-        spec: RunSpec = r["spec"]
-        if spec.solo:
-            continue
-        isolated = _ideal(r["slowdown_per_step"], r["global_batches"],
-                          lambda sl, solo=r["solo"]: sum(solo[x] for x in sl))
-        ideal = _ideal(r["slowdown_per_step"], r["global_batches"],
-                       lambda sl, conc=r["concurrent_solo"]: sum(conc[sl]))
-        speeds = ":".join(f"{1 / s:.2g}" for s in spec.slowdowns)
-        result["policies"][name] = {
-            "samples_per_s": r["samples_per_s"], "ideal_samples_per_s": ideal,
-            "efficiency": r["samples_per_s"] / ideal if ideal else 0.0,
-            "ideal_isolated_samples_per_s": isolated,
-            "efficiency_vs_isolated": r["samples_per_s"] / isolated if isolated else 0.0,
-            "concurrent_solo_samples_per_s": {":".join(f"{1 / x:.2g}" for x in ph): v
-                                              for ph, v in r["concurrent_solo"].items()},
-            "comm_overhead_pct": r["comm_overhead_pct"], "final_accuracy": r["final_accuracy"],
-            "accuracy_minus_single_pp": 100 * (r["final_accuracy"] - single_acc),
-            "policy": spec.policy, "emulated_speeds": speeds,
-            "drift": (f"rank {spec.drift[0]} slows to speed {1 / spec.drift[2]:.2g} at step "
-                      f"{spec.drift[1]}" if spec.drift else None),
-            "final_shares": r["final_shares"], "steps": len(r["throughput"]),
-            "ideal_measurements": r["ideal_samples"],
-            "imbalance_pct": r["imbalance_pct"],
+        r = _run(single, base)
+        r["seconds"], r["spec"] = time.perf_counter() - t0, single
+        runs[single.name] = r
+        solo_log.setdefault(1.0, []).append(r["samples_per_s"])
+        progress.advance(f"{single.name}: {r['samples_per_s']:.0f} samples/s")
+        for spec in specs:
+            # solo rates of this run's device speeds, measured right before and right after it
+            # (the mean of both: the box's speed drifts by 10-30 % within minutes)
+            phases = spec.phases()
+            needed = sorted({x for ph in phases for x in ph})
+            solo_before = {s: measure_solo(s) for s in needed}
+            conc_before = {ph: _concurrent_solo(ph, base, solo_steps) for ph in phases}
+            t0 = time.perf_counter()
+            r = _run(spec, base)
+            r["seconds"] = time.perf_counter() - t0
+            solo_after = {s: measure_solo(s) for s in needed}
+            conc_after = {ph: _concurrent_solo(ph, base, solo_steps) for ph in phases}
+            r["spec"], r["name"] = spec, spec.name
+            r["solo"] = {s: (solo_before[s] + solo_after[s]) / 2 for s in needed}
+            r["concurrent_solo"] = {ph: [(a + b) / 2 for a, b in zip(conc_before[ph], conc_after[ph])]
+                                    for ph in phases}
+            r["ideal_samples"] = {"isolated_before_after": {str(s): [solo_before[s], solo_after[s]]
+                                                            for s in needed},
+                                  "concurrent_before_after": {":".join(map(str, ph)): [conc_before[ph],
+                                                                                         conc_after[ph]]
+                                                              for ph in phases}}
+            runs[spec.name] = r
+            progress.advance(f"{spec.name}: {r['samples_per_s']:.0f} samples/s, accuracy {r['final_accuracy']:.4f}")
+        single_acc = runs[single.name]["final_accuracy"]
+        result: dict[str, Any] = {
+            "policies": {},
+            "single_device_accuracy": single_acc,
+            "emulated_speeds": True,
+            "setup": {"model": base.model, "dataset": base.dataset, "image_size": base.image_size,
+                      "global_batch": base.global_batch,
+                      "epochs": epochs, "optimizer": base.optimizer, "lr": base.lr,
+                      "standardize_inputs": base.standardize_inputs, "lr_schedule": base.lr_schedule,
+                      "warmup_steps": base.warmup_steps, "rebalance_every": base.rebalance_every,
+                      "share_model": base.share_model, "threads_per_rank": 1, "quick": quick,
+                      "cpus": os.cpu_count(),
+                      "solo_samples_per_s_median": {f"{1 / k:.2g}": statistics.median(v)
+                                                    for k, v in sorted(solo_log.items())},
+                      "solo_samples_per_s_all": {f"{1 / k:.2g}": v
+                                                 for k, v in sorted(solo_log.items())}},
         }
-    result["accuracy_check"] = accuracy_check(base, runs, single_acc)
-    return result, runs
+        for name, r in runs.items():
+            spec: RunSpec = r["spec"]
+            if spec.solo:
+                continue
+            isolated = _ideal(r["slowdown_per_step"], r["global_batches"],
+                              lambda sl, solo=r["solo"]: sum(solo[x] for x in sl))
+            ideal = _ideal(r["slowdown_per_step"], r["global_batches"],
+                           lambda sl, conc=r["concurrent_solo"]: sum(conc[sl]))
+            speeds = ":".join(f"{1 / s:.2g}" for s in spec.slowdowns)
+            result["policies"][name] = {
+                "samples_per_s": r["samples_per_s"], "ideal_samples_per_s": ideal,
+                "efficiency": r["samples_per_s"] / ideal if ideal else 0.0,
+                "ideal_isolated_samples_per_s": isolated,
+                "efficiency_vs_isolated": r["samples_per_s"] / isolated if isolated else 0.0,
+                "concurrent_solo_samples_per_s": {":".join(f"{1 / x:.2g}" for x in ph): v
+                                                  for ph, v in r["concurrent_solo"].items()},
+                "comm_overhead_pct": r["comm_overhead_pct"], "final_accuracy": r["final_accuracy"],
+                "accuracy_minus_single_pp": 100 * (r["final_accuracy"] - single_acc),
+                "policy": spec.policy, "emulated_speeds": speeds,
+                "drift": (f"rank {spec.drift[0]} slows to speed {1 / spec.drift[2]:.2g} at step "
+                          f"{spec.drift[1]}" if spec.drift else None),
+                "final_shares": r["final_shares"], "steps": len(r["throughput"]),
+                "ideal_measurements": r["ideal_samples"],
+                "imbalance_pct": r["imbalance_pct"],
+            }
+        result["accuracy_check"] = accuracy_check(base, runs, single_acc)
+        progress.advance("accuracy check (single-process replays) done")
+        return result, runs
+    finally:
+        progress.close()
 
 
 def _table(result: dict) -> str:

@@ -471,6 +471,24 @@ def store_reachable(env: DistEnv, timeout_s: float) -> bool:
             time.sleep(0.2)
 
 
+class _EpochProgress:
+    """``kaitian train``'s progress: one step per epoch, with the accuracy and shares so far."""
+
+    def __init__(self, cfg: Any) -> None:
+        from kaitian_ros.progress import Progress
+
+        self.progress = Progress("kaitian train epochs", cfg.epochs)
+        self.emulated = " EMULATED" if any(s != 1.0 for s in cfg.emulated_slowdown) else ""
+
+    def epoch_done(self, e: Any) -> None:
+        accuracy = "" if e.test_accuracy is None else f"test acc {e.test_accuracy:.4f}, "
+        self.progress.update(e.epoch + 1, f"{accuracy}{e.samples_per_s:.0f} samples/s{self.emulated}, "
+                                          f"shares {'/'.join(f'{x:.2f}' for x in e.shares)}")
+
+    def close(self) -> None:
+        self.progress.close()
+
+
 def _run_one_rank(cfg: Any) -> int:
     """Run as one rank from the torchrun environment; errors as one stderr line."""
     from kaitian_ros.comm.trainer import RankTrainer
@@ -486,8 +504,14 @@ def _run_one_rank(cfg: Any) -> int:
         return 1
     try:
         hb = init_distributed(env, timeout_s=cfg.timeout_s)
-        trainer = RankTrainer(cfg, local_rank=env.local_rank)
-        res = trainer.run()
+        # rank 0 tells the epochs (stderr: --json's result stays alone on stdout)
+        progress = _EpochProgress(cfg) if env.rank == 0 else None
+        trainer = RankTrainer(cfg, local_rank=env.local_rank, on_epoch=progress.epoch_done if progress else None)
+        try:
+            res = trainer.run()
+        finally:
+            if progress is not None:
+                progress.close()
         dist.barrier()
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else ""

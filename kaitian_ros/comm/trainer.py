@@ -203,6 +203,17 @@ class TrainingStep:
 
 
 @dataclass(frozen=True)
+class EpochDone:
+    """One finished epoch, as a rank saw it (what progress reports show)."""
+
+    epoch: int                    # 0-based
+    epochs: int                   # of the whole run
+    test_accuracy: float | None   # None where the epoch was not evaluated
+    samples_per_s: float          # global samples per second of training so far
+    shares: tuple[float, ...]     # every rank's share of the global batch now
+
+
+@dataclass(frozen=True)
 class TrainingResult:
     rank: int
     world_size: int
@@ -436,7 +447,8 @@ class RankTrainer:
     def __init__(self, config: TrainingConfig, *, rank: int | None = None,
                  world_size: int | None = None, local_rank: int | None = None,
                  on_step: Callable[[TrainingStep], None] | None = None,
-                 data: DataSplit | None = None) -> None:
+                 data: DataSplit | None = None,
+                 on_epoch: Callable[[EpochDone], None] | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised (use comm.launch)")
         self.config = config
@@ -445,6 +457,7 @@ class RankTrainer:
         self.device_label = config.device_for(self.rank, local_rank)
         self.device, self.group_label = parse_device(self.device_label)
         self.on_step = on_step
+        self.on_epoch = on_epoch
         self._data = data
         self._slowdown = config.slowdown_for(self.rank)
         self._lock = threading.Lock()
@@ -668,9 +681,14 @@ class RankTrainer:
                     self.on_step(rec)
             if stop:
                 break
-            if cfg.evaluate_every_epoch or epoch == cfg.epochs - 1:
+            evaluated = cfg.evaluate_every_epoch or epoch == cfg.epochs - 1
+            if evaluated:
                 accs.append(evaluate(model, data.test, self.device))
             self._save(model, opt, sampler, epoch, accs)
+            if self.on_epoch is not None:
+                self.on_epoch(EpochDone(epoch=epoch, epochs=cfg.epochs, test_accuracy=accs[-1] if evaluated else None,
+                                        samples_per_s=samples / train_s if train_s > 0 else 0.0,
+                                        shares=tuple(sampler.shares)))
         acc = evaluate(model, data.test, self.device)
         self._save_weights(model)
         return TrainingResult(

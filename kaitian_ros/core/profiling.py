@@ -35,6 +35,12 @@ class MeasuredCosts:
     probe_base_ms: float  # their measured time (slowdown included) at start-up
     elapsed_s: float
 
+    def scaled(self, factor: float) -> MeasuredCosts:
+        """These costs on a device `factor` times slower (every time here is linear in the
+        emulated slowdown: `measure_profile` at slowdown s equals this at 1.0, scaled by s)."""
+        return MeasuredCosts(tuple(c.scaled(factor) for c in self.op_costs), self.trunk_ms * factor,
+                             self.run_ms * factor, self.probe_ops, self.probe_base_ms * factor, self.elapsed_s)
+
 
 def _sync(graph: ModelGraph) -> None:
     if graph.device.type == "cuda":

@@ -100,7 +100,9 @@ class ComputeNode:
         sys.setswitchinterval(0.0005)
         self.device = ic.check_device(self.params["device"])
         self.spec = ic.ModelSpec.from_params(self.params)
-        self.graph = ic.build_graph(self.spec, self.params["device"])
+        # a node respawned from a warm interpreter finds its model built and its costs measured
+        self.prepared = _PREPARED.pop(PreparedKey.of(self.params), None)
+        self.graph = self.prepared.graph if self.prepared else ic.build_graph(self.spec, self.params["device"])
         self._trunk_flops = self.graph.trunk_flops()
         self.busy_clock = ic.busy_clock(self.device)
         self.plans: collections.OrderedDict[int, Plan] = collections.OrderedDict()
@@ -149,10 +151,14 @@ class ComputeNode:
     # --- costs --------------------------------------------------------------------------
     def _measure_costs(self) -> None:
         slowdown = self.params["emulated_slowdown"]
-        # device time (on a CPU this thread's CPU time: nodes start together and share cores);
-        # live runs, in wall time, then scale it to what a request really waits for
-        self.measured, self.probe_inputs = profiling.measure_profile(
-            self.graph, self.busy_clock, slowdown=slowdown, budget_s=self.params["profile_budget_s"])
+        if self.prepared is not None:
+            self.measured = self.prepared.costs.scaled(slowdown)
+            self.probe_inputs = self.prepared.probe_inputs
+        else:
+            # device time (on a CPU this thread's CPU time: nodes start together and share cores);
+            # live runs, in wall time, then scale it to what a request really waits for
+            self.measured, self.probe_inputs = profiling.measure_profile(
+                self.graph, self.busy_clock, slowdown=slowdown, budget_s=self.params["profile_budget_s"])
         # a request that computed less than a tenth of the trunk: its fixed costs dominate
         self.refiner = CostRefiner(self.measured.op_costs, self.measured.run_ms,
                                    min_feed_ms=0.1 * self.measured.trunk_ms)
@@ -163,7 +169,8 @@ class ComputeNode:
         self.published_at = 0.0
         self._feed_predicted = 0.0  # start-up cost of the runs of the feed in progress
         self.last_run_s = 0.0
-        self.rt.logger.info(f"costs measured in {self.measured.elapsed_s:.1f} s: trunk "
+        where = " by the warm interpreter before this respawn" if self.prepared is not None else ""
+        self.rt.logger.info(f"costs measured{where} in {self.measured.elapsed_s:.1f} s: trunk "
                             f"{self.measured.trunk_ms:.1f} ms" + (" (EMULATED)" if self.emulated else ""))
 
     def _profile(self) -> DeviceProfile:
@@ -478,6 +485,61 @@ def _sleep_until(deadline: float) -> None:
     left = deadline - time.perf_counter()
     if left > 0:
         time.sleep(left)
+
+
+@dataclass(frozen=True)
+class PreparedKey:
+    """What a compute node's model and start-up costs depend on (not its name, speed or links:
+    costs are measured at slowdown 1 and scaled)."""
+
+    spec: ic.ModelSpec
+    device: str
+    threads: int
+    profile_budget_s: float
+
+    @staticmethod
+    def of(params: dict[str, Any]) -> PreparedKey:
+        return PreparedKey(ic.ModelSpec.from_params(params), params["device"], params["threads"],
+                           params["profile_budget_s"])
+
+
+@dataclass(frozen=True)
+class Prepared:
+    graph: Any  # core.graph.ModelGraph
+    costs: profiling.MeasuredCosts  # at slowdown 1
+    probe_inputs: list
+
+
+_PREPARED: dict[PreparedKey, Prepared] = {}  # this process's, by `prepare`; a node takes its own
+
+
+def prepare(argv: list[str]) -> str:
+    """In a warm interpreter, before it is told which node to become: build the model and
+    measure the start-up costs a compute node started with `argv` would (the same parameter
+    resolution, at slowdown 1), so a compute node respawned here starts in a fraction of a
+    second instead of ~2 s. Returns what was done, for the interpreter's log; a parameter a node
+    would refuse prepares nothing (the node then refuses it itself)."""
+    from kaitian_ros.runtime.api import coerce_parameter
+    from kaitian_ros.runtime.node_args import parse_node_args
+
+    args = parse_node_args(argv, "compute")
+    params = {}
+    for d in PARAMETERS:
+        value = args.parameters.get(d.name, d.default)
+        if d.check(value):
+            return f"not prepared: {d.check(value)}"
+        params[d.name] = coerce_parameter(d.type, value)
+    key = PreparedKey.of(params)
+    if key in _PREPARED:
+        return f"{key.spec.name} on {key.device}: already prepared"
+    device = ic.check_device(key.device)
+    torch.set_num_threads(key.threads)
+    graph = ic.build_graph(key.spec, key.device)
+    costs, inputs = profiling.measure_profile(graph, ic.busy_clock(device), slowdown=1.0,
+                                              budget_s=key.profile_budget_s)
+    _PREPARED[key] = Prepared(graph, costs, inputs)
+    memory.trim_heap()  # the measurement's activations are freed: give their pages back while it waits
+    return f"{key.spec.name} {key.spec.input_shape} on {key.device}: built, costs measured ({costs.trunk_ms:.1f} ms)"
 
 
 def main(argv: list[str] | None = None) -> int:

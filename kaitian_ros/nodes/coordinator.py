@@ -130,6 +130,7 @@ class Coordinator:
         self.planner_lost = False
         self._replan_again: tuple[str, int] | None = None
         self.last_replan = 0.0
+        self.last_material: tuple | None = None  # inputs of the last planning round submitted
         self.requests: dict[int, Request] = {}
         self.waiting: Any = None  # newest image waiting for an in-flight slot
         # a restarted coordinator is a new authority: compute nodes reset their plan bookkeeping
@@ -333,9 +334,11 @@ class Coordinator:
         publish it as a new version if it differs from the newest one."""
         request = self._plan_request(reason, effective, force)
         if request is not None:
+            self.last_material = request.material()
             self._apply_plan(request, *plan_round(self.graph, request))
 
-    def _replan_soon(self, reason: str, effective: int = 0, proposal: bool = False, quick: bool = False) -> None:
+    def _replan_soon(self, reason: str, effective: int = 0, proposal: bool = False, quick: bool = False,
+                     periodic: bool = False) -> None:
         """Re-predict with new measurements in the planner process (a full search takes up to a
         few hundred ms for a deep model over three nodes: the executor goes on serving frames);
         `_check` applies the result. Switches only for a predicted gain of `min_plan_gain`.
@@ -346,7 +349,10 @@ class Coordinator:
 
         `quick`: a node of the running plan changed speed - first a round over single-node
         plans only (a few ms instead of a full search's 100-350 ms, while every request runs
-        at the changed speed), then the full search."""
+        at the changed speed), then the full search.
+
+        `periodic`: nothing happened but time passed - skipped when every input of the round
+        is where it was at the last round (`PlanRequest.material`): the same choice again."""
         self.last_replan = time.monotonic()
         if not proposal and self._shares_for(tuple(n for n in self.nodes if n in self.alive))[1] != "adaptive":
             return
@@ -356,6 +362,11 @@ class Coordinator:
         request = self._plan_request(reason, effective, False)
         if request is None:
             return
+        material = request.material()
+        if periodic and material == self.last_material:
+            self.counts["plan_rounds_skipped"] += 1
+            return
+        self.last_material = material
         if self.planner.is_ready():
             if quick and request.strategy == "auto":
                 request = dataclasses.replace(request, quick=True)
@@ -661,7 +672,7 @@ class Coordinator:
         if dead:
             self._drop(dead, f"silent > {self.params['dead_after_s']} s")
         elif self.alive and time.monotonic() - self.last_replan >= self.params["replan_period_s"]:
-            self._replan_soon("periodic re-prediction")
+            self._replan_soon("periodic re-prediction", periodic=True)
         self._collect_plan()
         now = time.time()
         for req in [r for r in self.requests.values() if now - r.dispatched_s > self.params["request_timeout_s"]]:

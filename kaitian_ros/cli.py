@@ -93,7 +93,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
         if args.listen is not None:
             # every process of this launcher (nodes, its own sessions) listens there: the other
             # host's peers connect to it directly
-            os.environ["KAITIAN_LISTEN"] = zs.peer_listen_endpoint(args.listen)
+            listen = zs.peer_listen_endpoint(args.listen)
+            if zs.split_endpoint(listen)[2] != "0":
+                raise ValueError(f"--listen {args.listen}: give an address, or an endpoint with port 0 - every "
+                                 f"process of the launch (nodes, the launcher's own sessions) listens on a port "
+                                 f"of its own")
+            os.environ["KAITIAN_LISTEN"] = listen
     except ValueError as exc:
         raise CliError(f"kaitian launch: {exc}") from None
     problem = preflight(scenario)
@@ -406,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="join the graph whose router runs on another host (e.g. tcp/192.168.1.10:7447) "
                         "instead of hosting one here (--router)")
     p.add_argument("--listen", metavar="ADDRESS",
-                   help="this host's address (or a zenoh endpoint) the nodes listen on, reachable from the "
+                   help="this host's address the nodes listen on (a port per process), reachable from the "
                         "graph's other hosts (default: 127.0.0.1, this host only)")
     p.add_argument("--only", action="append", metavar="NODE[,NODE]",
                    help="run only these nodes of the scenario here (the others run on another host)")

@@ -247,7 +247,8 @@ def test_host_split_options_say_what_is_wrong() -> None:
                        (["--exclude", "image_source,coordinator,scheduler,compute_0,compute_1"], "no node"),
                        (["--router", "tcp/127.0.0.1:7447", "--connect", "tcp/127.0.0.1:7447"], "exclude each other"),
                        (["--connect", "192.168.1.10"], "not a zenoh endpoint"),
-                       (["--listen", "a b"], "not an address")):
+                       (["--listen", "a b"], "not an address"),
+                       (["--listen", "tcp/127.0.0.1:7450"], "port of its own")):
         proc = run(*args)
         assert proc.returncode == 2 and says in proc.stderr, (args, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr

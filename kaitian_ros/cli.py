@@ -67,15 +67,40 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from kaitian_ros.launcher import launch, preflight
     from kaitian_ros.runtime import security
     from kaitian_ros.runtime import zenoh_session as zs
-    from kaitian_ros.scenario import SECURITY_KEY, ScenarioError, load_scenario, parse_overrides
+    from kaitian_ros.scenario import (
+        SECURITY_KEY,
+        ScenarioError,
+        load_scenario,
+        parse_overrides,
+        select_nodes,
+    )
 
     try:
         overrides = parse_overrides(args.overrides)
         if args.secure is not None:  # --secure DIR: security:=DIR, given last so that it wins
             overrides.append((SECURITY_KEY, args.secure))
-        scenario = load_scenario(args.scenario, overrides)
+        scenario = select_nodes(load_scenario(args.scenario, overrides), _names(args.only), _names(args.exclude))
     except ScenarioError as exc:
         raise CliError(str(exc)) from None
+    if args.connect and args.router:
+        raise CliError("kaitian launch: --router (host the graph's router here) and --connect (join the router "
+                       "on another host) exclude each other")
+    host_router = not args.connect
+    router = args.connect or args.router or zs.router_endpoint()
+    try:
+        if args.connect:
+            zs.split_endpoint(args.connect)
+        if args.listen is not None:
+            # every process of this launcher (nodes, its own sessions) listens there: the other
+            # host's peers connect to it directly
+            listen = zs.peer_listen_endpoint(args.listen)
+            if zs.split_endpoint(listen)[2] != "0":
+                raise ValueError(f"--listen {args.listen}: give an address, or an endpoint with port 0 - every "
+                                 f"process of the launch (nodes, the launcher's own sessions) listens on a port "
+                                 f"of its own")
+            os.environ["KAITIAN_LISTEN"] = listen
+    except ValueError as exc:
+        raise CliError(f"kaitian launch: {exc}") from None
     problem = preflight(scenario)
     if problem:
         raise CliError(f"kaitian launch {scenario.name}: {problem}")
@@ -86,16 +111,23 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if secure is not None:
         # this process's own sessions (live view, router, /launch) join as role node
         os.environ.update({security.ENV_DIR: str(secure.cert_dir), security.ENV_ROLE: security.NODE})
-    router = args.router or zs.router_endpoint()
+    if not host_router:
+        problem = zs.router_problem(router)
+        if problem:
+            raise CliError(f"kaitian launch {scenario.name}: {problem}", 1)
+    if _spans_hosts(router, host_router) and not os.environ.get("KAITIAN_LISTEN"):
+        print("[launch] note: nodes listen on 127.0.0.1 only, so nodes on other hosts cannot reach them; "
+              "give --listen <this host's address>", flush=True)
     view = None
     if any(n.executable == "coordinator" for n in scenario.nodes):
         from kaitian_ros.live_view import LiveView
 
         # with --no-view it still listens: the summary at exit is told either way
-        view = LiveView(router, scenario, show=not args.no_view)
+        view = LiveView(zs.local_endpoint(router) if host_router else router, scenario, show=not args.no_view)
     try:
         code = launch(scenario, router, duration_s=args.duration, on_tick=view.tick if view else None,
-                      out=view.output if view else sys.stdout, warm_start=not args.no_warm_start)
+                      out=view.output if view else sys.stdout, warm_start=not args.no_warm_start,
+                      host_router=host_router)
     except RuntimeError as exc:
         raise CliError(str(exc), 1) from None
     finally:
@@ -104,6 +136,25 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if view is not None:
         print(view.summary_text(), flush=True)
     return code
+
+
+def _names(values: Sequence[str] | None) -> tuple[str, ...]:
+    """Node names of repeatable, comma-separated --only/--exclude options."""
+    return tuple(name.strip() for value in values or () for name in value.split(",") if name.strip())
+
+
+def _spans_hosts(router: str, host_router: bool) -> bool:
+    """Whether the graph reaches beyond this host: it joins a router elsewhere, or hosts one
+    on an address other hosts can reach."""
+    from kaitian_ros.runtime import zenoh_session as zs
+
+    if not host_router:
+        return True
+    try:
+        address = zs.split_endpoint(router)[1]
+    except ValueError:  # not an IP endpoint (a unix socket, ...): this host only
+        return False
+    return not (address.startswith("127.") or address in ("localhost", "[::1]"))
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -356,6 +407,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "middleware imported, about 230 MB, to respawn the next node from)")
     p.add_argument("--secure", metavar="DIR", help="TLS + access control with the certificates in DIR "
                                                    "(made by `kaitian certs create DIR`; same as security:=DIR)")
+    p.add_argument("--connect", metavar="ENDPOINT",
+                   help="join the graph whose router runs on another host (e.g. tcp/192.168.1.10:7447) "
+                        "instead of hosting one here (--router)")
+    p.add_argument("--listen", metavar="ADDRESS",
+                   help="this host's address the nodes listen on (a port per process), reachable from the "
+                        "graph's other hosts (default: 127.0.0.1, this host only)")
+    p.add_argument("--only", action="append", metavar="NODE[,NODE]",
+                   help="run only these nodes of the scenario here (the others run on another host)")
+    p.add_argument("--exclude", action="append", metavar="NODE[,NODE]",
+                   help="run every node of the scenario here but these (they run on another host)")
 
     p = sub.add_parser("certs", help="make a graph's TLS certificates (CA + coordinator/scheduler/compute/node)")
     csub = p.add_subparsers(dest="certs_cmd", required=True, parser_class=_Parser)

@@ -16,6 +16,10 @@ interpreter that already imported torch and the middleware at a low CPU priority
 for the node to become), which skips the 1.5-3 s of imports of a fresh process; the launcher
 keeps one ready from ``WARM_START_AFTER_S`` after the graph started (``warm_start=False``: never).
 Nodes started under a command prefix (a network namespace in the benchmarks) always start fresh.
+
+A graph may span hosts (docs/deployment.md): one launcher hosts the router, on an address the
+other hosts reach, and the others join it (``host_router=False``), each starting its share of
+the scenario's nodes.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import yaml
 
 from kaitian_ros import warm_start
 from kaitian_ros.runtime import security
+from kaitian_ros.runtime import zenoh_session as zs
 from kaitian_ros.scenario import NodeSpec, Respawn, Scenario
 
 STOP_GRACE_S = 5.0
@@ -218,7 +223,12 @@ class Launcher:
         self.node_env = {name: dict(env) for name, env in (node_env or {}).items()}
         self.router_endpoint = router_endpoint
         self.out = out
+        # host_router=False: the graph's router runs elsewhere (another launcher, maybe on
+        # another host) and this launcher's nodes join it there
         self.host_router = host_router
+        # where this host's processes connect: a router hosted on an any-address
+        # (tcp/0.0.0.0:7447, reachable from other hosts) is reached at loopback here
+        self.connect_endpoint = zs.local_endpoint(router_endpoint) if host_router else router_endpoint
         self.children: list[Child] = []
         self._stopping = threading.Event()
         self._print_lock = threading.Lock()
@@ -268,7 +278,7 @@ class Launcher:
         return Child(spec, process, reader)
 
     def _base_env(self) -> dict[str, str]:
-        return dict(os.environ, KAITIAN_ROUTER=self.router_endpoint, KAITIAN_RUNTIME="embedded",
+        return dict(os.environ, KAITIAN_ROUTER=self.connect_endpoint, KAITIAN_RUNTIME="embedded",
                     PYTHONUNBUFFERED="1")
 
     def _node_env(self, spec: NodeSpec) -> dict[str, str]:
@@ -443,7 +453,7 @@ class Supervision:
             from kaitian_ros.runtime.node_args import NodeArgs
 
             self.level = Level
-            self.rt = EmbeddedRuntime(NodeArgs("launch"), router=launcher.router_endpoint,
+            self.rt = EmbeddedRuntime(NodeArgs("launch"), router=launcher.connect_endpoint,
                                       security=launcher.security)
             self.diagnostics = DiagnosticsPublisher(self.rt, hardware_id="launcher")
             self.thread = threading.Thread(target=self.rt.spin, daemon=True)  # answers graph queries
@@ -545,9 +555,11 @@ def start_on_free_port(scenario: Scenario, *, out: TextIO = sys.stdout, attempts
 
 
 def launch(scenario: Scenario, router_endpoint: str, *, duration_s: float | None = None,
-           on_tick: Callable[[], None] | None = None, out: TextIO = sys.stdout, warm_start: bool = True) -> int:
-    """Run a scenario until Ctrl-C/SIGTERM (or ``duration_s``); the exit code for the CLI."""
-    launcher = Launcher(scenario, router_endpoint, out=out, warm_start=warm_start)
+           on_tick: Callable[[], None] | None = None, out: TextIO = sys.stdout, warm_start: bool = True,
+           host_router: bool = True) -> int:
+    """Run a scenario until Ctrl-C/SIGTERM (or ``duration_s``); the exit code for the CLI.
+    ``host_router``: host the graph's router on ``router_endpoint`` (else join the one there)."""
+    launcher = Launcher(scenario, router_endpoint, out=out, warm_start=warm_start, host_router=host_router)
 
     def forward(signum: int, frame: Any) -> None:
         launcher.say(f"[launch] {signal.Signals(signum).name} received, stopping nodes")

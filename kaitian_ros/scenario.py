@@ -191,6 +191,22 @@ def load_scenario(name_or_path: str, overrides: Sequence[tuple[str, Any]] | Sequ
     return Scenario(path.stem, path, tuple(nodes), tuple(pairs), security)
 
 
+def select_nodes(scenario: Scenario, only: Sequence[str] = (), exclude: Sequence[str] = ()) -> Scenario:
+    """The part of ``scenario`` that runs on this host: the ``only`` nodes (all when empty)
+    minus the ``exclude`` ones. Parameters stay those of the whole graph (the coordinator
+    still lists every compute node, wherever it runs). ScenarioError for an unknown name or
+    an empty selection."""
+    names = [n.name for n in scenario.nodes]
+    unknown = [name for name in (*only, *exclude) if name not in names]
+    if unknown:
+        raise ScenarioError(f"{scenario.name} has no node {', '.join(repr(u) for u in unknown)} "
+                            f"(its nodes: {', '.join(names)})")
+    kept = tuple(n for n in scenario.nodes if (not only or n.name in only) and n.name not in exclude)
+    if not kept:
+        raise ScenarioError(f"no node of {scenario.name} left to run here (--only/--exclude select none)")
+    return dataclasses.replace(scenario, nodes=kept)
+
+
 def _security_dir(value: Any, base: Path, where: str) -> str:
     """The absolute certificate directory a ``security`` setting names ('' = off). Whether it
     holds usable certificates is checked by the launcher, before it starts anything."""

@@ -5,6 +5,12 @@ environment it spawns one child per configured device with a torchrun-compatible
 environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and monitors them;
 with those variables set (torchrun, several hosts) it runs as that single rank.
 
+Several hosts without torchrun: the same command on every host with torchrun's options
+``--nnodes N --node-rank K --master-addr ADDR --master-port PORT``; host K spawns global ranks
+``K * ranks .. K * ranks + ranks - 1`` and all rendezvous in the TCPStore that rank 0 hosts at
+ADDR:PORT (env://). ``--devices``/``--slowdowns`` list the whole world's ranks in rank order
+(or one for all), so the command is the same everywhere but for ``--node-rank``.
+
 Failure handling, two layers:
 
 * every rank heartbeats into the rendezvous TCPStore; when a collective fails or times
@@ -37,6 +43,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from kaitian_ros.comm import netif
 
 HEARTBEAT_S = 0.5
 STALE_S = 2.5  # a heartbeat older than this means the rank is gone
@@ -302,7 +310,15 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kaitian train", description="collaborative heterogeneous training")
     p.add_argument("--config", help="YAML file with TrainingConfig keys (ranks: N allowed)")
-    p.add_argument("--ranks", type=int, help="number of ranks to spawn on this host")
+    p.add_argument("--ranks", "--nproc-per-node", dest="ranks", type=int,
+                   help="number of ranks to spawn on this host")
+    p.add_argument("--nnodes", type=int, default=1, help="hosts taking part, each running this command "
+                                                         "with its own --node-rank (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this host's index in [0, nnodes)")
+    p.add_argument("--master-addr", help="address of node 0, where rank 0 hosts the rendezvous store "
+                                         "(needed with --nnodes > 1)")
+    p.add_argument("--master-port", type=int, help=f"its port (default: a free one on one host, "
+                                                   f"{DEFAULT_MASTER_PORT} across hosts)")
     p.add_argument("--devices", help="comma list, one per rank (or one for all): cpu,cpu:b,cuda:0")
     p.add_argument("--slowdowns", help="comma list of emulated slowdown factors (>= 1) per rank")
     p.add_argument("--policy", choices=("adaptive", "equal", "profile_once"))
@@ -331,6 +347,57 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this host's ranks sit in the world: node ``node_rank`` of ``nnodes``, each host
+    running ``ranks`` of them, all meeting at rank 0's store ``master_addr:master_port``."""
+
+    nnodes: int
+    node_rank: int
+    ranks: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.ranks
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.node_rank * self.ranks + local_rank
+
+    def child_env(self, local_rank: int) -> dict[str, str]:
+        """torchrun's environment for one of this host's ranks."""
+        env = {"RANK": str(self.global_rank(local_rank)), "WORLD_SIZE": str(self.world_size),
+               "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(self.ranks),
+               "GROUP_RANK": str(self.node_rank), "MASTER_ADDR": self.master_addr,
+               "MASTER_PORT": str(self.master_port)}
+        if self.nnodes > 1 and not os.environ.get("GLOO_SOCKET_IFNAME"):
+            # gloo otherwise binds to what the host name resolves to, often loopback
+            iface = netif.interface_toward(self.master_addr)
+            if iface is not None:
+                env["GLOO_SOCKET_IFNAME"] = iface
+        return env
+
+
+DEFAULT_MASTER_PORT = 29500  # torchrun's
+
+
+def _placement(a: argparse.Namespace, ranks: int) -> Placement:
+    """The hosts' layout from --nnodes/--node-rank/--master-*; ValueError for a bad one."""
+    if a.nnodes < 1:
+        raise ValueError(f"--nnodes must be >= 1, got {a.nnodes}")
+    if not 0 <= a.node_rank < a.nnodes:
+        raise ValueError(f"--node-rank must be in [0, {a.nnodes}), got {a.node_rank}")
+    if a.master_port is not None and not 0 < a.master_port < 65536:
+        raise ValueError(f"--master-port must be a TCP port, got {a.master_port}")
+    if a.nnodes == 1:
+        return Placement(1, 0, ranks, a.master_addr or "127.0.0.1", a.master_port or free_port())
+    if not a.master_addr:
+        raise ValueError(f"--nnodes {a.nnodes} needs --master-addr: the address of node 0, where rank 0 "
+                         "hosts the rendezvous store")
+    return Placement(a.nnodes, a.node_rank, ranks, a.master_addr, a.master_port or DEFAULT_MASTER_PORT)
 
 
 def _config_from_args(a: argparse.Namespace) -> tuple[Any, int | None]:
@@ -381,10 +448,27 @@ def _config_from_args(a: argparse.Namespace) -> tuple[Any, int | None]:
         ranks = max(len(cfg.devices), len(cfg.emulated_slowdown))
     if ranks <= 0:
         raise ValueError("--ranks must be positive")
+    world = ranks * max(a.nnodes, 1)  # the lists name every rank of the world, in rank order
     for name, lst in (("devices", cfg.devices), ("slowdowns", cfg.emulated_slowdown)):
-        if len(lst) not in (1, ranks):
-            raise ValueError(f"{len(lst)} {name} given for {ranks} ranks")
+        if len(lst) not in (1, world):
+            raise ValueError(f"{len(lst)} {name} given for {world} ranks"
+                             + (f" ({a.nnodes} hosts x {ranks}: list every rank of the world)"
+                                if a.nnodes > 1 else ""))
     return cfg, ranks
+
+
+def store_reachable(env: DistEnv, timeout_s: float) -> bool:
+    """Whether rank 0's rendezvous store accepts a connection within ``timeout_s``: checked
+    before joining it, since torch's own timeout there prints a C++ stack per attempt."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((env.master_addr, env.master_port), timeout=1.0):
+                return True
+        except OSError:  # refused (rank 0 not up yet), unreachable, no route: try again until due
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
 
 
 class _EpochProgress:
@@ -413,6 +497,11 @@ def _run_one_rank(cfg: Any) -> int:
     env = DistEnv.from_environ()
     hb = None
     trainer = None
+    if env.rank != 0 and not store_reachable(env, cfg.timeout_s):
+        print(f"kaitian train: rank {env.rank}: no rendezvous store at {env.master_addr}:{env.master_port} "
+              f"within {cfg.timeout_s:g} s (is rank 0 running there, e.g. `kaitian train --node-rank 0 ...` "
+              f"on that host, and is port {env.master_port}/tcp open?)", file=sys.stderr, flush=True)
+        return 1
     try:
         hb = init_distributed(env, timeout_s=cfg.timeout_s)
         # rank 0 tells the epochs (stderr: --json's result stays alone on stdout)
@@ -445,8 +534,9 @@ def _run_one_rank(cfg: Any) -> int:
     return 0
 
 
-def _spawn_local(argv: list[str], cfg: Any, ranks: int, as_json: bool) -> int:
-    """Spawn ``ranks`` children with torchrun env; watch them; aggregate their results."""
+def _spawn_local(argv: list[str], cfg: Any, placement: Placement, as_json: bool) -> int:
+    """Spawn this host's ranks with torchrun env; watch them; aggregate their results."""
+    ranks = placement.ranks
     if cfg.save_weights:
         try:  # before minutes of training, not after
             Path(cfg.save_weights).resolve().parent.mkdir(parents=True, exist_ok=True)
@@ -454,12 +544,10 @@ def _spawn_local(argv: list[str], cfg: Any, ranks: int, as_json: bool) -> int:
             print(f"kaitian train: error: cannot write --save-weights {cfg.save_weights}: "
                   f"{e.strerror}", file=sys.stderr)
             return 2
-    port = free_port()
     tmp = Path(tempfile.mkdtemp(prefix="kaitian-train-"))
     procs: list[subprocess.Popen] = []
     for r in range(ranks):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r),
-                   LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env = dict(os.environ, **placement.child_env(r))
         env[_CHILD_RESULT_ENV] = str(tmp / f"rank{r}.json")
         procs.append(subprocess.Popen([sys.executable, "-m", "kaitian_ros.comm.launch", *argv],
                                       env=env))
@@ -500,7 +588,8 @@ def _spawn_local(argv: list[str], cfg: Any, ranks: int, as_json: bool) -> int:
         print("kaitian train: interrupted", file=sys.stderr)
         return 130
     if first_dead is not None:
-        r, c = first_dead
+        local, c = first_dead
+        r = placement.global_rank(local)
         how = f"signal {-c}" if c < 0 else f"exit code {c}"
         print(f"kaitian train: rank {r} ({cfg.device_for(r)}) died ({how}); "
               "training stopped" + (", resume with --resume" if cfg.checkpoint_dir else ""),
@@ -508,24 +597,31 @@ def _spawn_local(argv: list[str], cfg: Any, ranks: int, as_json: bool) -> int:
         return 1
     results = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(ranks)]
     r0 = results[0]
-    summary = {"ranks": ranks, "devices": [x["device"] for x in results],
-               "emulated_slowdown": [cfg.slowdown_for(r) for r in range(ranks)],
+    own = [placement.global_rank(r) for r in range(ranks)]  # this host's ranks
+    summary = {"ranks": ranks, "world_size": placement.world_size, "node_rank": placement.node_rank,
+               "nnodes": placement.nnodes, "groups": r0["groups"],
+               "devices": [x["device"] for x in results],
+               "emulated_slowdown": [cfg.slowdown_for(r) for r in own],
                "policy": cfg.policy, "test_accuracy": r0["test_accuracy"],
                "accuracy_per_epoch": r0["accuracy_per_epoch"],
                "samples_per_s": r0["samples_per_s"], "train_seconds": r0["train_seconds"],
                "comm_seconds": [x["comm_seconds"] for x in results],
                "final_shares": r0["final_shares"], "epochs_completed": r0["epochs_completed"],
-               "weights": cfg.save_weights}
+               "weights": cfg.save_weights if placement.node_rank == 0 else ""}
     if as_json:
         print(json.dumps(summary))
     else:
         emu = any(s != 1.0 for s in summary["emulated_slowdown"])
-        print(f"trained {summary['epochs_completed']} epochs on {ranks} ranks "
+        where = (f"{ranks} ranks" if placement.nnodes == 1 else
+                 f"rank{'s' if ranks > 1 else ''} {own[0]}{f'-{own[-1]}' if ranks > 1 else ''} of "
+                 f"{placement.world_size} (host {placement.node_rank} of "
+                 f"{placement.nnodes}; groups {summary['groups']})")
+        print(f"trained {summary['epochs_completed']} epochs on {where} "
               f"({', '.join(summary['devices'])}; slowdowns {summary['emulated_slowdown']}"
               f"{' EMULATED' if emu else ''}), policy {cfg.policy}: test accuracy "
               f"{summary['test_accuracy']:.4f}, {summary['samples_per_s']:.0f} samples/s, "
               f"final shares {[round(s, 3) for s in summary['final_shares']]}"
-              + (f"; weights in {cfg.save_weights}" if cfg.save_weights else ""))
+              + (f"; weights in {summary['weights']}" if summary["weights"] else ""))
     return 0
 
 
@@ -534,6 +630,7 @@ def main_train(argv: list[str]) -> int:
     try:
         a = _parser().parse_args(argv)
         cfg, ranks = _config_from_args(a)
+        placement = _placement(a, ranks)
     except (_ArgError, ValueError, TypeError) as e:
         print(f"kaitian train: error: {e}", file=sys.stderr)
         return 2
@@ -543,7 +640,7 @@ def main_train(argv: list[str]) -> int:
         except Exception as e:  # e.g. a bad MASTER_PORT
             print(f"kaitian train: error: {e}", file=sys.stderr)
             return 1
-    return _spawn_local(argv, cfg, ranks, a.json)
+    return _spawn_local(argv, cfg, placement, a.json)
 
 
 if __name__ == "__main__":

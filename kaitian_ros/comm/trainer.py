@@ -227,6 +227,7 @@ class TrainingResult:
     final_shares: tuple[float, ...]
     accuracy_per_epoch: tuple[float, ...]
     history: tuple[TrainingStep, ...] = field(repr=False, default=())
+    groups: str = ""  # the (host, device) groups the ranks formed (Topology.describe)
 
     def summary(self) -> dict[str, Any]:
         d = asdict(self)
@@ -695,7 +696,8 @@ class RankTrainer:
             epochs_completed=max(epoch + (0 if stop else 1), 0), steps=steps,
             test_accuracy=acc, samples_per_s=samples / train_s if train_s > 0 else 0.0,
             train_seconds=train_s, comm_seconds=comm_s, final_shares=sampler.shares,
-            accuracy_per_epoch=tuple(accs), history=tuple(history))
+            accuracy_per_epoch=tuple(accs), history=tuple(history),
+            groups=self.groups.topology.describe() if self.groups else "")
 
 
 def train_rank(config: TrainingConfig, *, local_rank: int | None = None,

@@ -18,11 +18,49 @@ from kaitian_ros.runtime import security as security_
 DEFAULT_ROUTER = "tcp/127.0.0.1:7447"
 LIVELINESS_PREFIX = "@ros2_lv"
 PARAM_PREFIX = "@kaitian/params"
+CONNECT_TIMEOUT_MS = 5000  # a peer gives up on an unreachable router after this
 
 
 def router_endpoint() -> str:
     """Router to connect to: ``KAITIAN_ROUTER`` (a zenoh endpoint) or the default."""
     return os.environ.get("KAITIAN_ROUTER", DEFAULT_ROUTER)
+
+
+# addresses a router may listen on that mean "every interface": this host's own processes reach
+# such a router at loopback (other hosts at one of the host's addresses)
+_ANY_ADDRESS = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]"}
+
+
+def split_endpoint(endpoint: str) -> tuple[str, str, str]:
+    """(protocol, address, port) of ``proto/address:port`` (an IPv6 address in brackets);
+    ValueError for anything else."""
+    proto, sep, rest = endpoint.partition("/")
+    address, colon, port = rest.split("?")[0].split("#")[0].rpartition(":")  # less zenoh's metadata/config
+    if not (sep and proto and colon and address and port.isdigit() and int(port) < 65536):
+        raise ValueError(f"not a zenoh endpoint like tcp/192.168.1.10:7447: {endpoint!r}")
+    return proto, address, port
+
+
+def local_endpoint(endpoint: str) -> str:
+    """Where this host's own processes connect to a router listening on ``endpoint``: the
+    same, except loopback for an any-address (``tcp/0.0.0.0:7447`` -> ``tcp/127.0.0.1:7447``)."""
+    for any_address, loopback in _ANY_ADDRESS.items():
+        if f"/{any_address}:" in endpoint:
+            return endpoint.replace(f"/{any_address}:", f"/{loopback}:", 1)
+    return endpoint
+
+
+def peer_listen_endpoint(address_or_endpoint: str) -> str:
+    """A peer's listen endpoint from a bare address (``192.168.1.20`` -> ``tcp/192.168.1.20:0``,
+    port 0: the kernel picks one per process) or a whole endpoint (kept as it is)."""
+    text = address_or_endpoint.strip()
+    if "/" in text:
+        split_endpoint(text)
+        return text
+    if not text or any(c.isspace() for c in text):
+        raise ValueError(f"not an address or zenoh endpoint: {address_or_endpoint!r}")
+    host = f"[{text}]" if ":" in text and not text.startswith("[") else text  # bare IPv6
+    return f"tcp/{host}:0"
 
 
 def domain_id() -> int:
@@ -75,7 +113,7 @@ def open_session(mode: str = "peer", *, connect: str | None = None, listen: str 
         config.insert_json5("listen/endpoints", json.dumps([endpoint(listen or os.environ.get("KAITIAN_LISTEN")
                                                                      or "tcp/127.0.0.1:0")]))
         # fail fast when no router is running instead of waiting forever
-        config.insert_json5("connect/timeout_ms", "5000")
+        config.insert_json5("connect/timeout_ms", str(CONNECT_TIMEOUT_MS))
         config.insert_json5("connect/exit_on_failure", "true")
     # KAITIAN_SHM=0: no shared-memory transport. Zenoh otherwise moves messages > 3 KB between
     # processes of one host through /dev/shm, bypassing the network - and any emulated link.
@@ -92,6 +130,21 @@ def open_session(mode: str = "peer", *, connect: str | None = None, listen: str 
         for key, value in security_.zenoh_settings(security).items():
             config.insert_json5(key, json.dumps(value))
     return zenoh.open(config)
+
+
+def router_problem(endpoint: str, security: security_.Security | None | str = FROM_ENV) -> str:
+    """'' when a peer session connects to the router at ``endpoint``, else one line saying
+    why not (checked before starting nodes that would each fail to connect on their own)."""
+    try:
+        session = open_session("peer", connect=endpoint, listen="tcp/127.0.0.1:0", security=security)
+    except zenoh.ZError as exc:
+        first = " ".join(str(exc).split())
+        if "Timeout" in first or "Unable to connect" in first:
+            return (f"no router reachable at {endpoint} within {CONNECT_TIMEOUT_MS / 1000:g} s (is the other "
+                    f"host's `kaitian launch --router ...` running, and its port open in the firewall?)")
+        return f"cannot connect to the router at {endpoint}: {first.split(' at /')[0]}"
+    session.close()
+    return ""
 
 
 def mangle(text: str) -> str:

@@ -85,6 +85,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.connect and args.router:
         raise CliError("kaitian launch: --router (host the graph's router here) and --connect (join the router "
                        "on another host) exclude each other")
+    # the flags win over the scenario's own router settings; either of --router/--connect
+    # replaces both of the file's
+    if not args.router and not args.connect:
+        args.router, args.connect = scenario.router or None, scenario.connect or None
+    if args.listen is None and scenario.listen:
+        args.listen = scenario.listen
     host_router = not args.connect
     router = args.connect or args.router or zs.router_endpoint()
     try:

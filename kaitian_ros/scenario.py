@@ -26,6 +26,13 @@ every node (nodes ignore it: none declares it), so the file stays a valid parame
         security: certs        # relative to this file's directory
 
 ``security:=DIR`` (relative to the current directory) overrides it, ``security:=''`` turns it off.
+
+Three more whole-graph settings say where the graph's router is, for a graph that spans hosts
+(docs/deployment.md), with the meaning of ``kaitian launch``'s flags of the same names, which
+override them: ``router`` (the endpoint this launch hosts the router on), ``connect`` (host
+none, join the router at that endpoint) and ``listen`` (this host's address the nodes listen
+on). ``connect`` and ``router`` exclude each other. Like ``security`` they may also be given as
+``router:=...`` launch arguments.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ RESPAWNED_BY_DEFAULT = ("compute", "coordinator", "scheduler")
 RESPAWN_KEYS = ("respawn", "respawn_delay", "respawn_max_retries")
 ALL_NODES = ("/**", "**")  # the parameter-file sections that apply to every node
 SECURITY_KEY = "security"
+ROUTER_KEYS = ("router", "connect", "listen")  # where the graph's router is: see the module docstring
 COMPUTE_RESPAWN_DELAY_S = 0.2
 
 
@@ -104,6 +112,9 @@ class Scenario:
     nodes: tuple[NodeSpec, ...]
     overrides: tuple[tuple[str, Any], ...] = ()
     security: str = ""  # absolute certificate directory for TLS + access control; '' = off
+    router: str = ""  # zenoh endpoint to host the graph's router on ('' = the default)
+    connect: str = ""  # zenoh endpoint of another host's router to join instead ('' = host one)
+    listen: str = ""  # this host's address the nodes listen on ('' = loopback)
 
     def node(self, name: str) -> NodeSpec:
         for spec in self.nodes:
@@ -166,11 +177,15 @@ def load_scenario(name_or_path: str, overrides: Sequence[tuple[str, Any]] | Sequ
         raise ScenarioError(f"{path}: expected a mapping of node names to ros__parameters")
     nodes: list[NodeSpec] = []
     security = ""
+    where: dict[str, str] = {}  # ROUTER_KEYS
     for name, section in data.items():
         if name in ALL_NODES:
             params = section.get("ros__parameters") if isinstance(section, dict) else None
             if isinstance(params, dict) and SECURITY_KEY in params:
                 security = _security_dir(params[SECURITY_KEY], path.parent, f"{path}: {name} {SECURITY_KEY}")
+            for key in ROUTER_KEYS:
+                if isinstance(params, dict) and key in params:
+                    where[key] = _router_setting(key, params[key], f"{path}: {name} {key}")
             continue
         if not isinstance(section, dict) or not isinstance(section.get("ros__parameters"), dict):
             raise ScenarioError(f"{path}: node '{name}' has no ros__parameters mapping")
@@ -187,8 +202,22 @@ def load_scenario(name_or_path: str, overrides: Sequence[tuple[str, Any]] | Sequ
     for key, value in pairs:
         if key == SECURITY_KEY:
             security = _security_dir(value, Path.cwd(), f"{SECURITY_KEY}:=")
-    nodes = apply_overrides(nodes, [(k, v) for k, v in pairs if k != SECURITY_KEY])
-    return Scenario(path.stem, path, tuple(nodes), tuple(pairs), security)
+        elif key in ROUTER_KEYS:
+            where[key] = _router_setting(key, value, f"{key}:=")
+    if where.get("router") and where.get("connect"):
+        raise ScenarioError(f"{path}: router (host the graph's router here) and connect (join the router on "
+                            f"another host) exclude each other")
+    nodes = apply_overrides(nodes, [(k, v) for k, v in pairs if k != SECURITY_KEY and k not in ROUTER_KEYS])
+    return Scenario(path.stem, path, tuple(nodes), tuple(pairs), security, **where)
+
+
+def _router_setting(key: str, value: Any, where: str) -> str:
+    """A ROUTER_KEYS value: a string ('' or an empty launch argument = unset); ScenarioError otherwise."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ScenarioError(f"{where}: {key} must be a zenoh endpoint or address string, got {value!r}")
+    return value.strip()
 
 
 def select_nodes(scenario: Scenario, only: Sequence[str] = (), exclude: Sequence[str] = ()) -> Scenario:

@@ -317,3 +317,19 @@ def test_digits_demo_launch_file_takes_weights_and_strategy(monkeypatch: pytest.
     assert params["coordinator"]["strategy"] == "auto"
     assert {params[n]["weights"] for n in ("coordinator", "compute_0", "compute_1")} == {"/models/d.pt"}
     assert params["image_source"]["source"] == "digits"
+
+
+def test_where_the_router_is_can_be_a_scenario_setting_and_never_reaches_a_node(tmp_path) -> None:
+    path = tmp_path / "two_hosts.yaml"
+    path.write_text("/**:\n  ros__parameters:\n    connect: tcp/10.0.0.1:7447\n    listen: 10.0.0.2\n"
+                    "coordinator:\n  ros__parameters:\n    executable: coordinator\n    compute_nodes: [compute_0]\n"
+                    "compute_0:\n  ros__parameters:\n    executable: compute\n")
+    scenario = load_scenario(str(path))
+    assert (scenario.router, scenario.connect, scenario.listen) == ("", "tcp/10.0.0.1:7447", "10.0.0.2")
+    assert all(not set(n.parameters) & {"router", "connect", "listen"} for n in scenario.nodes)
+    hosting = load_scenario(str(path), ["connect:=", "router:=tcp/0.0.0.0:7447"])
+    assert (hosting.router, hosting.connect) == ("tcp/0.0.0.0:7447", "")
+    with pytest.raises(ScenarioError, match="exclude each other"):
+        load_scenario(str(path), ["router:=tcp/0.0.0.0:7447"])
+    with pytest.raises(ScenarioError, match="connect must be"):
+        load_scenario(str(path), ["connect:=7447"])

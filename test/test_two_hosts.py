@@ -217,6 +217,11 @@ def test_unreachable_router_is_one_line_and_exit_1(tmp_path: Path) -> None:
     assert len(lines) == 1 and endpoint in lines[0] and "no router reachable" in lines[0], proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
     assert "started" not in proc.stdout, proc.stdout
+    # the same from the scenario's own setting (connect:= as a launch argument, or its /** section)
+    by_key = subprocess.run([sys.executable, "-m", "kaitian_ros.cli", "launch", "robot_edge", f"connect:={endpoint}",
+                             "--only", "compute_1", "--no-view"], env=_env(), capture_output=True, text=True,
+                            check=False, timeout=120)
+    assert by_key.returncode == 1 and "no router reachable" in by_key.stderr and endpoint in by_key.stderr, by_key
 
 
 def test_unreachable_master_is_one_line_per_rank() -> None:

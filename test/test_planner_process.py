@@ -76,21 +76,6 @@ def test_the_planner_process_chooses_what_a_round_in_process_chooses() -> None:
     assert not proc.alive()
 
 
-def test_a_round_runs_below_the_frame_path_priority() -> None:
-    import os
-
-    proc = PlannerProcess(SPEC)
-    try:
-        deadline = time.monotonic() + 120.0
-        while not proc.is_ready() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert proc.is_ready()
-        child = os.getpriority(os.PRIO_PROCESS, proc._proc.pid)
-        assert child >= min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
-    finally:
-        proc.close()
-
-
 def test_inputs_that_moved_less_than_their_noise_plan_the_same_round_and_real_changes_do_not() -> None:
     graph = ic.build_graph(SPEC)
     costs = _costs(graph)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import multiprocessing
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,9 +104,6 @@ def plan_round(graph: ModelGraph, r: PlanRequest) -> tuple[planner.Choice | None
         return None, exc
 
 
-PLANNER_NICE = 10  # the planner process's niceness above the coordinator's
-
-
 def _die_with_parent() -> None:
     """Linux: SIGTERM this child when the coordinator dies, even by SIGKILL (no orphan keeps a
     respawned coordinator's output pipe or a core busy)."""
@@ -135,12 +131,6 @@ def _serve(conn: Any, spec: Any) -> None:
     # which ends this loop (no traceback of an interrupted recv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
-    # a round is background work: on a host whose cores also run the compute nodes and the
-    # coordinator's frame path, those must win the CPU (a round waits a little longer instead)
-    try:
-        os.nice(PLANNER_NICE)
-    except OSError:
-        pass
     torch.set_num_threads(1)
     graph = ic.build_graph(spec)
     try:

@@ -354,6 +354,16 @@ class ChaosGraph:
                 return t
         return None
 
+    def respawned_how(self, name: str, after: float) -> str:
+        """How the launcher brought ``name`` back after ``after``: from a warm interpreter with
+        its model and costs prepared, from one without (still preparing, or not a compute
+        node), or as a fresh process."""
+        warm = prepared = False
+        for _, line in self.out.between(after):
+            warm = warm or line.startswith(f"[launch] {name} respawns from the warm interpreter")
+            prepared = prepared or (line.startswith(f"[{name}] ") and "by the warm interpreter" in line)
+        return "warm interpreter, prepared" if prepared else "warm interpreter" if warm else "fresh process"
+
     def exceptions(self, t0: float, t1: float) -> dict[str, int]:
         """Unhandled exceptions in callbacks that nodes logged between t0 and t1."""
         out: dict[str, int] = {}
@@ -739,6 +749,7 @@ class Run:
             back = next((pt for pt, m in plans if left is not None and pt > left and victim in list(m.node_ids)), None)
             return {"victim": victim, "old_pid": pid, "new_pid": re[1] if re else None,
                     "respawned_after_s": _r(re[0] - t, 2) if re else None,
+                    "respawned_from": g.respawned_how(victim, t) if re else None,
                     "ready_after_s": _r(ready - t, 2) if ready else None,
                     "plan_before": _plan_text(before), "left_plan_after_s": _r(left - t, 2) if left else None,
                     "back_in_plan_after_s": _r(back - t, 2) if back else None,

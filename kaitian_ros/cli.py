@@ -377,7 +377,7 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
-    from kaitian_ros.comm.launch import main_train
+    from kaitian_ros.training.launch import main_train
 
     return int(main_train(rest) or 0)
 

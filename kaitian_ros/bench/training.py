@@ -16,7 +16,7 @@ upsampled to ``--image-size``, default 16, for realistic compute per step):
 * drift: 1 : 1 and rank 1 slows 2x halfway through (profile_once, adaptive).
 
 Speeds are EMULATED: a rank with slowdown s sleeps (s-1) x its real compute time after
-its compute before each all-reduce (``comm.trainer``). Efficiency = samples/s / ideal samples/s. Communication
+its compute before each all-reduce (``training.trainer``). Efficiency = samples/s / ideal samples/s. Communication
 overhead = per step the smallest blocked-in-communication time over the ranks (the last
 rank to arrive waits for nobody, so its blocked time is the transfer itself), summed,
 over the training wall time. The first two steps of every run (lazy initialisation, DDP's
@@ -71,7 +71,7 @@ class RunSpec:
 
 
 def _rank_fn(rank: int, world: int, cfg: Any, drift: tuple[int, int, float] | None) -> dict:
-    from kaitian_ros.comm.trainer import RankTrainer, TrainingStep
+    from kaitian_ros.training.trainer import RankTrainer, TrainingStep
 
     box: dict[str, Any] = {}
 
@@ -91,7 +91,7 @@ def _rank_fn(rank: int, world: int, cfg: Any, drift: tuple[int, int, float] | No
 
 
 def _run(spec: RunSpec, base: Any) -> dict:
-    from kaitian_ros.comm.launch import run_local
+    from kaitian_ros.training.launch import run_local
 
     world = len(spec.slowdowns)
     devices = ("cpu",) if world == 1 else tuple(f"cpu:{chr(97 + r)}" for r in range(world))
@@ -203,8 +203,8 @@ def split_train(cfg: Any, *, shares: Sequence[float] | None = None,
     import torch
     from torch import nn
 
-    from kaitian_ros.comm.sampler import AdaptiveBatchSampler, split_counts
-    from kaitian_ros.comm.trainer import (
+    from kaitian_ros.training.sampler import AdaptiveBatchSampler, split_counts
+    from kaitian_ros.training.trainer import (
         _batch,
         _build_model,
         _size,
@@ -266,7 +266,7 @@ def _random_counts(base: Any, seed: int, world: int = 2) -> list[tuple[int, ...]
     """Per-step splits drawn at random (shares 0.1..0.9): what adaptive re-splitting does."""
     import numpy as np
 
-    from kaitian_ros.comm.sampler import split_counts
+    from kaitian_ros.training.sampler import split_counts
 
     rng = np.random.default_rng(seed)
     n, B = 1347, base.global_batch  # digits: 1347 training samples
@@ -323,7 +323,7 @@ def run_bench(quick: bool, image_size: int | None = DEFAULT_IMAGE_SIZE) -> tuple
 
     import torch
 
-    from kaitian_ros.comm.trainer import TrainingConfig
+    from kaitian_ros.training.trainer import TrainingConfig
 
     torch.set_num_threads(1)
     epochs = 16 if quick else 60  # 60: upsampled digits converge (0.98 single device)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kaitian_ros.comm.sampler import (
+from kaitian_ros.training.sampler import (
     AdaptiveBatchSampler,
     epoch_permutation,
     shares_from_model,

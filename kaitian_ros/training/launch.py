@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kaitian_ros.comm import netif
+from kaitian_ros.training import netif
 
 HEARTBEAT_S = 0.5
 STALE_S = 2.5  # a heartbeat older than this means the rank is gone
@@ -194,7 +194,7 @@ def init_distributed(env: DistEnv, *, timeout_s: float = 60.0,
 
     The world group is gloo: it carries control traffic (step times, metadata) and the
     DDP constructor's checks, which must work across vendors. Vendor backends are used in
-    the intra-group groups built by :func:`kaitian_ros.comm.groups.build_groups`.
+    the intra-group groups built by :func:`kaitian_ros.training.groups.build_groups`.
     """
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
@@ -401,7 +401,7 @@ def _placement(a: argparse.Namespace, ranks: int) -> Placement:
 
 
 def _config_from_args(a: argparse.Namespace) -> tuple[Any, int | None]:
-    from kaitian_ros.comm.trainer import TrainingConfig
+    from kaitian_ros.training.trainer import TrainingConfig
 
     d: dict[str, Any] = {}
     ranks = a.ranks
@@ -491,7 +491,7 @@ class _EpochProgress:
 
 def _run_one_rank(cfg: Any) -> int:
     """Run as one rank from the torchrun environment; errors as one stderr line."""
-    from kaitian_ros.comm.trainer import RankTrainer
+    from kaitian_ros.training.trainer import RankTrainer
 
     torch.set_num_threads(int(os.environ.get("KAITIAN_THREADS", "1")))
     env = DistEnv.from_environ()
@@ -549,7 +549,7 @@ def _spawn_local(argv: list[str], cfg: Any, placement: Placement, as_json: bool)
     for r in range(ranks):
         env = dict(os.environ, **placement.child_env(r))
         env[_CHILD_RESULT_ENV] = str(tmp / f"rank{r}.json")
-        procs.append(subprocess.Popen([sys.executable, "-m", "kaitian_ros.comm.launch", *argv],
+        procs.append(subprocess.Popen([sys.executable, "-m", "kaitian_ros.training.launch", *argv],
                                       env=env))
     first_dead: tuple[int, int] | None = None
     dead_at = 0.0

@@ -19,7 +19,7 @@ rank *starts*; the boundaries between neighbours are settled at run time:
   fine-grained ones where the boundary is actually decided.
 
 Exactness does not depend on who computed what: every rank scales its summed per-sample
-gradient by ``1 / B`` (``comm.trainer``), so the reduced gradient is the mean over the
+gradient by ``1 / B`` (``training.trainer``), so the reduced gradient is the mean over the
 global batch whatever the final counts are.
 """
 

@@ -27,7 +27,8 @@ OPENSSL = "openssl"
 DEFAULT_DAYS = 365
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
 CA_SUBJECT = "/CN=kaitian graph CA"
-_DNS_NAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+_DNS_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_DNS_NAME = re.compile(rf"^(?=.{{1,253}}$)({_DNS_LABEL})(\.{_DNS_LABEL})*$")
 
 
 class CertError(RuntimeError):

@@ -155,8 +155,8 @@ def _weights_problem(model: str, weights: str, num_classes: int, in_channels: in
             _WEIGHTS_CHECKED[key] = [f"weights file {weights!r} does not exist ({hint})"]
         except Exception as exc:  # noqa: BLE001 - torch.load/load_state_dict raise many kinds; all mean unusable
             first = " ".join(str(exc).split())[:300]
-            _WEIGHTS_CHECKED[key] = [f"weights {weights!r} do not load into model {model!r} "
-                                     f"({num_classes} classes, {in_channels} input channels): {first}"]
+            _WEIGHTS_CHECKED[key] = [(f"weights {weights!r} do not load into model {model!r} "
+                                      f"({num_classes} classes, {in_channels} input channels): {first}")]
     return _WEIGHTS_CHECKED[key]
 
 

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from kaitian_ros.bench import digits as bench
-from kaitian_ros.training.trainer import load_data
 from kaitian_ros.core.tensors import image_to_array, normalise_input, resize_pixels
 from kaitian_ros.nodes import image_source
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.scenario import load_scenario
+from kaitian_ros.training.trainer import load_data
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1321,7 +1321,7 @@ METRIC_KEYS = ("lost", "duplicated", "out_of_order", "recover_s", "peak_rss_delt
 
 def skipped(name: str, reason: str) -> dict[str, Any]:
     """A fault that could not run here: every metric null, with the reason."""
-    out: dict[str, Any] = {k: None for k in METRIC_KEYS}
+    out: dict[str, Any] = dict.fromkeys(METRIC_KEYS)
     out.update({"skipped": True, "reason": reason})
     out["targets"] = [t.__dict__ for t in cm.targets(cm.fault_kind(name), out)]
     return out

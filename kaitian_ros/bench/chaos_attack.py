@@ -301,7 +301,7 @@ def _fuzz(cmd: dict[str, Any], type_name: str, pub: Any, wrong_pub: Any) -> dict
     rng = np.random.default_rng(int(cmd.get("seed", 0)))
     seed = base64.b64decode(cmd["seed_b64"])
     count, rate = int(cmd["count"]), float(cmd.get("rate", 2000.0))
-    by_class = {c: 0 for c in FUZZ_CLASSES}
+    by_class = dict.fromkeys(FUZZ_CLASSES, 0)
     undecodable = 0
     start = time.monotonic()
     for k, (cls, payload) in enumerate(fuzz_payloads(seed, type_name, count, rng)):

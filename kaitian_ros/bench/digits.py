@@ -95,11 +95,11 @@ def run_bench(*, frames: int, weights: Path | None, train_to: Path, epochs: int,
     import torch
 
     from kaitian_ros.bench.adaptivity import AdaptivityGraph
-    from kaitian_ros.training.trainer import evaluate, load_data
     from kaitian_ros.core.models import build_model
     from kaitian_ros.nodes import inference_common as ic
     from kaitian_ros.nodes.image_source import parse_digit_frame_id
     from kaitian_ros.runtime import interfaces
+    from kaitian_ros.training.trainer import evaluate, load_data
 
     torch.set_num_threads(1)
     result: dict[str, Any] = {"frames_requested": frames, "emulated": True}
@@ -191,7 +191,8 @@ def table(r: dict[str, Any]) -> str:
              f"{'single device':24} {r['single_device_accuracy']:9.4f} {r['frames']:7d}",
              (f"agree {r['agree']:.4f}, incomplete {r['incomplete']}, model input == training sample for "
               f"{r['inputs_equal_training_samples']}/{r['frames']} frames, max |logit diff| "
-              f"{r['max_abs_logit_diff']:.1e}, plans {r['strategies']}, trunk output rows per node {r['trunk_output_rows']}, "
+              f"{r['max_abs_logit_diff']:.1e}, plans {r['strategies']}, "
+              f"trunk output rows per node {r['trunk_output_rows']}, "
               f"median latency {r['latency_ms_median'] or 0:.1f} ms"),
              (f"weights {r['weights']}: test accuracy {r['weights_test_accuracy']:.4f} on the trainer's "
               "whole test split")]

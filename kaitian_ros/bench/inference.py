@@ -119,7 +119,8 @@ class Driver:
         self.image_pub = self.rt.create_publisher("/camera/image_raw", "Image")
         self.lw_pubs = {w: self.rt.create_publisher(lw_topic(w), "TensorChunk") for w in graph_proc.workers}
         self.rt.create_subscription(ic.FUSED_TOPIC, "FusedOutput", lambda m: self.fused.put((time.perf_counter(), m)))
-        self.rt.create_subscription(lw_topic(DRIVER), "TensorChunk", lambda m: self.lw_out.put((time.perf_counter(), m)))
+        self.rt.create_subscription(lw_topic(DRIVER), "TensorChunk",
+                                    lambda m: self.lw_out.put((time.perf_counter(), m)))
         self.rt.create_subscription(ic.TELEMETRY_TOPIC, "NodeTelemetry", self._on_tele)
         self.rt.create_subscription(LW_TELEMETRY, "NodeTelemetry", self._on_lw_tele)
         self.rt.create_subscription(ic.PLAN_TOPIC, "LoadAssignment", self._on_plan, QoS.LATCHED)

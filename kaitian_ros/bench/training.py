@@ -442,8 +442,8 @@ def run_bench(quick: bool, image_size: int | None = DEFAULT_IMAGE_SIZE) -> tuple
 
 
 def _table(result: dict) -> str:
-    rows = [f"{'run':22s} {'speeds (EMULATED)':>17s} {'samples/s':>10s} {'ideal':>8s} "
-            f"{'eff':>6s} {'eff-iso':>7s} {'comm %':>7s} {'wait %':>7s} {'acc':>7s}  shares"]
+    rows = [(f"{'run':22s} {'speeds (EMULATED)':>17s} {'samples/s':>10s} {'ideal':>8s} "
+             f"{'eff':>6s} {'eff-iso':>7s} {'comm %':>7s} {'wait %':>7s} {'acc':>7s}  shares")]
     for name, p in result["policies"].items():
         rows.append(f"{name:22s} {p['emulated_speeds']:>17s} {p['samples_per_s']:10.0f} "
                     f"{p['ideal_samples_per_s']:8.0f} {p['efficiency']:6.3f} "

@@ -38,9 +38,9 @@ from kaitian_ros.core.tensors import ImageFormatError, image_to_array, resize_pi
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.nodes.planner_process import PlannerProcess, PlanRequest, plan_round
 from kaitian_ros.runtime import interfaces, run_node
+from kaitian_ros.runtime.api import MessageInfo, QoS, Runtime, SetParametersResult
 from kaitian_ros.runtime.api import ParameterDescriptor as P
 from kaitian_ros.runtime.api import ParameterType as T
-from kaitian_ros.runtime.api import MessageInfo, QoS, Runtime, SetParametersResult
 from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher, Level
 
 PARAMETERS = ic.MODEL_PARAMETERS + (
@@ -236,8 +236,8 @@ class Coordinator:
             # proposal kept the planner process busy back to back while speeds changed (the
             # scheduler proposes every few hundred ms then) - a core the compute nodes lacked
             return
-        self._replan_soon(f"scheduler v{proposal.version}: {proposal.reason}", effective=proposal.effective_from_request,
-                          proposal=True)
+        self._replan_soon(f"scheduler v{proposal.version}: {proposal.reason}",
+                          effective=proposal.effective_from_request, proposal=True)
 
     def _shares_for(self, alive: tuple[str, ...]) -> tuple[tuple[float, ...], str]:
         """The proposed shares of the alive nodes (aligned with `alive`) and their policy."""
@@ -576,7 +576,8 @@ class Coordinator:
             self.rt.rejected.count(f"stale chunk: request {msg.request_id} not in flight")
             return
         if int(msg.plan_version) != req.version:
-            self.rt.rejected.count(f"stale plan: request {msg.request_id} runs v{req.version}, chunk v{msg.plan_version}")
+            self.rt.rejected.count(
+                f"stale plan: request {msg.request_id} runs v{req.version}, chunk v{msg.plan_version}")
             return
         try:
             rows = ic.chunk_rows(msg)
@@ -761,8 +762,8 @@ class Coordinator:
         silent_s = time.monotonic() - self.assignment_s
         if self.params["use_scheduler"] and self.assignment is None and self.alive and silent_s > NO_ASSIGNMENT_S:
             # a latched topic: a running scheduler's assignment reaches a new coordinator at once
-            level, text = Level.WARN, text + f", no assignment from the scheduler in {silent_s:.0f} s " \
-                                             f"although compute nodes report (scheduler down or refused?)"
+            level, text = Level.WARN, (text + f", no assignment from the scheduler in {silent_s:.0f} s "
+                                              "although compute nodes report (scheduler down or refused?)")
         ru = self.choice.runner_up if self.choice is not None else None
         self.diagnostics.publish(level, text, {
             "plan_version": self.current.version if self.current else 0,

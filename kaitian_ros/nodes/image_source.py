@@ -53,8 +53,8 @@ def held_out_digits() -> tuple[np.ndarray, np.ndarray]:
     is fixed, whatever the training seed): the pixels are ``core.tensors.to_pixels`` of the very
     images the trainer evaluates on, so a model trained with ``camera_inputs`` sees exactly its
     test samples when the compute nodes normalise these frames."""
-    from kaitian_ros.training.trainer import load_data
     from kaitian_ros.core.tensors import to_pixels
+    from kaitian_ros.training.trainer import load_data
 
     x, y = load_data("digits").test
     return to_pixels(x)[:, 0].numpy(), y.numpy()

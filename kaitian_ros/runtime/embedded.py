@@ -282,7 +282,7 @@ class EmbeddedRuntime:
     """A node's runtime on a zenoh peer session connected to the graph's router."""
 
     def __init__(self, args: NodeArgs, *, router: str | None = None, domain: int | None = None,
-                 security: Security | None | str = zs.FROM_ENV) -> None:
+                 security: Security | str | None = zs.FROM_ENV) -> None:
         self.node_name = args.node_name
         self.namespace = args.namespace
         self.fqn = args.fqn

@@ -73,7 +73,7 @@ def domain_id() -> int:
 FROM_ENV = "env"  # open_session's default: security as KAITIAN_SECURITY / KAITIAN_SECURITY_ROLE say
 
 
-def resolve_security(security: security_.Security | None | str = FROM_ENV) -> security_.Security | None:
+def resolve_security(security: security_.Security | str | None = FROM_ENV) -> security_.Security | None:
     """``security`` itself, or for FROM_ENV what KAITIAN_SECURITY(_ROLE) say (None: off)."""
     if isinstance(security, str):
         if security != FROM_ENV:
@@ -83,7 +83,7 @@ def resolve_security(security: security_.Security | None | str = FROM_ENV) -> se
 
 
 def open_session(mode: str = "peer", *, connect: str | None = None, listen: str | None = None,
-                 security: security_.Security | None | str = FROM_ENV) -> Any:
+                 security: security_.Security | str | None = FROM_ENV) -> Any:
     """A zenoh session like rmw_zenoh's defaults: multicast scouting off, loopback only.
 
     Peers connect to the router for discovery and then talk to each other directly
@@ -132,7 +132,7 @@ def open_session(mode: str = "peer", *, connect: str | None = None, listen: str 
     return zenoh.open(config)
 
 
-def router_problem(endpoint: str, security: security_.Security | None | str = FROM_ENV) -> str:
+def router_problem(endpoint: str, security: security_.Security | str | None = FROM_ENV) -> str:
     """'' when a peer session connects to the router at ``endpoint``, else one line saying
     why not (checked before starting nodes that would each fail to connect on their own)."""
     try:

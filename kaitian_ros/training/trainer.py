@@ -352,7 +352,7 @@ def camera_split(data: DataSplit) -> DataSplit:
 
     if not isinstance(data.train, tuple) or not isinstance(data.test, tuple):
         # a configuration mistake: ValueError, which the CLI and the node report as one line
-        raise ValueError("camera_inputs needs an in-memory (x, y) tensor dataset")  # noqa: TRY004
+        raise ValueError("camera_inputs needs an in-memory (x, y) tensor dataset")
 
     def one(ds: tuple) -> tuple:
         return (normalise_input(to_pixels(ds[0]), data.in_channels), ds[1])

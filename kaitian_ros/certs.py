@@ -59,7 +59,7 @@ def san_entry(host: str) -> str:
 
 def _openssl(args: list[str], cwd: Path) -> None:
     try:
-        result = subprocess.run([OPENSSL, *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+        result = subprocess.run([OPENSSL, *args], cwd=cwd, capture_output=True, check=False, text=True, timeout=60)
     except FileNotFoundError:
         raise CertError(f"'{OPENSSL}' not found on PATH (kaitian certs create runs the openssl command)") from None
     if result.returncode != 0:

@@ -176,7 +176,7 @@ def run_cli(*args: str, router: str | None = None, timeout_s: float = 30.0) -> s
     if router is not None:
         cmd += ["--router", router]
     env = child_env(router or "tcp/127.0.0.1:1")
-    return subprocess.run(cmd + list(args), env=env, capture_output=True, text=True, timeout=timeout_s,
+    return subprocess.run(cmd + list(args), env=env, capture_output=True, check=False, text=True, timeout=timeout_s,
                           cwd=str(REPO))
 
 

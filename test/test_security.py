@@ -73,7 +73,7 @@ pytestmark = pytest.mark.skipif(not certs.openssl_available(), reason="needs the
 
 
 def _openssl(*args: str) -> str:
-    result = subprocess.run(["openssl", *args], capture_output=True, text=True, timeout=30)
+    result = subprocess.run(["openssl", *args], capture_output=True, check=False, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -306,7 +306,7 @@ def _secure_env(router: str, cert_dir: Path, role: str) -> dict[str, str]:
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kaitian_ros.cli", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kaitian_ros.cli", *args], env=env, capture_output=True, check=False,
                           text=True, timeout=60, cwd=str(REPO))
 
 

@@ -34,12 +34,12 @@ def test_a_warm_interpreter_becomes_the_node_it_is_told_and_exits_with_its_code(
                   ("--ros-args", "-r", "__node:=scheduler", "--params-file", str(params)),
                   {"KAITIAN_RUNTIME": "embedded", "KAITIAN_ROUTER": router.endpoint})
     cmd = [sys.executable, "-u", "-m", "kaitian_ros.warm_start"]
-    became = subprocess.run(cmd, input=order.to_line(), capture_output=True, text=True, timeout=120)
+    became = subprocess.run(cmd, input=order.to_line(), capture_output=True, check=False, text=True, timeout=120)
     assert became.returncode == 2, became.stdout + became.stderr
     assert "dead_after_s" in became.stdout + became.stderr
-    unused = subprocess.run(cmd, input="", capture_output=True, text=True, timeout=120)
+    unused = subprocess.run(cmd, input="", capture_output=True, check=False, text=True, timeout=120)
     assert unused.returncode == 0 and unused.stdout == ""
-    garbage = subprocess.run(cmd, input="hello\n", capture_output=True, text=True, timeout=120)
+    garbage = subprocess.run(cmd, input="hello\n", capture_output=True, check=False, text=True, timeout=120)
     assert garbage.returncode == 2 and "not an order" in garbage.stderr
 
 

@@ -90,7 +90,7 @@ def ros_available() -> bool:
     """rclpy and the generated kaitian_ros messages import here (checked in a child process:
     importing rclpy in the orchestrator would tie it to one ROS context for nothing)."""
     code = "import rclpy, kaitian_ros.msg; kaitian_ros.msg.TensorChunk"
-    return subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True).returncode == 0
+    return subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, check=False).returncode == 0
 
 
 # --- subscriber process ------------------------------------------------------------------------

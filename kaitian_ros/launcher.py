@@ -58,12 +58,26 @@ ROUTER_READY_S = 20.0
 ROUTER_READY_LINE = "router listening on"
 
 
-def _die_with_parent() -> None:
-    """Child side: get SIGTERM if the launcher disappears, even by SIGKILL (no orphans)."""
+def _load_prctl() -> Callable[..., int] | None:
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):  # not glibc: children are not tied to the launcher
+        return None
+
+
+# resolved in the parent: a dlopen in the child, between fork and exec, could block on a loader
+# lock some other thread of the launcher held at the fork
+_PRCTL = _load_prctl()
+
+
+def _die_with_parent() -> None:
+    """Child side: get SIGTERM if the launcher disappears, even by SIGKILL (no orphans).
+
+    Runs as ``preexec_fn`` although the launcher has threads (PLW1509): the kernel's parent-death
+    signal can only be asked for by the child itself, so this keeps to a prctl call and
+    async-signal-safe system calls."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
     os.setsid()  # own process group: the terminal's Ctrl-C reaches only the launcher, which forwards it
     # SIGINT ignored until the node's run_node installs its handler: a graph stopped in its first
     # seconds would otherwise print a KeyboardInterrupt traceback per node still importing torch
@@ -290,7 +304,8 @@ class Launcher:
         command = self.node_prefix.get(spec.name, []) + node_command(spec, self.params_file)
         process = subprocess.Popen(command, env=self._base_env() | self._node_env(spec),
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                                   stdin=subprocess.DEVNULL,
+                                   preexec_fn=_die_with_parent,  # noqa: PLW1509 - see _die_with_parent
                                    text=True, bufsize=1)
         reader = threading.Thread(target=self._pump, args=(lambda: spec.name, process, ready), daemon=True)
         reader.start()
@@ -315,7 +330,8 @@ class Launcher:
     def _start_warm(self) -> None:
         process = subprocess.Popen(self._warm_command(), env=self._base_env(),
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
-                                   preexec_fn=_die_with_parent, text=True, bufsize=1)
+                                   text=True, bufsize=1,
+                                   preexec_fn=_die_with_parent)  # noqa: PLW1509 - see _die_with_parent
         warm = WarmInterpreter(process, threading.Thread())
         warm.reader = threading.Thread(target=self._pump, args=(lambda: warm.name, process), daemon=True)
         warm.reader.start()

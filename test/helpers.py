@@ -37,7 +37,8 @@ if str(REPO) not in sys.path:
 
 # --- ports, routers, environments ---------------------------------------------------------
 
-from kaitian_ros.launcher import free_port  # one definition, shared with the benches
+# after the sys.path insert above: this file also runs as a script from a source tree
+from kaitian_ros.launcher import free_port  # noqa: E402 - one definition, shared with the benches
 
 
 def child_env(router: str, **extra: str) -> dict[str, str]:

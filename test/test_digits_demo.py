@@ -95,7 +95,7 @@ def test_camera_inputs_exclude_standardised_ones() -> None:
 
     with pytest.raises(ValueError, match="exclude each other"):
         TrainingConfig(camera_inputs=True, standardize_inputs=True)
-    cfg = TrainingConfig.from_dict({"camera_inputs": True, "save_weights": "/tmp/w.pt"})
+    cfg = TrainingConfig.from_dict({"camera_inputs": True, "save_weights": "weights/w.pt"})
     assert TrainingConfig.from_dict(cfg.to_dict()) == cfg
 
 

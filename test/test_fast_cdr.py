@@ -74,7 +74,10 @@ def fast_decode(payload):
         return "error", None
 
 
-u = lambda bits: st.integers(0, 2**bits - 1)
+def u(bits: int) -> st.SearchStrategy[int]:
+    return st.integers(0, 2**bits - 1)
+
+
 text = st.text(max_size=24)  # any unicode (surrogates excluded: not UTF-8 encodable)
 
 chunks = st.builds(

@@ -63,7 +63,7 @@ def test_every_sample_claimed_once_in_contiguous_rank_ordered_ranges(counts: lis
             assert c.range is None
             continue
         lo, hi = c.range
-        assert hi - lo == c.count == sum(h - l for l, h in got[r])
+        assert hi - lo == c.count == sum(end - start for start, end in got[r])
         assert lo == pos
         pos = hi
     assert pos == B

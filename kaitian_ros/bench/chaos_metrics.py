@@ -34,6 +34,7 @@ Definitions (also in docs/chaos.md):
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -149,7 +150,7 @@ def max_gap(times: Sequence[float], start: float, end: float) -> float:
     edges: how long consumers waited for an output at worst."""
     inside = [t for t in times if start <= t <= end]
     edges = [start, *inside, end]
-    return max(b - a for a, b in zip(edges, edges[1:]))
+    return max(b - a for a, b in itertools.pairwise(edges))
 
 
 def median_or_none(xs: Iterable[float]) -> float | None:

@@ -200,7 +200,7 @@ class Graph:
         log = self.tmp / f"{name}.log"
         with open(log, "w") as fh:
             p = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 preexec_fn=_die_with_parent)
+                                 preexec_fn=_die_with_parent)  # noqa: PLW1509 - see launcher._die_with_parent
         self.procs.append(Proc(name, p, log))
 
     @staticmethod

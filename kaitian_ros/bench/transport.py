@@ -260,8 +260,8 @@ class _Child:
 
     def _pump(self) -> None:
         assert self.p.stdout is not None
-        for line in self.p.stdout:
-            line = line.strip()
+        for raw in self.p.stdout:
+            line = raw.strip()
             if line.startswith("{"):
                 self.q.put(json.loads(line))
         self.q.put({"eof": True})

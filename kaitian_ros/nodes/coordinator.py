@@ -444,16 +444,16 @@ class Coordinator:
             return
         if old is not None and request.strategy != "auto" and old.spec.strategy != request.strategy:
             force = True  # the running plan is a fallback (too few nodes for the strategy asked)
-        if old is not None and not force and request.share_search and was is not None \
-                and set(old.active_nodes()) <= set(request.nodes):
-            # the running plan can go on: switch only for a clear gain (no flapping between
-            # near-equal plans on measurement noise); by measurement where there is one. Not
-            # when the shares are the scheduler's to choose (`share_search` off, or a fixed
-            # policy): then its proposal is the plan - e.g. a probe share for a node that
-            # (re)joined, which must get rows to be measured at all
-            if was[1] <= choice.best.expected_ms * (1.0 + self.params["min_plan_gain"]):
-                self.predicted_ms = was[0]
-                return
+        # the running plan can go on: switch only for a clear gain (no flapping between
+        # near-equal plans on measurement noise); by measurement where there is one. Not
+        # when the shares are the scheduler's to choose (`share_search` off, or a fixed
+        # policy): then its proposal is the plan - e.g. a probe share for a node that
+        # (re)joined, which must get rows to be measured at all
+        if (old is not None and not force and request.share_search and was is not None
+                and set(old.active_nodes()) <= set(request.nodes)
+                and was[1] <= choice.best.expected_ms * (1.0 + self.params["min_plan_gain"])):
+            self.predicted_ms = was[0]
+            return
         self.predicted_ms = choice.best.predicted_ms
         plan = choice.plan(self.graph)
         text = f"{request.reason}: {choice.summary()}"
@@ -784,7 +784,7 @@ class Coordinator:
             "planner": self._planner_state(), "plan_round_ms": f"{self.planner.last_round_ms:.0f}",
             "alive": ",".join(self.alive), "in_flight": len(self.requests),
             "latency_p50_ms": f"{p50:.1f}", "latency_p95_ms": f"{p95:.1f}"}
-            | {k: v for k, v in self.counts.items()})
+            | dict(self.counts))
 
 
 # telemetry of a node whose session just ended is ignored this long: a sample it sent before it

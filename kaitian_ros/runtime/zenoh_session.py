@@ -28,7 +28,7 @@ def router_endpoint() -> str:
 
 # addresses a router may listen on that mean "every interface": this host's own processes reach
 # such a router at loopback (other hosts at one of the host's addresses)
-_ANY_ADDRESS = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]"}
+_ANY_ADDRESS = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]"}  # noqa: S104 - recognises the address, binds nothing
 
 
 def split_endpoint(endpoint: str) -> tuple[str, str, str]:

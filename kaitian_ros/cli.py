@@ -158,6 +158,7 @@ def _spans_hosts(router: str, host_router: bool) -> bool:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
+    from kaitian_ros.runtime import security
     from kaitian_ros.runtime import zenoh_session as zs
 
     endpoint = args.listen or zs.router_endpoint()
@@ -167,7 +168,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         session = zs.open_session("router", listen=endpoint)
-    except Exception as exc:
+    except (zs.SessionError, security.SecurityError) as exc:
         raise CliError(f"cannot listen on {endpoint}: {exc}", 1) from None
     print(f"router listening on {_shown_endpoint(endpoint)} (Ctrl-C to stop)", flush=True)
     try:

@@ -24,6 +24,7 @@ the scenario's nodes.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import json
@@ -103,10 +104,8 @@ def stop_process_groups(processes: list[subprocess.Popen],
         if not alive:
             break
         for process in alive:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, sig)
-            except ProcessLookupError:
-                pass
         end = time.monotonic() + grace
         while time.monotonic() < end and any(p.poll() is None for p in alive):
             time.sleep(0.05)
@@ -474,7 +473,7 @@ class Supervision:
             self.diagnostics = DiagnosticsPublisher(self.rt, hardware_id="launcher")
             self.thread = threading.Thread(target=self.rt.spin, daemon=True)  # answers graph queries
             self.thread.start()
-        except Exception as exc:  # supervision goes on without it
+        except Exception as exc:  # noqa: BLE001 - supervision goes on without it, whatever failed
             launcher.say(f"[launch] no /diagnostics from the launcher: {exc}")
             self.rt = None
 
@@ -503,10 +502,8 @@ class Supervision:
             level, text = self.level.WARN, "; ".join(recent)
         else:
             level, text = self.level.OK, f"{len(self.launcher.children)} nodes supervised"
-        try:
+        with contextlib.suppress(zs.SessionError):  # the router may be going away with the graph
             self.diagnostics.publish(level, text, values)
-        except Exception:  # the router may be going away with the graph
-            pass
 
     def close(self) -> None:
         if self.rt is not None:

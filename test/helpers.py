@@ -61,7 +61,7 @@ class Router:
             try:
                 self.session = zs.open_session("router", listen=self.endpoint)
                 return
-            except Exception as exc:  # pragma: no cover - rare race
+            except zs.SessionError as exc:  # pragma: no cover - rare race
                 last = exc
         raise RuntimeError(f"could not host a router: {last}")
 

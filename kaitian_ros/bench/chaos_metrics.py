@@ -34,6 +34,7 @@ Definitions (also in docs/chaos.md):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
@@ -204,10 +205,8 @@ def rejected_counts(values: Mapping[str, str]) -> dict[str, int]:
     out = {}
     for k, v in values.items():
         if k.startswith("rejected."):
-            try:
+            with contextlib.suppress(ValueError):
                 out[k[len("rejected."):]] = int(v)
-            except ValueError:
-                pass
     return out
 
 

@@ -7,6 +7,7 @@ The worker runs as ``python -m kaitian_ros.bench.inference_graph --ros-args ...`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -218,15 +219,13 @@ class Graph:
 
         stop_process_groups([p.popen for p in self.procs], ((signal.SIGINT, 4.0), (signal.SIGKILL, 2.0)))
         for p in self.procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.popen.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                pass
         if self.router is not None:
-            try:
+            from kaitian_ros.runtime import zenoh_session as zs
+
+            with contextlib.suppress(zs.SessionError):
                 self.router.close()
-            except Exception:
-                pass
             self.router = None
 
 

@@ -122,7 +122,7 @@ def _run(spec: RunSpec, base: Any) -> dict:
 def _solo_child(index: int, spec: RunSpec, base: Any, q: Any) -> None:
     try:
         q.put((index, _run(spec, base)["samples_per_s"], None))
-    except Exception as e:  # reported by the parent
+    except Exception as e:  # noqa: BLE001 - a child process: any failure goes to the parent, which reports it
         q.put((index, 0.0, f"{type(e).__name__}: {e}"))
 
 
@@ -496,7 +496,7 @@ def main(argv: list[str]) -> int:
         _plot({k: v for k, v in runs.items() if not v["spec"].solo}, png)
         result["plot"] = str(png)
         json_path.write_text(json.dumps(result, indent=2))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - a command: any failure is one error line and exit code 1
         print(f"kaitian bench training: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     print(_table(result))

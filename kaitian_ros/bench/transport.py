@@ -25,6 +25,7 @@ Usage: ``kaitian bench transport [--json PATH] [--quick] [--repeats N] [--runtim
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -284,10 +285,8 @@ class _Child:
                 return msg
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(BrokenPipeError, OSError):
             self.send(cmd="quit")
-        except (BrokenPipeError, OSError):
-            pass
         try:
             self.p.wait(timeout=10)
         except subprocess.TimeoutExpired:

@@ -12,6 +12,7 @@ without ever waiting for one.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing
 import os
@@ -137,10 +138,8 @@ def _serve(conn: Any, spec: Any) -> None:
     _die_with_parent()
     # a round is background work: on a host whose cores also run the compute nodes and the
     # coordinator's frame path, those must win the CPU (a round waits a little longer instead)
-    try:
+    with contextlib.suppress(OSError):
         os.nice(PLANNER_NICE)
-    except OSError:
-        pass
     torch.set_num_threads(1)
     graph = ic.build_graph(spec)
     try:
@@ -154,7 +153,7 @@ def _serve(conn: Any, spec: Any) -> None:
             return
         try:
             result = plan_round(graph, request)
-        except Exception as exc:  # a round must never end the planner: report it as the error
+        except Exception as exc:  # noqa: BLE001 - a round must never end the planner: report it as the error
             result = (None, RuntimeError(f"planner failed: {type(exc).__name__}: {exc}"))
         try:
             conn.send(result)

@@ -122,7 +122,7 @@ class Scheduler:
             if assignment is None:
                 return
             msg = ic.assignment_msg(assignment, self.incarnation)
-        except Exception as exc:  # one bad input must not end adaptation: reported, tried again next period
+        except Exception as exc:  # noqa: BLE001 - one bad input must not end adaptation: reported, tried again
             self.decide_errors += 1
             self.last_decide_error = f"{type(exc).__name__}: {exc}"
             self.rt.logger.error(f"decision failed: {self.last_decide_error}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -48,7 +49,7 @@ class GraphClient:
             self.session = zs.open_session("peer", connect=self.router)
         except security.SecurityError as exc:  # KAITIAN_SECURITY names unusable certificates
             raise GraphError(str(exc)) from None
-        except Exception as exc:
+        except zs.SessionError as exc:
             hint = "" if security.from_env() else " (a secure graph needs KAITIAN_SECURITY=<cert dir>)"
             raise GraphError(f"cannot reach a router at {self.router}: {exc}{hint}") from None
         # a fresh session needs a moment before the router routes queries to it
@@ -135,10 +136,8 @@ class GraphClient:
             received_ns = time.time_ns()
             source_ns, gid = 0, b""
             if sample.attachment is not None:
-                try:
+                with contextlib.suppress(ValueError):  # foreign publishers may attach nothing useful
                     _, source_ns, gid = zs.parse_attachment(sample.attachment.to_bytes())
-                except ValueError:  # foreign publishers may attach nothing useful
-                    pass
             callback(RawSample(sample.payload.to_bytes(), received_ns, source_ns, gid, cached))
 
         sub = self.session.declare_subscriber(key, lambda sample: deliver(sample, False))

@@ -133,7 +133,7 @@ def decode(payload: bytes | bytearray | memoryview, name: str) -> Any:
         return typestore().deserialize_cdr(buf, full)
     except DecodeError:
         raise
-    except Exception as exc:  # rosbags raises assorted errors on garbage: normalise them
+    except Exception as exc:  # noqa: BLE001 - rosbags raises assorted errors on garbage: normalise them
         raise DecodeError(f"malformed {name}: {type(exc).__name__}: {exc}") from None
 
 

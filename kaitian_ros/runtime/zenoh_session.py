@@ -19,6 +19,9 @@ DEFAULT_ROUTER = "tcp/127.0.0.1:7447"
 LIVELINESS_PREFIX = "@ros2_lv"
 PARAM_PREFIX = "@kaitian/params"
 CONNECT_TIMEOUT_MS = 5000  # a peer gives up on an unreachable router after this
+# what zenoh raises (closed session, unreachable router, bad endpoint): the layers above catch it
+# by this name, so that this module stays the one that imports zenoh
+SessionError = zenoh.ZError
 
 
 def router_endpoint() -> str:
@@ -250,7 +253,7 @@ def watch_departures(session: Any, domain: int, on_gone: Any) -> Any:
             for reply in session.liveliness().get(key, timeout=1.0):
                 if reply.ok is not None:
                     return  # still held: not a departure
-        except Exception:  # session closing
+        except zenoh.ZError:  # session closing
             return
         on_gone(entry)
 
@@ -352,7 +355,7 @@ def shm_payload(buf: bytes | bytearray) -> Any:
             pool = int(os.environ.get("KAITIAN_SHM_POOL_MB", str(SHM_POOL_MB_DEFAULT))) * 1024 * 1024
             _shm_provider = zenoh.shm.ShmProvider.default_backend(pool)
         shm = _shm_provider.alloc(len(buf), policy=zenoh.shm.GarbageCollect())
-    except Exception:  # no /dev/shm, pool exhausted by in-flight messages, ...: plain put
+    except Exception:  # noqa: BLE001 - optional fast path: whatever fails (no /dev/shm, pool exhausted by in-flight messages, ...), a plain put
         if _shm_provider is None:
             _shm_failed = True
         return None

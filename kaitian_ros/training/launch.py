@@ -24,9 +24,11 @@ Failure handling, two layers:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -48,6 +50,9 @@ from kaitian_ros.training import netif
 
 HEARTBEAT_S = 0.5
 STALE_S = 2.5  # a heartbeat older than this means the rank is gone
+# what a TCPStore call raises when its host is gone or slow: c10d's DistError family (RuntimeError
+# subclasses: DistNetworkError, DistStoreError), or a socket error as such
+STORE_ERRORS = (RuntimeError, OSError)
 
 
 class RankFailure(RuntimeError):
@@ -108,16 +113,14 @@ class Heartbeat:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 self._store.set(f"kaitian/hb/{self.env.rank}", repr(time.time()))
-            except Exception:  # store host gone: diagnose() will report it
+            except STORE_ERRORS:  # store host gone: diagnose() will report it
                 return
 
     def stop(self, state: str = "done") -> None:
         self._stop.set()
-        try:
+        with contextlib.suppress(STORE_ERRORS):  # store host gone: nobody left to tell
             self._store.set(f"kaitian/state/{self.env.rank}", state)
             self._store.set(f"kaitian/final/{self.env.rank}", state)  # done with the store
-        except Exception:
-            pass
 
     def _heartbeat_age(self, rank: int, now: float) -> float | None:
         """Seconds since ``rank``'s last heartbeat, None if it never sent one."""
@@ -139,7 +142,7 @@ class Heartbeat:
                     age = self._heartbeat_age(r, now)
                     if age is not None and age <= STALE_S:
                         pending += 1
-            except Exception:
+            except STORE_ERRORS:
                 return
             if not pending:
                 return
@@ -153,7 +156,7 @@ class Heartbeat:
         """
         try:
             self._store.set(f"kaitian/state/{self.env.rank}", "aborting")
-        except Exception:
+        except STORE_ERRORS:
             return ("rank 0 is unreachable (it hosts the rendezvous store at "
                     f"{self.env.master_addr}:{self.env.master_port}); it died or its host is down")
         deadline = time.monotonic() + wait_s
@@ -171,7 +174,7 @@ class Heartbeat:
                     age = self._heartbeat_age(r, now)
                     if age is None or age > STALE_S:
                         dead.append((r, age))
-            except Exception:
+            except STORE_ERRORS:
                 return ("rank 0 is unreachable (it hosts the rendezvous store at "
                         f"{self.env.master_addr}:{self.env.master_port}); it died or its host is down")
             if dead or time.monotonic() >= deadline:
@@ -218,10 +221,8 @@ def shutdown_distributed(hb: Heartbeat | None, state: str = "done") -> None:
             # stays up until each of them has said it is aborting/done or has gone stale
             hb.wait_for_peers(STALE_S * 2 + 1.0)
     if dist.is_initialized():
-        try:
+        with contextlib.suppress(RuntimeError, ValueError):  # c10d errors after a peer died
             dist.destroy_process_group()
-        except Exception:
-            pass
 
 
 # --------------------------------------------------------------------------------------
@@ -240,7 +241,7 @@ def _local_child(fn: Callable[..., Any], rank: int, world: int, port: int, args:
         dist.barrier()
         q.put((rank, True, out))
         shutdown_distributed(hb)
-    except BaseException as e:  # report, never hang the parent
+    except BaseException as e:  # noqa: BLE001 - a rank's child process: report anything, never hang the parent
         q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         shutdown_distributed(hb, "aborting")
 
@@ -273,7 +274,7 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any,
                 raise RuntimeError(f"ranks timed out; finished: {sorted(results)}")
             try:
                 r, ok, out = q.get(timeout=min(left, 1.0))
-            except Exception:
+            except queue.Empty:
                 dead = [i for i, p in enumerate(procs)
                         if p.exitcode not in (None, 0) and i not in results and i not in errors]
                 if dead:
@@ -513,7 +514,7 @@ def _run_one_rank(cfg: Any) -> int:
             if progress is not None:
                 progress.close()
         dist.barrier()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - a rank: any failure is one line naming the cause, then exit 1
         first = str(e).splitlines()[0] if str(e) else ""
         msg = f"rank {env.rank}: {type(e).__name__}: {first}"
         # RuntimeError covers gloo/c10d failures (DistBackendError is a subclass): find
@@ -637,7 +638,7 @@ def main_train(argv: list[str]) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         try:
             return _run_one_rank(cfg)
-        except Exception as e:  # e.g. a bad MASTER_PORT
+        except Exception as e:  # noqa: BLE001 - e.g. a bad MASTER_PORT: one error line, exit code 1
             print(f"kaitian train: error: {e}", file=sys.stderr)
             return 1
     return _spawn_local(argv, cfg, placement, a.json)

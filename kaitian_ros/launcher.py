@@ -30,7 +30,6 @@ import importlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from typing import Any, TextIO
 import yaml
 
 from kaitian_ros import warm_start
+from kaitian_ros.ports import free_port
 from kaitian_ros.runtime import security
 from kaitian_ros.runtime import zenoh_session as zs
 from kaitian_ros.scenario import NodeSpec, Respawn, Scenario
@@ -540,13 +540,6 @@ class CapturedOutput:
         with self._lock:
             lines = self.lines + ([self._partial] if self._partial else [])
             return "\n".join(lines if last is None else lines[-last:])
-
-
-def free_port() -> int:
-    """A TCP port the kernel just handed out (bind to port 0), so parallel graphs never collide."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_on_free_port(scenario: Scenario, *, out: TextIO = sys.stdout, attempts: int = 5,

@@ -38,7 +38,7 @@ if str(REPO) not in sys.path:
 # --- ports, routers, environments ---------------------------------------------------------
 
 # after the sys.path insert above: this file also runs as a script from a source tree
-from kaitian_ros.launcher import free_port  # noqa: E402 - one definition, shared with the benches
+from kaitian_ros.ports import free_port  # noqa: E402 - one definition, shared with the package
 
 
 def child_env(router: str, **extra: str) -> dict[str, str]:

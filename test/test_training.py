@@ -16,8 +16,6 @@ import torch
 from kaitian_ros.training.launch import main_train, run_local
 from kaitian_ros.training.trainer import RankTrainer, TrainingConfig, TrainingStep
 
-pytest.importorskip("kaitian_ros.core.models")
-
 
 def _train(rank: int, world: int, cfg: TrainingConfig) -> dict:
     steps: list[TrainingStep] = []
@@ -120,7 +118,7 @@ def test_killed_rank_is_named_and_others_fail_then_resume(tmp_path: Path) -> Non
 
 def test_worker_alone_names_missing_peer_on_timeout(tmp_path: Path) -> None:
     """torchrun-style rank whose peer is killed: fails naming it (no launcher watching)."""
-    from kaitian_ros.training.launch import free_port
+    from kaitian_ros.ports import free_port
 
     port = str(free_port())
     ck = tmp_path / "ck"

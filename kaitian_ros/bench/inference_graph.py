@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kaitian_ros.bench.inference_scenarios import BenchScenario
+from kaitian_ros.ports import free_port
 
 LW_TOPIC_PREFIX = "/kaitian/bench/lw/"
 LW_TELEMETRY = "/kaitian/bench/lw_telemetry"
@@ -144,7 +145,7 @@ class Graph:
         self.compute = [f"compute_{i}" for i in range(n)]
         self.workers = [f"lw_{i}" for i in range(n)]
         self.host = links.root_ip() if links is not None else "127.0.0.1"
-        self.router_ep = f"tcp/{self.host}:{_free_port()}"
+        self.router_ep = f"tcp/{self.host}:{free_port()}"
 
     def params_file(self) -> Path:
         import yaml
@@ -227,14 +228,6 @@ class Graph:
             with contextlib.suppress(zs.SessionError):
                 self.router.close()
             self.router = None
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

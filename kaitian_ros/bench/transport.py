@@ -29,7 +29,6 @@ import contextlib
 import json
 import os
 import queue
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kaitian_ros.bench import BenchArgumentParser
+from kaitian_ros.ports import free_port
 
 BIG = 4 * 1024 * 1024
 SMALL = 256
@@ -294,18 +294,12 @@ class _Child:
             self.p.wait()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(repeats: int, n_big: int, n_small: int, log: Any = print,
             runtimes: tuple[str, ...] = ("embedded",)) -> dict[str, list[dict[str, Any]]]:
     """Per mode, one result per repeat; the modes interleave so drift hits every path alike."""
     from kaitian_ros.runtime import zenoh_session as zs
 
-    endpoint = f"tcp/127.0.0.1:{_free_port()}"
+    endpoint = f"tcp/127.0.0.1:{free_port()}"
     router = zs.open_session("router", listen=endpoint)
     env = dict(os.environ, KAITIAN_ROUTER=endpoint, ROS_DOMAIN_ID=os.environ.get("ROS_DOMAIN_ID", "0"),
                PYTHONUNBUFFERED="1")

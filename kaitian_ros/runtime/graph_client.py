@@ -74,16 +74,6 @@ class GraphClient:
                     entries.append(entry)
         return entries
 
-    def wait_for_nodes(self, names: list[str], timeout_s: float) -> bool:
-        """True once every node (fully qualified or plain name) is alive."""
-        deadline = time.monotonic() + timeout_s
-        wanted = {n if n.startswith("/") else "/" + n for n in names}
-        while time.monotonic() < deadline:
-            if wanted <= set(self.nodes()):
-                return True
-            time.sleep(0.2)
-        return False
-
     def nodes(self) -> list[str]:
         return sorted({e.node_fqn for e in self.liveliness() if e.kind == "NN"})
 

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kaitian_ros.ports import free_port
 from kaitian_ros.training import netif
 
 HEARTBEAT_S = 0.5
@@ -57,13 +58,6 @@ STORE_ERRORS = (RuntimeError, OSError)
 
 class RankFailure(RuntimeError):
     """Another rank died or stopped responding; the message names it."""
-
-
-def free_port() -> int:
-    """A TCP port that is free right now (bind to port 0), for MASTER_PORT."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --------------------------------------------------------------------------------------

@@ -698,9 +698,3 @@ class RankTrainer:
             train_seconds=train_s, comm_seconds=comm_s, final_shares=sampler.shares,
             accuracy_per_epoch=tuple(accs), history=tuple(history),
             groups=self.groups.topology.describe() if self.groups else "")
-
-
-def train_rank(config: TrainingConfig, *, local_rank: int | None = None,
-               on_step: Callable[[TrainingStep], None] | None = None) -> TrainingResult:
-    """Run this rank of ``config`` in an initialised process group."""
-    return RankTrainer(config, local_rank=local_rank, on_step=on_step).run()

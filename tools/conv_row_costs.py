@@ -3,11 +3,12 @@
 For every windowed conv of the trunk, times the op (as the stripe executor calls it) on each
 possible number of output rows and compares that with the rows' share of the whole-map call.
 A row count over 4x its share (+2 ms) is listed as slow. oneDNN chooses its blocked weight
-layout by input shape, and before session 7 a few shapes (ResNet-18 at 448, MobileNetV2 and
-VGG-11 at 224) converted layouts on every call, 4-40x slower; `graph.PrepackedConv` now packs
-such a shape's weights for itself after its first calls, so this should list nothing.
+layout by input shape, and for a few shapes (ResNet-18 at 448, MobileNetV2 and VGG-11 at 224)
+it converts layouts on every call, 4-40x slower; `graph.PrepackedConv` packs such a shape's
+weights for itself after its first calls, so this should list nothing (a listed row count is a
+shape it misses).
 
-    python bench/conv_row_costs.py [--model resnet18] [--size 224] [--max-counts 40]
+    python tools/conv_row_costs.py [--model resnet18] [--size 224] [--max-counts 40]
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 Runs each plan in one process with no messages (``run_plan_locally``, whole stripes, best of
 ``--reps``) and prints every node's stripe compute time. With node b EMULATED ``--slow`` times
 slower, no collaborative run of that plan can beat max(a, slow x b), whatever the transport;
-trunk / max(a, slow x b) is the most speed-up the plan allows (docs/benchmarks.md, session 3).
+trunk / max(a, slow x b) is the most speed-up the plan allows (docs/benchmarks-history.md, "An upper bound without
+messages").
 
-    python bench/split_bound.py [--model resnet18] [--size 224] [--slow 2.0]
+    python tools/split_bound.py [--model resnet18] [--size 224] [--slow 2.0]
 """
 
 from __future__ import annotations

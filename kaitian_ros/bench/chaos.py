@@ -1185,8 +1185,8 @@ def forgery_variants(g: ChaosGraph, kind: str) -> list[Variant]:
         return lambda since: any(d.get(key) == value for d in g.diag_since("scheduler", since))
 
     def speed_not_finite(node: str) -> Callable[[float], bool]:
-        # what taking the sample does: the node's speed estimate becomes NaN. (A rising sample
-        # count of an idle node, the marker before, also rose when real work reached the node.)
+        # what taking the sample does: the node's speed estimate becomes NaN. Not a rising sample
+        # count: an idle node's count also rises when real work reaches it.
         def seen(since: float) -> bool:
             return any(not math.isfinite(_float(d.get(f"{node}.speed_flops_per_ms", "0")))
                        or any(k.startswith("share.") and not math.isfinite(_float(v)) for k, v in d.items())

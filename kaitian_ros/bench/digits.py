@@ -36,7 +36,7 @@ DEFAULT_DIR = Path("bench/results")
 SCENARIO = "digits_demo"
 FRAMES, QUICK_FRAMES = 300, 100
 EPOCHS, QUICK_EPOCHS = 20, 12
-# Adam lr 0.01 with a cosine decay: the training bench's recipe (docs/training.md, session 5) at
+# Adam lr 0.01 with a cosine decay: the training bench's recipe (docs/training.md) at
 # the native 8x8 size, on camera inputs instead of standardised ones
 TRAIN_ARGS = ("--ranks", "2", "--devices", "cpu:a,cpu:b", "--slowdowns", "1,3", "--policy", "adaptive",
               "--camera-inputs", "--optimizer", "adam", "--lr", "0.01", "--lr-schedule", "cosine",

@@ -333,8 +333,7 @@ def run_bench(quick: bool, image_size: int | None = DEFAULT_IMAGE_SIZE) -> tuple
                           # 3-epoch warm-up: 0.98 single device, and one-process runs that
                           # differ only in how each batch's gradient is summed (9 splits, 3
                           # seeds) end on the same test accuracy. SGD (lr 0.02-0.1) stayed
-                          # below 0.96 or spread by 2-6 test samples (docs/training.md,
-                          # session 5)
+                          # below 0.96 or spread by 2-6 test samples (docs/training.md)
                           optimizer="adam", lr=0.01, standardize_inputs=True,
                           seed=0, rebalance_every=3, lr_schedule="cosine", warmup_steps=9,
                           ewma_alpha=0.5, evaluate_every_epoch=False, timeout_s=60)

@@ -41,13 +41,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from kaitian_ros.ports import free_port
 from kaitian_ros.training import netif
+
+if TYPE_CHECKING:  # imported at run time where used, as the functions below do
+    from kaitian_ros.training.trainer import TrainingConfig
 
 HEARTBEAT_S = 0.5
 STALE_S = 2.5  # a heartbeat older than this means the rank is gone
@@ -112,7 +115,7 @@ class Heartbeat:
 
     def stop(self, state: str = "done") -> None:
         self._stop.set()
-        with contextlib.suppress(STORE_ERRORS):  # store host gone: nobody left to tell
+        with contextlib.suppress(*STORE_ERRORS):  # store host gone: nobody left to tell
             self._store.set(f"kaitian/state/{self.env.rank}", state)
             self._store.set(f"kaitian/final/{self.env.rank}", state)  # done with the store
 
@@ -298,7 +301,7 @@ class _ArgError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, no usage dump, no SystemExit(2)
+    def error(self, message: str) -> NoReturn:  # one line, no usage dump, no SystemExit(2)
         raise _ArgError(message)
 
 
@@ -395,7 +398,7 @@ def _placement(a: argparse.Namespace, ranks: int) -> Placement:
     return Placement(a.nnodes, a.node_rank, ranks, a.master_addr, a.master_port or DEFAULT_MASTER_PORT)
 
 
-def _config_from_args(a: argparse.Namespace) -> tuple[Any, int | None]:
+def _config_from_args(a: argparse.Namespace) -> tuple[TrainingConfig, int]:
     from kaitian_ros.training.trainer import TrainingConfig
 
     d: dict[str, Any] = {}

@@ -490,7 +490,7 @@ class RankTrainer:
     def _gather(self, x: float | Sequence[float]) -> list[Any]:
         """All-gather a float or a fixed-length float vector from every rank (rank order)."""
         scalar = isinstance(x, (int, float))
-        t = torch.tensor([x] if scalar else list(x), dtype=torch.float64)
+        t = torch.tensor([x] if isinstance(x, (int, float)) else list(x), dtype=torch.float64)
         out = [torch.zeros_like(t) for _ in range(self.world_size)]
         dist.all_gather(out, t, group=self.groups.world if self.groups else None)
         return [float(o.item()) if scalar else tuple(o.tolist()) for o in out]
@@ -526,6 +526,7 @@ class RankTrainer:
         """Rank 0 reads the checkpoint and broadcasts it (other hosts need no shared disk)."""
         path = self._checkpoint_path()
         box: list[Any] = [None]
+        assert self.groups is not None  # run() builds the groups before it loads
         if self.rank == 0 and path is not None and path.exists():
             box[0] = torch.load(path, map_location="cpu", weights_only=False)
         dist.broadcast_object_list(box, src=0, group=self.groups.world)
@@ -582,6 +583,7 @@ class RankTrainer:
             *planned* slice size d and the hook weighs by d / B, so the reduced gradient is
             (sum over the samples this rank computed) / B: exact for any final counts.
             """
+            assert claims_store is not None  # only called where cfg.steals with several ranks
             d = max(sl.local_batch, 1)
             state.set_batch(d, sl.global_batch)
             claims = StepClaims(claims_store, str(sl.step), sl.counts, self.rank)

@@ -134,8 +134,11 @@ class GraphClient:
         if latched is None:
             latched = any(e.kind == "MP" and e.topic == topic for e in self.liveliness())
         if latched:
-            zs.query_latched(self.session, key, lambda r: r.ok is not None and deliver(r.ok, True),
-                             QUERY_TIMEOUT_S)
+            def deliver_reply(reply: Any) -> None:
+                if reply.ok is not None:  # an error reply carries no sample
+                    deliver(reply.ok, True)
+
+            zs.query_latched(self.session, key, deliver_reply, QUERY_TIMEOUT_S)
         return sub
 
     def _param_request(self, node: str, op: str, request: dict[str, Any]) -> dict[str, Any]:

@@ -109,9 +109,9 @@ def rcl_descriptor(desc: ParameterDescriptor, modules: Any) -> Any:  # modules: 
         hi = _INT64_MAX if desc.max_value is None else int(desc.max_value)
         out.integer_range = [modules.IntegerRange(from_value=lo, to_value=hi, step=0)]
     elif desc.type is ParameterType.DOUBLE:
-        lo = -sys.float_info.max if desc.min_value is None else float(desc.min_value)
-        hi = sys.float_info.max if desc.max_value is None else float(desc.max_value)
-        out.floating_point_range = [modules.FloatingPointRange(from_value=lo, to_value=hi, step=0.0)]
+        low = -sys.float_info.max if desc.min_value is None else float(desc.min_value)
+        high = sys.float_info.max if desc.max_value is None else float(desc.max_value)
+        out.floating_point_range = [modules.FloatingPointRange(from_value=low, to_value=high, step=0.0)]
     return out
 
 

@@ -139,7 +139,7 @@ class Coordinator:
         self.guard = ImpersonationGuard("coordinator", self.incarnation)  # forged plans on our topic
         self.next_request = ic.first_request_id()
         self.scheduler_authority = AuthorityTracker("scheduler")
-        self.counts = collections.Counter()
+        self.counts: collections.Counter[str] = collections.Counter()
         self.latencies: collections.deque = collections.deque(maxlen=200)
         self.chunk_pubs = {n: rt.create_publisher(ic.chunk_topic(n), "TensorChunk") for n in self.nodes}
         self.plan_pub = rt.create_publisher(ic.PLAN_TOPIC, "LoadAssignment", QoS.LATCHED)
@@ -324,8 +324,8 @@ class Coordinator:
                                                 sum(c.ms(op.out_shape[1]) for c, op in zip(ops, self.graph.ops)),
                                                 0.05)
         links = {(n, COORDINATOR): est for n, m in self.meters.items() if (est := m.estimate()) is not None}
-        prior = LinkEstimate(self.params["plan_link_mbit"] * 1e3 / 8, LINK_PRIOR_LATENCY_MS)
-        costs = Costs(profiles, links, prior, slab_rows=self.params["slab_rows"], pre_ms=self.pre_ms,
+        link_prior = LinkEstimate(self.params["plan_link_mbit"] * 1e3 / 8, LINK_PRIOR_LATENCY_MS)
+        costs = Costs(profiles, links, link_prior, slab_rows=self.params["slab_rows"], pre_ms=self.pre_ms,
                       post_ms=self.post_ms, send_ms_per_mb=self.send_ms_per_mb)
         return costs.with_links_from_profiles(), missing
 
@@ -510,6 +510,7 @@ class Coordinator:
         rid = self.next_request
         if self.pending is not None and rid >= self.pending.effective_from_request:
             self._activate(self.pending)
+        assert self.current is not None  # callers dispatch only while a plan is in effect
         self.next_request += 1
         c, h, w = self.out_shape
         req = Request(rid, self.current.version, self.plans[self.current.version], msg.header.stamp,
@@ -559,8 +560,10 @@ class Coordinator:
         return 0
 
     def _paced_sender(self) -> None:
+        sendq = self._sendq
+        assert sendq is not None  # started right after the queue is made
         while self.rt.ok():
-            node, m = self._sendq.get()
+            node, m = sendq.get()
             self.chunk_pubs[node].publish(m)
             time.sleep(self.params["input_pacing_ms"] / 1e3)
 

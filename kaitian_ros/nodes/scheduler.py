@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 from kaitian_ros.core import policy as pol
 from kaitian_ros.core.authority import ImpersonationGuard, new_incarnation
@@ -25,7 +26,8 @@ from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher, Level
 _TYPES = {"string": T.STRING, "double": T.DOUBLE, "integer": T.INTEGER, "bool": T.BOOL,
           "double_array": T.DOUBLE_ARRAY}
 POLICY_PARAMETERS = tuple(
-    P(d.name, _TYPES[d.type], list(d.default) if d.type == "double_array" else d.default, d.description,
+    P(d.name, _TYPES[d.type], list(cast(Sequence[float], d.default)) if d.type == "double_array" else d.default,
+      d.description,
       # a node is live if its heartbeats come: the policy itself takes any timeout, the node
       # no less than two of the slowest heartbeats
       ic.MIN_DEAD_AFTER_S if d.name == "dead_after_s" else d.min, d.max, choices=d.choices)

@@ -1009,9 +1009,9 @@ class Run:
             settled = self._wait_counts_settle(listeners, te)
             per: dict[str, Any] = {}
             for n in listeners:
-                after = g.diag(n)
+                diag_after = g.diag(n)
                 fresh = (g.diag_time(n) or 0.0) > te
-                reasons = cm.reason_increase([("", before[n]), ("", after)])
+                reasons = cm.reason_increase([("", before[n]), ("", diag_after)])
                 runtime = sum(reasons.get(k, 0)
                               for k in ("malformed", "wrong type", "type hash mismatch", "queue full"))
                 expected = reply["undecodable"] + reply["wrong_type"]

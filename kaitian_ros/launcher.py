@@ -74,9 +74,9 @@ _PRCTL = _load_prctl()
 def _die_with_parent() -> None:
     """Child side: get SIGTERM if the launcher disappears, even by SIGKILL (no orphans).
 
-    Runs as ``preexec_fn`` although the launcher has threads (PLW1509): the kernel's parent-death
-    signal can only be asked for by the child itself, so this keeps to a prctl call and
-    async-signal-safe system calls."""
+    Runs as ``preexec_fn`` although the launcher has threads (PLW1509): only the child itself can
+    ask for the kernel's parent-death signal. So it does as little as it can: no imports and no
+    library loading, a prctl, setsid and one signal disposition."""
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
     os.setsid()  # own process group: the terminal's Ctrl-C reaches only the launcher, which forwards it

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol
 
 import yaml
 
@@ -57,6 +57,15 @@ ROUTER = "router"  # name and executable of the router's child process
 ROUTER_RESPAWN = Respawn(enabled=True, delay_s=0.5, max_retries=20)
 ROUTER_READY_S = 20.0
 ROUTER_READY_LINE = "router listening on"
+
+
+class LineOut(Protocol):
+    """Where a launcher writes the prefixed node lines: a text stream, or anything that takes
+    ``write``/``flush`` like one (``CapturedOutput``, the live view's console lines)."""
+
+    def write(self, text: str, /) -> int: ...
+
+    def flush(self) -> None: ...
 
 
 def _load_prctl() -> Callable[..., int] | None:
@@ -226,7 +235,7 @@ class WarmInterpreter:
 
 
 class Launcher:
-    def __init__(self, scenario: Scenario, router_endpoint: str, *, out: TextIO = sys.stdout,
+    def __init__(self, scenario: Scenario, router_endpoint: str, *, out: LineOut = sys.stdout,
                  host_router: bool = True, node_prefix: Mapping[str, Sequence[str]] | None = None,
                  node_env: Mapping[str, Mapping[str, str]] | None = None, warm_start: bool = True) -> None:
         self.scenario = scenario
@@ -542,7 +551,7 @@ class CapturedOutput:
             return "\n".join(lines if last is None else lines[-last:])
 
 
-def start_on_free_port(scenario: Scenario, *, out: TextIO = sys.stdout, attempts: int = 5,
+def start_on_free_port(scenario: Scenario, *, out: LineOut = sys.stdout, attempts: int = 5,
                        host: str = "127.0.0.1", **launcher_options: Any) -> Launcher:
     """Start a graph whose router listens on a fresh port of ``host`` (loopback by default;
     ``launcher.router_endpoint``); ``launcher_options`` go to :class:`Launcher`.
@@ -561,7 +570,7 @@ def start_on_free_port(scenario: Scenario, *, out: TextIO = sys.stdout, attempts
 
 
 def launch(scenario: Scenario, router_endpoint: str, *, duration_s: float | None = None,
-           on_tick: Callable[[], None] | None = None, out: TextIO = sys.stdout, warm_start: bool = True,
+           on_tick: Callable[[], None] | None = None, out: LineOut = sys.stdout, warm_start: bool = True,
            host_router: bool = True) -> int:
     """Run a scenario until Ctrl-C/SIGTERM (or ``duration_s``); the exit code for the CLI.
     ``host_router``: host the graph's router on ``router_endpoint`` (else join the one there)."""

@@ -179,7 +179,7 @@ def _hostile_array(base: str, length: int, rng: np.random.Generator) -> Any:
         return [str(rng.choice(_STRINGS)) for _ in range(n)]
     dtype = _NUMPY_OF_ROS[base]
     if base in ("float32", "float64"):
-        pool = np.asarray(_FLOATS + tuple(rng.normal(0, 1e6, 8)), dtype=dtype)
+        pool: np.ndarray = np.asarray(_FLOATS + tuple(rng.normal(0, 1e6, 8)), dtype=dtype)
         return rng.choice(pool, n)
     if base == "bool":
         return rng.integers(0, 2, n).astype(dtype)

@@ -135,13 +135,13 @@ def recovery(answers: Sequence[Answer], ref_t: float, baseline_ms: float | None,
     """Recovery after ``ref_t`` from the answers (arrival order) up to ``until``."""
     after = [a for a in answers if a.complete and a.t > ref_t and (until is None or a.t <= until)]
     first = after[0].t - ref_t if after else None
-    timed = [a for a in after if a.latency_ms is not None]
+    timed = [(a.t, a.latency_ms) for a in after if a.latency_ms is not None]
     back = None
     if baseline_ms is not None and baseline_ms > 0:
         for k in range(len(timed) - rolling + 1):
             group = timed[k:k + rolling]
-            if statistics.median(a.latency_ms for a in group) <= factor * baseline_ms:
-                back = group[-1].t - ref_t
+            if statistics.median(ms for _, ms in group) <= factor * baseline_ms:
+                back = group[-1][0] - ref_t
                 break
     return Recovery(first, back)
 

@@ -32,11 +32,12 @@ difference to the single device is summation-order noise, not a weighting bug.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,16 @@ def _concurrent_solo(slowdowns: Sequence[float], base: Any, steps: int) -> list[
     return rates
 
 
+def _isolated_rate(solo: Mapping[float, float], slowdowns: tuple[float, ...]) -> float:
+    """The summed solo rates of devices at ``slowdowns``, each measured alone."""
+    return sum(solo[s] for s in slowdowns)
+
+
+def _concurrent_rate(concurrent: Mapping[tuple[float, ...], Sequence[float]], slowdowns: tuple[float, ...]) -> float:
+    """The summed solo rates of devices at ``slowdowns``, measured running side by side."""
+    return sum(concurrent[slowdowns])
+
+
 def _ideal(slowdowns_per_step: Sequence[Sequence[float]], global_batches: Sequence[int],
            rate_of: Callable[[tuple[float, ...]], float]) -> float:
     """Samples/s if the devices ran at their solo rates, phase by phase (drift changes it);
@@ -251,9 +262,12 @@ def split_train(cfg: Any, *, shares: Sequence[float] | None = None,
                     loss = nn.functional.cross_entropy(model(x), y, reduction="sum") / b
                     loss.backward()
                 for i, p in enumerate(params):
-                    g = p.grad.mul(b / big) if len(counts) > 1 else p.grad.clone()
+                    # a run's very first chunk of 0 samples has no gradient yet: it adds zeros
+                    grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                    g = grad.mul(b / big) if len(counts) > 1 else grad.clone()
                     total[i] = g if total[i] is None else total[i] + g
             for p, g in zip(params, total):
+                assert p.grad is not None  # the counts sum to the batch: some chunk ran backward
                 p.grad.copy_(g)
             set_lr(opt, lr_at(cfg, sl.step, sampler.steps_per_epoch()))
             opt.step()
@@ -409,13 +423,12 @@ def run_bench(quick: bool, image_size: int | None = DEFAULT_IMAGE_SIZE) -> tuple
                                                  for k, v in sorted(solo_log.items())}},
         }
         for name, r in runs.items():
-            spec: RunSpec = r["spec"]
+            spec = r["spec"]
             if spec.solo:
                 continue
-            isolated = _ideal(r["slowdown_per_step"], r["global_batches"],
-                              lambda sl, solo=r["solo"]: sum(solo[x] for x in sl))
+            isolated = _ideal(r["slowdown_per_step"], r["global_batches"], functools.partial(_isolated_rate, r["solo"]))
             ideal = _ideal(r["slowdown_per_step"], r["global_batches"],
-                           lambda sl, conc=r["concurrent_solo"]: sum(conc[sl]))
+                           functools.partial(_concurrent_rate, r["concurrent_solo"]))
             speeds = ":".join(f"{1 / s:.2g}" for s in spec.slowdowns)
             result["policies"][name] = {
                 "samples_per_s": r["samples_per_s"], "ideal_samples_per_s": ideal,

@@ -202,6 +202,7 @@ def _role_pub(kind: str) -> int:
     def send(mode: str, trial: int, n: int, stop: threading.Event | None = None) -> None:
         size = _size(mode)
         if mode.startswith("raw"):
+            assert raw is not None  # raw modes run on the embedded runtime only
             payload = raw_payload(trial, size)
             for _ in range(n):
                 if stop is not None and stop.is_set():

@@ -25,6 +25,7 @@ from kaitian_ros.nodes import inference_common as ic
 def best_ms(op: TrunkOp, in_shape: tuple[int, int, int], rows: int, fmt: torch.memory_format) -> float:
     """Best of two timed calls of `op` computing `rows` output rows (after two untimed ones:
     the first calls at a shape build kernels, and may repack the weights)."""
+    assert op.window is not None  # only windowed convs are timed
     lo, hi = op.window.raw(0, rows)
     x = torch.randn(1, in_shape[0], hi - lo, in_shape[2]).contiguous(memory_format=fmt)
     for _ in range(2):

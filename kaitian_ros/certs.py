@@ -27,7 +27,8 @@ OPENSSL = "openssl"
 DEFAULT_DAYS = 365
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
 CA_SUBJECT = "/CN=kaitian graph CA"
-_DNS_NAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+_DNS_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_DNS_NAME = re.compile(rf"^(?=.{{1,253}}$)({_DNS_LABEL})(\.{_DNS_LABEL})*$")
 
 
 class CertError(RuntimeError):
@@ -58,7 +59,7 @@ def san_entry(host: str) -> str:
 
 def _openssl(args: list[str], cwd: Path) -> None:
     try:
-        result = subprocess.run([OPENSSL, *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+        result = subprocess.run([OPENSSL, *args], cwd=cwd, capture_output=True, check=False, text=True, timeout=60)
     except FileNotFoundError:
         raise CertError(f"'{OPENSSL}' not found on PATH (kaitian certs create runs the openssl command)") from None
     if result.returncode != 0:

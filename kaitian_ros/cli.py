@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import yaml
@@ -30,7 +30,7 @@ class CliError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not argparse's usage dump
+    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage dump
         raise CliError(f"{self.prog}: {message}")
 
 
@@ -164,6 +164,7 @@ def _spans_hosts(router: str, host_router: bool) -> bool:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
+    from kaitian_ros.runtime import security
     from kaitian_ros.runtime import zenoh_session as zs
 
     endpoint = args.listen or zs.router_endpoint()
@@ -173,7 +174,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         session = zs.open_session("router", listen=endpoint)
-    except Exception as exc:
+    except (zs.SessionError, security.SecurityError) as exc:
         raise CliError(f"cannot listen on {endpoint}: {exc}", 1) from None
     print(f"router listening on {_shown_endpoint(endpoint)} (Ctrl-C to stop)", flush=True)
     try:
@@ -383,7 +384,7 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
-    from kaitian_ros.comm.launch import main_train
+    from kaitian_ros.training.launch import main_train
 
     return int(main_train(rest) or 0)
 
@@ -396,14 +397,12 @@ def build_parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
     common.add_argument("--router", default=argparse.SUPPRESS, help="zenoh endpoint of the graph's router")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    _add = sub.add_parser
 
-    def add_parser(name: str, **kw: Any) -> argparse.ArgumentParser:
-        return _add(name, parents=[common], **kw)
+    def cmd(subparsers: Any, name: str, **kw: Any) -> _Parser:
+        """A (sub)command that also takes the common options (--router)."""
+        return subparsers.add_parser(name, parents=[common], **kw)
 
-    sub.add_parser = add_parser  # type: ignore[method-assign]
-
-    p = sub.add_parser("launch", help="start a scenario's node graph (like ros2 launch)")
+    p = cmd(sub, "launch", help="start a scenario's node graph (like ros2 launch)")
     p.add_argument("scenario", help="scenario name in config/ (e.g. hetero_inference) or a .yaml path")
     p.add_argument("overrides", nargs="*", help="launch arguments name:=value")
     p.add_argument("--duration", type=float, help="stop after this many seconds")
@@ -424,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exclude", action="append", metavar="NODE[,NODE]",
                    help="run every node of the scenario here but these (they run on another host)")
 
-    p = sub.add_parser("certs", help="make a graph's TLS certificates (CA + coordinator/scheduler/compute/node)")
+    p = cmd(sub, "certs", help="make a graph's TLS certificates (CA + coordinator/scheduler/compute/node)")
     csub = p.add_subparsers(dest="certs_cmd", required=True, parser_class=_Parser)
     q = csub.add_parser("create", help="write ca.pem/ca.key and <role>.pem/<role>.key into DIR")
     q.add_argument("directory", metavar="DIR")
@@ -434,20 +433,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "localhost, 127.0.0.1 and ::1 are always included)")
     q.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
 
-    p = sub.add_parser("router", help="run a zenoh router for a graph")
+    p = cmd(sub, "router", help="run a zenoh router for a graph")
     p.add_argument("--listen", help="endpoint to listen on (default tcp/127.0.0.1:7447)")
 
-    p = sub.add_parser("node", help="node introspection")
+    p = cmd(sub, "node", help="node introspection")
     p.add_argument("node_cmd", choices=["list"])
 
-    p = sub.add_parser("topic", help="topic introspection")
+    p = cmd(sub, "topic", help="topic introspection")
     tsub = p.add_subparsers(dest="topic_cmd", required=True, parser_class=_Parser)
-    _inner_tsub = tsub.add_parser
-    tsub.add_parser = lambda name, _f=_inner_tsub, **kw: _f(name, parents=[common], **kw)  # type: ignore[method-assign]
-    q = tsub.add_parser("list")
+    q = cmd(tsub, "list")
     q.add_argument("-t", "--show-types", action="store_true")
     for name in ("echo", "hz"):
-        q = tsub.add_parser(name)
+        q = cmd(tsub, name)
         q.add_argument("topic")
         q.add_argument("type", nargs="?", help="message type (default: discovered)")
         q.add_argument("--timeout", type=float, help="stop after this many seconds")
@@ -458,28 +455,24 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             q.add_argument("--window", type=int, default=100)
 
-    p = sub.add_parser("param", help="parameters of a running node")
+    p = cmd(sub, "param", help="parameters of a running node")
     psub = p.add_subparsers(dest="param_cmd", required=True, parser_class=_Parser)
-    _inner_psub = psub.add_parser
-    psub.add_parser = lambda name, _f=_inner_psub, **kw: _f(name, parents=[common], **kw)  # type: ignore[method-assign]
-    q = psub.add_parser("list")
+    q = cmd(psub, "list")
     q.add_argument("node")
     for name in ("get", "describe"):
-        q = psub.add_parser(name)
+        q = cmd(psub, name)
         q.add_argument("node")
         q.add_argument("name")
-    q = psub.add_parser("set")
+    q = cmd(psub, "set")
     q.add_argument("node")
     q.add_argument("name")
     q.add_argument("value")
-    q = psub.add_parser("dump")
+    q = cmd(psub, "dump")
     q.add_argument("node")
 
-    p = sub.add_parser("bag", help="record topics into a rosbag2 (MCAP), summarise a bag (like ros2 bag)")
+    p = cmd(sub, "bag", help="record topics into a rosbag2 (MCAP), summarise a bag (like ros2 bag)")
     bsub = p.add_subparsers(dest="bag_cmd", required=True, parser_class=_Parser)
-    _inner_bsub = bsub.add_parser
-    bsub.add_parser = lambda name, _f=_inner_bsub, **kw: _f(name, parents=[common], **kw)  # type: ignore[method-assign]
-    q = bsub.add_parser("record", help="record topics until Ctrl-C/SIGTERM or --duration",
+    q = cmd(bsub, "record", help="record topics until Ctrl-C/SIGTERM or --duration",
                         description="Record what the graph publishes into a rosbag2 folder in MCAP storage, "
                                     "the CDR bytes as they arrived, with every message definition embedded. "
                                     "Latched topics' last samples are included.")
@@ -491,14 +484,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--duration", type=float, metavar="S", help="stop after this many seconds")
     q.add_argument("--include-chunks", action="store_true",
                    help="with no TOPIC: record the tensor chunk topics too (heavy: MiBs per frame)")
-    q = bsub.add_parser("info", help="topics, types, counts, duration and storage of a bag")
+    q = cmd(bsub, "info", help="topics, types, counts, duration and storage of a bag")
     q.add_argument("bag", type=Path, metavar="DIR", help="bag folder (or its .mcap file)")
 
     # bench/train parse their own options (and -h) in their modules: no help option here
-    p = sub.add_parser("bench", help="benchmarks (compare baselines side by side, write JSON + PNG)",
+    p = cmd(sub, "bench", help="benchmarks (compare baselines side by side, write JSON + PNG)",
                        add_help=False)
     p.add_argument("bench", choices=BENCHES)
-    sub.add_parser("train", help="collaborative training across this host's devices", add_help=False)
+    cmd(sub, "train", help="collaborative training across this host's devices", add_help=False)
     return parser
 
 

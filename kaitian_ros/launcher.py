@@ -24,12 +24,12 @@ the scenario's nodes.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,11 +38,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol
 
 import yaml
 
 from kaitian_ros import warm_start
+from kaitian_ros.ports import free_port
 from kaitian_ros.runtime import security
 from kaitian_ros.runtime import zenoh_session as zs
 from kaitian_ros.scenario import NodeSpec, Respawn, Scenario
@@ -58,12 +59,35 @@ ROUTER_READY_S = 20.0
 ROUTER_READY_LINE = "router listening on"
 
 
-def _die_with_parent() -> None:
-    """Child side: get SIGTERM if the launcher disappears, even by SIGKILL (no orphans)."""
+class LineOut(Protocol):
+    """Where a launcher writes the prefixed node lines: a text stream, or anything that takes
+    ``write``/``flush`` like one (``CapturedOutput``, the live view's console lines)."""
+
+    def write(self, text: str, /) -> int: ...
+
+    def flush(self) -> None: ...
+
+
+def _load_prctl() -> Callable[..., int] | None:
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):  # not glibc: children are not tied to the launcher
+        return None
+
+
+# resolved in the parent: a dlopen in the child, between fork and exec, could block on a loader
+# lock some other thread of the launcher held at the fork
+_PRCTL = _load_prctl()
+
+
+def _die_with_parent() -> None:
+    """Child side: get SIGTERM if the launcher disappears, even by SIGKILL (no orphans).
+
+    Runs as ``preexec_fn`` although the launcher has threads (PLW1509): only the child itself can
+    ask for the kernel's parent-death signal. So it does as little as it can: no imports and no
+    library loading, a prctl, setsid and one signal disposition."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
     os.setsid()  # own process group: the terminal's Ctrl-C reaches only the launcher, which forwards it
     # SIGINT ignored until the node's run_node installs its handler: a graph stopped in its first
     # seconds would otherwise print a KeyboardInterrupt traceback per node still importing torch
@@ -89,10 +113,8 @@ def stop_process_groups(processes: list[subprocess.Popen],
         if not alive:
             break
         for process in alive:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, sig)
-            except ProcessLookupError:
-                pass
         end = time.monotonic() + grace
         while time.monotonic() < end and any(p.poll() is None for p in alive):
             time.sleep(0.05)
@@ -155,8 +177,8 @@ def _weights_problem(model: str, weights: str, num_classes: int, in_channels: in
             _WEIGHTS_CHECKED[key] = [f"weights file {weights!r} does not exist ({hint})"]
         except Exception as exc:  # noqa: BLE001 - torch.load/load_state_dict raise many kinds; all mean unusable
             first = " ".join(str(exc).split())[:300]
-            _WEIGHTS_CHECKED[key] = [f"weights {weights!r} do not load into model {model!r} "
-                                     f"({num_classes} classes, {in_channels} input channels): {first}"]
+            _WEIGHTS_CHECKED[key] = [(f"weights {weights!r} do not load into model {model!r} "
+                                      f"({num_classes} classes, {in_channels} input channels): {first}")]
     return _WEIGHTS_CHECKED[key]
 
 
@@ -213,7 +235,7 @@ class WarmInterpreter:
 
 
 class Launcher:
-    def __init__(self, scenario: Scenario, router_endpoint: str, *, out: TextIO = sys.stdout,
+    def __init__(self, scenario: Scenario, router_endpoint: str, *, out: LineOut = sys.stdout,
                  host_router: bool = True, node_prefix: Mapping[str, Sequence[str]] | None = None,
                  node_env: Mapping[str, Mapping[str, str]] | None = None, warm_start: bool = True) -> None:
         self.scenario = scenario
@@ -290,7 +312,8 @@ class Launcher:
         command = self.node_prefix.get(spec.name, []) + node_command(spec, self.params_file)
         process = subprocess.Popen(command, env=self._base_env() | self._node_env(spec),
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                                   stdin=subprocess.DEVNULL,
+                                   preexec_fn=_die_with_parent,  # noqa: PLW1509 - see _die_with_parent
                                    text=True, bufsize=1)
         reader = threading.Thread(target=self._pump, args=(lambda: spec.name, process, ready), daemon=True)
         reader.start()
@@ -315,7 +338,8 @@ class Launcher:
     def _start_warm(self) -> None:
         process = subprocess.Popen(self._warm_command(), env=self._base_env(),
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
-                                   preexec_fn=_die_with_parent, text=True, bufsize=1)
+                                   text=True, bufsize=1,
+                                   preexec_fn=_die_with_parent)  # noqa: PLW1509 - see _die_with_parent
         warm = WarmInterpreter(process, threading.Thread())
         warm.reader = threading.Thread(target=self._pump, args=(lambda: warm.name, process), daemon=True)
         warm.reader.start()
@@ -458,7 +482,7 @@ class Supervision:
             self.diagnostics = DiagnosticsPublisher(self.rt, hardware_id="launcher")
             self.thread = threading.Thread(target=self.rt.spin, daemon=True)  # answers graph queries
             self.thread.start()
-        except Exception as exc:  # supervision goes on without it
+        except Exception as exc:  # noqa: BLE001 - supervision goes on without it, whatever failed
             launcher.say(f"[launch] no /diagnostics from the launcher: {exc}")
             self.rt = None
 
@@ -487,10 +511,8 @@ class Supervision:
             level, text = self.level.WARN, "; ".join(recent)
         else:
             level, text = self.level.OK, f"{len(self.launcher.children)} nodes supervised"
-        try:
+        with contextlib.suppress(zs.SessionError):  # the router may be going away with the graph
             self.diagnostics.publish(level, text, values)
-        except Exception:  # the router may be going away with the graph
-            pass
 
     def close(self) -> None:
         if self.rt is not None:
@@ -529,14 +551,7 @@ class CapturedOutput:
             return "\n".join(lines if last is None else lines[-last:])
 
 
-def free_port() -> int:
-    """A TCP port the kernel just handed out (bind to port 0), so parallel graphs never collide."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_on_free_port(scenario: Scenario, *, out: TextIO = sys.stdout, attempts: int = 5,
+def start_on_free_port(scenario: Scenario, *, out: LineOut = sys.stdout, attempts: int = 5,
                        host: str = "127.0.0.1", **launcher_options: Any) -> Launcher:
     """Start a graph whose router listens on a fresh port of ``host`` (loopback by default;
     ``launcher.router_endpoint``); ``launcher_options`` go to :class:`Launcher`.
@@ -555,7 +570,7 @@ def start_on_free_port(scenario: Scenario, *, out: TextIO = sys.stdout, attempts
 
 
 def launch(scenario: Scenario, router_endpoint: str, *, duration_s: float | None = None,
-           on_tick: Callable[[], None] | None = None, out: TextIO = sys.stdout, warm_start: bool = True,
+           on_tick: Callable[[], None] | None = None, out: LineOut = sys.stdout, warm_start: bool = True,
            host_router: bool = True) -> int:
     """Run a scenario until Ctrl-C/SIGTERM (or ``duration_s``); the exit code for the CLI.
     ``host_router``: host the graph's router on ``router_endpoint`` (else join the one there)."""

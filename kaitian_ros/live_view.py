@@ -19,7 +19,7 @@ import math
 import sys
 import threading
 import time
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 from kaitian_ros import view_render as vr
 from kaitian_ros.run_summary import RunSummary, RunTally, format_summary, percentile
@@ -165,7 +165,9 @@ class LiveView:
     @property
     def output(self) -> TextIO:
         """Where the launcher's node lines go: above the table on a terminal, else the stream."""
-        return _ConsoleLines(self) if self.show and self.tty else self.stream
+        if self.show and self.tty:
+            return cast(TextIO, _ConsoleLines(self))  # a TextIOBase that implements write/flush
+        return self.stream
 
     def render(self) -> str:
         """The current state as plain ``[view]`` lines."""

@@ -198,7 +198,13 @@ def load_scenario(name_or_path: str, overrides: Sequence[tuple[str, Any]] | Sequ
             if key in params:
                 respawn = respawn.with_setting(key, params.pop(key), f"{path}: node '{name}'")
         nodes.append(NodeSpec(name, executable, params, respawn))
-    pairs = parse_overrides(overrides) if overrides and isinstance(overrides[0], str) else list(overrides)
+    pairs: list[tuple[str, Any]] = []
+    for item in overrides:  # "key:=value" strings (a command line) or (key, value) pairs
+        if isinstance(item, str):
+            pairs += parse_overrides([item])
+        else:
+            key, value = item
+            pairs.append((key, value))
     for key, value in pairs:
         if key == SECURITY_KEY:
             security = _security_dir(value, Path.cwd(), f"{SECURITY_KEY}:=")

@@ -23,6 +23,7 @@ for normal priority for the rest (granted to root or with CAP_SYS_NICE/RLIMIT_NI
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -65,15 +66,11 @@ class Order:
 
 
 def _preload(modules: Sequence[str], compute_argvs: Sequence[Sequence[str]] = ()) -> None:
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: imports at normal priority
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IDLE_NICE)
-    except (OSError, AttributeError):
-        pass  # not Linux: imports at normal priority
     for name in modules:
-        try:
+        with contextlib.suppress(ImportError):  # the node that needs it reports it when it imports it itself
             importlib.import_module(name)
-        except ImportError:
-            pass  # the node that needs it reports it when it imports it itself
     for argv in compute_argvs:
         try:
             from kaitian_ros.nodes import compute
@@ -117,10 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"warm interpreter: {exc}", file=sys.stderr)
         return 2
     if loader.is_alive():  # needed before its imports finished: the rest at normal priority if allowed
-        try:
+        with contextlib.suppress(OSError, AttributeError):  # lowering a nice value needs CAP_SYS_NICE or RLIMIT_NICE
             os.setpriority(os.PRIO_PROCESS, loader.native_id or 0, 0)
-        except (OSError, AttributeError):
-            pass  # lowering a nice value needs CAP_SYS_NICE or RLIMIT_NICE
         loader.join()
     if order.module != "kaitian_ros.nodes.compute" and "kaitian_ros.nodes.compute" in sys.modules:
         # a scheduler or coordinator becoming this interpreter must not carry a compute node's

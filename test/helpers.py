@@ -37,7 +37,8 @@ if str(REPO) not in sys.path:
 
 # --- ports, routers, environments ---------------------------------------------------------
 
-from kaitian_ros.launcher import free_port  # one definition, shared with the benches
+# after the sys.path insert above: this file also runs as a script from a source tree
+from kaitian_ros.ports import free_port  # noqa: E402 - one definition, shared with the package
 
 
 def child_env(router: str, **extra: str) -> dict[str, str]:
@@ -60,7 +61,7 @@ class Router:
             try:
                 self.session = zs.open_session("router", listen=self.endpoint)
                 return
-            except Exception as exc:  # pragma: no cover - rare race
+            except zs.SessionError as exc:  # pragma: no cover - rare race
                 last = exc
         raise RuntimeError(f"could not host a router: {last}")
 
@@ -176,7 +177,7 @@ def run_cli(*args: str, router: str | None = None, timeout_s: float = 30.0) -> s
     if router is not None:
         cmd += ["--router", router]
     env = child_env(router or "tcp/127.0.0.1:1")
-    return subprocess.run(cmd + list(args), env=env, capture_output=True, text=True, timeout=timeout_s,
+    return subprocess.run(cmd + list(args), env=env, capture_output=True, check=False, text=True, timeout=timeout_s,
                           cwd=str(REPO))
 
 

@@ -97,7 +97,7 @@ def test_every_published_message_is_in_the_bag_as_its_bytes(recording: Recording
     assert summary_line.startswith("recorded "), recording.recorder_output
     summary, messages = _read_mcap(recording.bag)
     assert {c.topic: c.message_encoding for c in summary.channels.values()} == \
-        {t: "cdr" for t in [*TOPICS, LATE_TOPIC]}
+        dict.fromkeys([*TOPICS, LATE_TOPIC], "cdr")
     by_topic: dict[str, list[Any]] = {t: [] for t in [*TOPICS, LATE_TOPIC]}
     for _schema, channel, message, decoded in messages:
         by_topic[channel.topic].append((message, decoded))
@@ -163,8 +163,8 @@ def test_bag_info_reads_the_bag_back(recording: Recording) -> None:
     for topic, msg_type in TOPICS.items():
         count = len(recording.sha256[topic])
         assert f"Topic: {topic} | Type: {msg_type} | Count: {count} |" in out
-    assert "Topic: /kaitian/plan | Type: kaitian_ros/msg/LoadAssignment | Count: 2 | Serialization Format: cdr" \
-           " | latched" in out
+    assert ("Topic: /kaitian/plan | Type: kaitian_ros/msg/LoadAssignment | Count: 2 | Serialization Format: cdr"
+            " | latched") in out
 
 
 def test_named_topic_for_a_duration_gets_the_latched_sample(recording: Recording, tmp_path: Path) -> None:
@@ -182,7 +182,8 @@ def test_named_topic_for_a_duration_gets_the_latched_sample(recording: Recording
 
 def test_sigterm_closes_the_bag(recording: Recording, tmp_path: Path) -> None:
     bag = tmp_path / "terminated"
-    recorder = Proc(_record_cmd(recording.router, "/kaitian/plan", "-o", str(bag)), child_env(recording.router.endpoint))
+    recorder = Proc(_record_cmd(recording.router, "/kaitian/plan", "-o", str(bag)),
+                    child_env(recording.router.endpoint))
     try:
         recorder.wait_for(r"^recording 1 topic")
         recorder.p.send_signal(signal.SIGTERM)

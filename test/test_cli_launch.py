@@ -126,7 +126,7 @@ REFUSALS = [
     ("rate_hz", "fast", "expects double"),
     ("source", "/" + "a" * 300, "File name too long"),       # the OS refuses the path: a reason, no crash
     ("source", "/" + "a" * 5000, "at most 4096"),
-    ("source", "/tmp/no_such_clip.mp4", "neither 'synthetic', a file, nor a folder"),
+    ("source", "/no_such_dir/no_such_clip.mp4", "neither 'synthetic', a file, nor a folder"),
 ]
 
 

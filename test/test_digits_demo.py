@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from kaitian_ros.bench import digits as bench
-from kaitian_ros.comm.trainer import load_data
 from kaitian_ros.core.tensors import image_to_array, normalise_input, resize_pixels
 from kaitian_ros.nodes import image_source
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.scenario import load_scenario
+from kaitian_ros.training.trainer import load_data
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -91,11 +91,11 @@ def test_image_source_publishes_labelled_mono8_digits_and_refuses_odd_sizes() ->
 
 
 def test_camera_inputs_exclude_standardised_ones() -> None:
-    from kaitian_ros.comm.trainer import TrainingConfig
+    from kaitian_ros.training.trainer import TrainingConfig
 
     with pytest.raises(ValueError, match="exclude each other"):
         TrainingConfig(camera_inputs=True, standardize_inputs=True)
-    cfg = TrainingConfig.from_dict({"camera_inputs": True, "save_weights": "/tmp/w.pt"})
+    cfg = TrainingConfig.from_dict({"camera_inputs": True, "save_weights": "weights/w.pt"})
     assert TrainingConfig.from_dict(cfg.to_dict()) == cfg
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import py_compile
+import runpy
 import sys
 import types
 from pathlib import Path
@@ -265,8 +266,7 @@ class FakeLaunch:
 
 
 def _run_launch_file(path: Path, context: dict[str, str]) -> tuple[list, list]:
-    namespace: dict[str, Any] = {"__file__": str(path), "__name__": "launch_file"}
-    exec(compile(path.read_text(), str(path), "exec"), namespace)
+    namespace = runpy.run_path(str(path), run_name="launch_file")
     description = namespace["generate_launch_description"]()
     declared = [e for e in description.entities if hasattr(e, "default_value")]
     (opaque,) = [e for e in description.entities if hasattr(e, "function")]

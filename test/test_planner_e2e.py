@@ -87,8 +87,9 @@ def test_plan_message_and_diagnostics_name_strategy_prediction_and_runner_up(gra
     assert plan.runner_up and plan.runner_up_ms > 0, plan
     assert "predicted" in plan.reason and "runner-up" in plan.reason
     # profiles are latched: the coordinator holds each compute node's, however late it joined
-    values = wait_until(lambda: (v := _coordinator_values(g)) and v.get("strategy") and
-                        "compute_0:v" in v.get("profiles", "") and "compute_1:v" in v.get("profiles", "") and v or None,
+    values = wait_until(lambda: ((v := _coordinator_values(g)) and v.get("strategy")
+                                 and "compute_0:v" in v.get("profiles", "")
+                                 and "compute_1:v" in v.get("profiles", "") and v) or None,
                         "coordinator /diagnostics with a strategy and both nodes' profiles", 10.0)
     assert values["strategy"] in ("single", "layerwise", "stripes")
     assert float(values["predicted_ms"]) > 0
@@ -153,7 +154,7 @@ def test_implausible_profiles_are_dropped_counted_and_the_last_good_one_kept(gra
     for msg in bad.values():
         pub.publish(msg)
     want = int(base.get("rejected", "0")) + len(bad)
-    values = wait_until(lambda: (v := _coordinator_values(g)) and int(v.get("rejected", "0")) >= want and v or None,
+    values = wait_until(lambda: ((v := _coordinator_values(g)) and int(v.get("rejected", "0")) >= want and v) or None,
                         f"{len(bad)} more rejected messages at the coordinator", 15.0)
     reasons = {k: int(v) for k, v in values.items() if k.startswith("rejected.bad profile")}
     assert reasons == {"rejected.bad profile (implausible value)": 4, "rejected.bad profile (unknown node)": 1,

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kaitian_ros.core.costs import Costs, DeviceProfile, LinkEstimate, OpCost
-from kaitian_ros.core.planner import MeasuredPlan, spec_key
 from kaitian_ros.core.plan import PlanSpec
+from kaitian_ros.core.planner import MeasuredPlan, spec_key
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.nodes.planner_process import PlannerProcess, PlanRequest, plan_round
 

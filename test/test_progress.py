@@ -7,9 +7,9 @@ from __future__ import annotations
 import io
 from types import SimpleNamespace
 
-from kaitian_ros.comm.launch import _EpochProgress
-from kaitian_ros.comm.trainer import EpochDone
 from kaitian_ros.progress import Progress
+from kaitian_ros.training.launch import _EpochProgress
+from kaitian_ros.training.trainer import EpochDone
 
 
 class _Terminal(io.StringIO):

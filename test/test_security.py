@@ -73,7 +73,7 @@ pytestmark = pytest.mark.skipif(not certs.openssl_available(), reason="needs the
 
 
 def _openssl(*args: str) -> str:
-    result = subprocess.run(["openssl", *args], capture_output=True, text=True, timeout=30)
+    result = subprocess.run(["openssl", *args], capture_output=True, check=False, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -207,7 +207,8 @@ def test_access_control_rules_deny_publishing_protected_topics_to_other_roles() 
         for rule_id in policy["rules"]:
             rule = rules[rule_id]
             if rule["permission"] == "deny":
-                assert rule["flows"] == ["ingress"] and set(rule["messages"]) == {"put", "delete", "declare_queryable", "reply"}
+                assert rule["flows"] == ["ingress"]
+                assert set(rule["messages"]) == {"put", "delete", "declare_queryable", "reply"}
                 for key in rule["key_exprs"]:
                     denied[key] = set(policy["subjects"])
     assert denied == {
@@ -232,7 +233,7 @@ def test_sros2_policy_denies_the_same_topics_as_the_embedded_rules() -> None:
     checked as a file here: sros2 is not installable from PyPI."""
     import xml.etree.ElementTree as ET
 
-    root = ET.parse(REPO / "config" / "kaitian_sros2.policy.xml").getroot()
+    root = ET.parse(REPO / "config" / "kaitian_sros2.policy.xml").getroot()  # noqa: S314 - our own file
     assert root.tag == "policy" and root.get("version") == "0.2.0"
     enclaves = [e.get("path") for e in root.iter("enclave")]
     assert enclaves == [f"/kaitian/{role}" for role in security.ROLES]
@@ -286,8 +287,9 @@ def test_launch_with_a_cert_dir_from_before_the_compute_role_names_the_missing_f
     assert result.returncode == 2, result.stdout + result.stderr
     assert "[launch] started" not in result.stdout
     lines = result.stderr.strip().splitlines()
-    assert lines == [f"kaitian launch camera_demo: security: {tmp_path.resolve()} lacks or cannot read "
-                     f"compute.pem, compute.key (create them with `kaitian certs create {tmp_path.resolve()} --force`)"]
+    assert lines == [(f"kaitian launch camera_demo: security: {tmp_path.resolve()} lacks or cannot read "
+                      f"compute.pem, compute.key "
+                      f"(create them with `kaitian certs create {tmp_path.resolve()} --force`)")]
 
 
 # --- a secure graph of small processes ----------------------------------------------------------
@@ -304,7 +306,7 @@ def _secure_env(router: str, cert_dir: Path, role: str) -> dict[str, str]:
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kaitian_ros.cli", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kaitian_ros.cli", *args], env=env, capture_output=True, check=False,
                           text=True, timeout=60, cwd=str(REPO))
 
 
@@ -332,7 +334,8 @@ def secure_graph(cert_dir: Path, other_ca_dir: Path):
                       _secure_env(endpoint, cert_dir, "node"))
         procs.append(router)
         router.wait_for(r"router listening on tls/127\.0\.0\.1:\d+ \(TLS \+ access control, role node\)")
-        publishers = {role: _script("publisher", role, env=_secure_env(endpoint, cert_dir, role)) for role in PUBLISHER_ROLES}
+        publishers = {role: _script("publisher", role, env=_secure_env(endpoint, cert_dir, role))
+                      for role in PUBLISHER_ROLES}
         procs += publishers.values()
         outsiders = {v: _script("outsider", v, str(cert_dir), str(other_ca_dir),
                                 env=_plain_env(endpoint)) for v in OUTSIDERS}
@@ -607,7 +610,8 @@ def _child_outsider(variant: str, cert_dir: str, other_ca_dir: str) -> None:
     tls: dict[str, Any] = {"root_ca_certificate": str(Path(cert_dir) / "ca.pem")}
     if variant == "other_ca":
         other = Path(other_ca_dir)
-        tls.update(connect_certificate=str(other / "coordinator.pem"), connect_private_key=str(other / "coordinator.key"))
+        tls.update(connect_certificate=str(other / "coordinator.pem"),
+                   connect_private_key=str(other / "coordinator.key"))
     if variant != "tcp":
         config.insert_json5("transport/link/tls", json.dumps(tls))
     session = zenoh.open(config)

@@ -13,7 +13,6 @@ import pytest
 import yaml
 from helpers import child_env, free_port
 
-pytest.importorskip("kaitian_ros.core.models")
 pytest.importorskip("sklearn")
 
 

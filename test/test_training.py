@@ -13,10 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kaitian_ros.comm.launch import main_train, run_local
-from kaitian_ros.comm.trainer import RankTrainer, TrainingConfig, TrainingStep
-
-pytest.importorskip("kaitian_ros.core.models")
+from kaitian_ros.training.launch import main_train, run_local
+from kaitian_ros.training.trainer import RankTrainer, TrainingConfig, TrainingStep
 
 
 def _train(rank: int, world: int, cfg: TrainingConfig) -> dict:
@@ -52,7 +50,7 @@ def test_adaptive_three_ranks_matches_single_process_accuracy() -> None:
 
 def _spawn(args: list[str], env_extra: dict[str, str]) -> subprocess.Popen:
     env = dict(os.environ, KAITIAN_THREADS="1", **env_extra)
-    return subprocess.Popen([sys.executable, "-m", "kaitian_ros.comm.launch", *args], env=env,
+    return subprocess.Popen([sys.executable, "-m", "kaitian_ros.training.launch", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -120,7 +118,7 @@ def test_killed_rank_is_named_and_others_fail_then_resume(tmp_path: Path) -> Non
 
 def test_worker_alone_names_missing_peer_on_timeout(tmp_path: Path) -> None:
     """torchrun-style rank whose peer is killed: fails naming it (no launcher watching)."""
-    from kaitian_ros.comm.launch import free_port
+    from kaitian_ros.ports import free_port
 
     port = str(free_port())
     ck = tmp_path / "ck"
@@ -166,7 +164,7 @@ def test_config_roundtrip_and_validation() -> None:
 
 
 def test_lr_schedule_and_image_size() -> None:
-    from kaitian_ros.comm.trainer import load_data, lr_at
+    from kaitian_ros.training.trainer import load_data, lr_at
 
     const = TrainingConfig(lr=0.1)
     assert [lr_at(const, k, 3) for k in (0, 7, 100)] == [0.1, 0.1, 0.1]
@@ -207,7 +205,7 @@ def test_slowdown_is_settable_at_run_time() -> None:
 
 
 def test_optimizer_standardised_inputs_and_work_stealing_options() -> None:
-    from kaitian_ros.comm.trainer import load_data
+    from kaitian_ros.training.trainer import load_data
 
     with pytest.raises(ValueError, match="optimizer"):
         TrainingConfig(optimizer="rmsprop")

@@ -206,7 +206,7 @@ def test_training_across_two_hosts_equals_one_host(hosts: netns.Links, tmp_path:
 
 def test_unreachable_router_is_one_line_and_exit_1(tmp_path: Path) -> None:
     """Joining a router nobody runs: one line naming it, exit 1, no node started, no traceback."""
-    from kaitian_ros.launcher import free_port
+    from kaitian_ros.ports import free_port
 
     endpoint = f"tcp/127.0.0.1:{free_port()}"
     proc = subprocess.run([sys.executable, "-m", "kaitian_ros.cli", "launch", "robot_edge", "--connect", endpoint,
@@ -227,7 +227,7 @@ def test_unreachable_router_is_one_line_and_exit_1(tmp_path: Path) -> None:
 def test_unreachable_master_is_one_line_per_rank() -> None:
     """Node 1 of 2 whose node 0 never comes: its rank says so in one line, the launcher that it
     stopped, exit 1, no traceback (torch's own connect timeout would print a C++ stack)."""
-    from kaitian_ros.comm.launch import free_port
+    from kaitian_ros.ports import free_port
 
     port = free_port()
     proc = subprocess.run([sys.executable, "-m", "kaitian_ros.cli", "train", "--nnodes", "2", "--node-rank", "1",

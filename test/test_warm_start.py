@@ -30,15 +30,16 @@ def test_a_warm_interpreter_becomes_the_node_it_is_told_and_exits_with_its_code(
     launcher closed its standard input), it exits 0; told garbage, it says so and exits 2."""
     params = tmp_path / "p.yaml"
     params.write_text("scheduler:\n  ros__parameters:\n    compute_nodes: [a, b]\n    dead_after_s: 0.01\n")
-    order = Order("kaitian_ros.nodes.scheduler", ("--ros-args", "-r", "__node:=scheduler", "--params-file",
-                                                  str(params)), {"KAITIAN_RUNTIME": "embedded", "KAITIAN_ROUTER": router.endpoint})
+    order = Order("kaitian_ros.nodes.scheduler",
+                  ("--ros-args", "-r", "__node:=scheduler", "--params-file", str(params)),
+                  {"KAITIAN_RUNTIME": "embedded", "KAITIAN_ROUTER": router.endpoint})
     cmd = [sys.executable, "-u", "-m", "kaitian_ros.warm_start"]
-    became = subprocess.run(cmd, input=order.to_line(), capture_output=True, text=True, timeout=120)
+    became = subprocess.run(cmd, input=order.to_line(), capture_output=True, check=False, text=True, timeout=120)
     assert became.returncode == 2, became.stdout + became.stderr
     assert "dead_after_s" in became.stdout + became.stderr
-    unused = subprocess.run(cmd, input="", capture_output=True, text=True, timeout=120)
+    unused = subprocess.run(cmd, input="", capture_output=True, check=False, text=True, timeout=120)
     assert unused.returncode == 0 and unused.stdout == ""
-    garbage = subprocess.run(cmd, input="hello\n", capture_output=True, text=True, timeout=120)
+    garbage = subprocess.run(cmd, input="hello\n", capture_output=True, check=False, text=True, timeout=120)
     assert garbage.returncode == 2 and "not an order" in garbage.stderr
 
 

@@ -594,7 +594,8 @@ def summarise(runs: Sequence[PolicyRun], reference: Mapping[str, float] | None =
         worst_cal = 0
         for p in EVENT_PHASES:
             xs = rel[r.policy][p]
-            k_cal = requests_to_reconverge(xs, best[p]) if best[p] is not None else None
+            best_p = best[p]
+            k_cal = requests_to_reconverge(xs, best_p) if best_p is not None else None
             k_cal_count = len(xs) if k_cal is None else k_cal  # never: censored at the whole phase
             if reference is not None and reference.get(p) is not None:
                 k = requests_to_reconverge(slices[r.policy][p], reference[p])
@@ -667,7 +668,7 @@ def plot(runs: Sequence[PolicyRun], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(runs), 1, figsize=(10, 3.2 * len(runs)), squeeze=False, sharex=False)
-    colours = {}
+    colours: dict[str, Any] = {}
     for ax, run in zip(axes[:, 0], runs):
         recs = sorted((r for r in run.records), key=lambda r: r["request_id"])
         ids = [r["request_id"] for r in recs]

@@ -62,7 +62,7 @@ LEAD_S = 1.0  # a fault's frames start this long before it: frames in flight whe
 RSS_PERIOD_S = 0.25
 MEM_FLOOR_MB = 2048  # the flood is stopped if the machine's available memory falls below this
 LINK_NODE = "compute_0"
-LINK_NAMES = {"netns_prefix": "kaitian_chaos", "veth_prefix": "kc", "subnet": "10.232"}
+LINK_NAMES: dict[str, Any] = {"netns_prefix": "kaitian_chaos", "veth_prefix": "kc", "subnet": "10.232"}
 # the line each node logs once its subscriptions exist (the end of its constructor)
 INSTANT_S = 5.0  # the latency "during" a fault without duration: its first seconds
 LIFTED = ("adaptation", "variants")  # details that targets read: kept beside the metrics
@@ -94,7 +94,7 @@ class Settings:
 
     @classmethod
     def make(cls, quick: bool, **over: Any) -> Settings:
-        base = dict(quick=quick, pre_s=4.0 if quick else 6.0, settle_s=10.0 if quick else 30.0,
+        base: dict[str, Any] = dict(quick=quick, pre_s=4.0 if quick else 6.0, settle_s=10.0 if quick else 30.0,
                     extra_s=10.0 if quick else 15.0, warmup_s=6.0 if quick else 10.0,
                     flood_s=8.0 if quick else 20.0, flood_rate=1000.0, collapse_s=8.0 if quick else 20.0,
                     link_mbit=1000.0, collapse_mbit=1.0, fuzz_count=1000 if quick else 10_000,
@@ -567,15 +567,18 @@ class Attacker:
 
     def _reply(self, timeout_s: float) -> dict[str, Any]:
         box: list[str] = []
-        reader = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)
+        stdout, stderr = self.proc.stdout, self.proc.stderr
+        assert stdout is not None and stderr is not None  # started with pipes
+        reader = threading.Thread(target=lambda: box.append(stdout.readline()), daemon=True)
         reader.start()
         reader.join(timeout_s)
         if not box or not box[0]:
-            err = self.proc.stderr.read() if self.proc.poll() is not None else ""
+            err = stderr.read() if self.proc.poll() is not None else ""
             raise RuntimeError(f"no answer from the attacker within {timeout_s:.0f} s {err[-800:]}")
         return json.loads(box[0])
 
     def command(self, timeout_s: float = 60.0, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None  # started with pipes
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
         reply = self._reply(timeout_s)
@@ -587,7 +590,7 @@ class Attacker:
         self.command(op="publish", topic=topic, cdr_b64=base64.b64encode(cdr).decode(), copies=copies)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
             try:
                 self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
                 self.proc.stdin.flush()
@@ -648,10 +651,11 @@ class Run:
         if self.secure_dir is None:
             return [("no certificate (security option off)", self.attacker_for(), "")]
         if not self.secure_attackers:
-            for who, env in (("no certificate", {"KAITIAN_SECURITY": None, "KAITIAN_SECURITY_ROLE": None}),
-                             ("node certificate",
-                              {"KAITIAN_SECURITY": self.secure_dir, "KAITIAN_SECURITY_ROLE": "node"}),
-                             (COMPUTE_CERT, {"KAITIAN_SECURITY": self.secure_dir, "KAITIAN_SECURITY_ROLE": "compute"})):
+            envs: tuple[tuple[str, dict[str, str | None]], ...] = (
+                ("no certificate", {"KAITIAN_SECURITY": None, "KAITIAN_SECURITY_ROLE": None}),
+                ("node certificate", {"KAITIAN_SECURITY": self.secure_dir, "KAITIAN_SECURITY_ROLE": "node"}),
+                (COMPUTE_CERT, {"KAITIAN_SECURITY": self.secure_dir, "KAITIAN_SECURITY_ROLE": "compute"}))
+            for who, env in envs:
                 try:
                     self.secure_attackers.append((who, Attacker(self.g.endpoint, fuzz_topics(self.g), env), ""))
                 except RuntimeError as exc:  # refused by the graph: it sends nothing
@@ -664,7 +668,7 @@ class Run:
                 a.close()
 
     def run(self, name: str, inject: Callable[[], Injected],
-            prepare: Callable[[], None] | None = None) -> dict[str, Any]:
+            prepare: Callable[[], object] | None = None) -> dict[str, Any]:
         g, s = self.g, self.s
         healthy, waited = g.wait_healthy(s.healthy_timeout_s, self.baseline_ms)
         if prepare is not None:
@@ -714,12 +718,12 @@ class Run:
                          "settled_delta_mb": _r(d.settled_delta_mb)}
         peaks = {n: v["peak_delta_mb"] for n, v in rss.items() if v["peak_delta_mb"] is not None}
         settled = {n: v["settled_delta_mb"] for n, v in rss.items() if v["settled_delta_mb"] is not None}
-        peak_node = max(peaks, key=peaks.get) if peaks else None
-        settled_node = max(settled, key=settled.get) if settled else None
+        peak_node = max(peaks, key=lambda n: peaks[n]) if peaks else None
+        settled_node = max(settled, key=lambda n: settled[n]) if settled else None
         return {
             "lost": counts.lost, "duplicated": counts.duplicated, "out_of_order": counts.out_of_order,
-            "recover_s": _r(rec.recover_s, 2), "peak_rss_delta_mb": peaks.get(peak_node),
-            "settled_rss_delta_mb": settled.get(settled_node), "forgery_effect": None,
+            "recover_s": _r(rec.recover_s, 2), "peak_rss_delta_mb": peaks[peak_node] if peak_node is not None else None,
+            "settled_rss_delta_mb": settled[settled_node] if settled_node is not None else None, "forgery_effect": None,
             "frames": counts.as_dict(), "first_complete_s": _r(rec.first_complete_s, 2),
             "latency_back_s": _r(rec.latency_back_s, 2), "pre_latency_ms": _r(pre_ms),
             "output_gap_s": _r(cm.max_gap([a.t for a in answers if a.complete], start, until), 2),
@@ -792,7 +796,8 @@ class Run:
                        _r(new[0] - t, 2) if new else None,
                    "followed_after_s": {f: _r(v - t, 2) if v else None for f, v in followed.items()},
                    "adaptation": adaptation,
-                   "adaptation_s": _r(max(followed.values()) - t, 2) if adaptation and followed else None}
+                   "adaptation_s": _r(max(v for v in followed.values() if v is not None) - t, 2)
+                   if adaptation and followed else None}
             if name == "coordinator":
                 with g.rec.lock:
                     ids = [rid for rt, rid in g.rec.request_ids if rt > t]
@@ -837,6 +842,7 @@ class Run:
                "--num-classes", str(p["num_classes"]), "--slab-rows", str(p["slab_rows"]), "--wait-go"]
         proc = subprocess.Popen(cmd, env=dict(os.environ, KAITIAN_ROUTER=g.endpoint), stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        assert proc.stdout is not None and proc.stderr is not None  # started with pipes
         line = proc.stdout.readline()
         if '"ready"' not in line:
             proc.kill()
@@ -855,6 +861,7 @@ class Run:
 
         g.guards.append(guard)
         start = time.monotonic()
+        assert proc.stdin is not None  # started with pipes
         proc.stdin.write("go\n")
         proc.stdin.flush()
         try:
@@ -952,8 +959,8 @@ class Run:
                                         "reincarnated": g.diag(authority).get("incarnation")
                                         != before[authority].get("incarnation")}
                 done.append(row)
-        for who, attacker, why in attackers:
-            if attacker is None:  # it could not join: nothing it could send reached anyone
+        for who, joined_as, why in attackers:
+            if joined_as is None:  # it could not join: nothing it could send reached anyone
                 done.append({"name": "all", "attacker": who, "implausible": None, "what": "could not join the graph",
                              "listeners": [], "expected_reason": "", "counted": False, "rejected": {},
                              "effect": False, "consequence": "", "refused": why})
@@ -1020,9 +1027,9 @@ class Run:
             settled = self._wait_counts_settle(listeners, te)
             per: dict[str, Any] = {}
             for n in listeners:
-                after = g.diag(n)
+                diag_after = g.diag(n)
                 fresh = (g.diag_time(n) or 0.0) > te
-                reasons = cm.reason_increase([("", before[n]), ("", after)])
+                reasons = cm.reason_increase([("", before[n]), ("", diag_after)])
                 runtime = sum(reasons.get(k, 0)
                               for k in ("malformed", "wrong type", "type hash mismatch", "queue full"))
                 expected = reply["undecodable"] + reply["wrong_type"]
@@ -1196,8 +1203,8 @@ def forgery_variants(g: ChaosGraph, kind: str) -> list[Variant]:
         return lambda since: any(d.get(key) == value for d in g.diag_since("scheduler", since))
 
     def speed_not_finite(node: str) -> Callable[[float], bool]:
-        # what taking the sample does: the node's speed estimate becomes NaN. (A rising sample
-        # count of an idle node, the marker before, also rose when real work reached the node.)
+        # what taking the sample does: the node's speed estimate becomes NaN. Not a rising sample
+        # count: an idle node's count also rises when real work reaches it.
         def seen(since: float) -> bool:
             return any(not math.isfinite(_float(d.get(f"{node}.speed_flops_per_ms", "0")))
                        or any(k.startswith("share.") and not math.isfinite(_float(v)) for k, v in d.items())
@@ -1332,7 +1339,7 @@ METRIC_KEYS = ("lost", "duplicated", "out_of_order", "recover_s", "peak_rss_delt
 
 def skipped(name: str, reason: str) -> dict[str, Any]:
     """A fault that could not run here: every metric null, with the reason."""
-    out: dict[str, Any] = {k: None for k in METRIC_KEYS}
+    out: dict[str, Any] = dict.fromkeys(METRIC_KEYS)
     out.update({"skipped": True, "reason": reason})
     out["targets"] = [t.__dict__ for t in cm.targets(cm.fault_kind(name), out)]
     return out
@@ -1371,8 +1378,8 @@ def run_fault(run: Run, name: str, link_reason: str) -> dict[str, Any]:
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, check=False, text=True,
+                              timeout=5, cwd=Path(__file__).resolve().parent).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return ""
 
@@ -1601,7 +1608,7 @@ def main(argv: list[str]) -> int:
     if secure_names and not secure and not failure:
         with tempfile.TemporaryDirectory(prefix="kaitian_chaos_certs_") as certs:
             made = subprocess.run([sys.executable, "-m", "kaitian_ros.cli", "certs", "create", certs],
-                                  capture_output=True, text=True)
+                                  capture_output=True, check=False, text=True)
             if made.returncode != 0:
                 secure = f"kaitian certs create failed: {(made.stderr or made.stdout).strip()[-300:]}"
             else:

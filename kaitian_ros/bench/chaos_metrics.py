@@ -34,6 +34,8 @@ Definitions (also in docs/chaos.md):
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -133,13 +135,13 @@ def recovery(answers: Sequence[Answer], ref_t: float, baseline_ms: float | None,
     """Recovery after ``ref_t`` from the answers (arrival order) up to ``until``."""
     after = [a for a in answers if a.complete and a.t > ref_t and (until is None or a.t <= until)]
     first = after[0].t - ref_t if after else None
-    timed = [a for a in after if a.latency_ms is not None]
+    timed = [(a.t, a.latency_ms) for a in after if a.latency_ms is not None]
     back = None
     if baseline_ms is not None and baseline_ms > 0:
         for k in range(len(timed) - rolling + 1):
             group = timed[k:k + rolling]
-            if statistics.median(a.latency_ms for a in group) <= factor * baseline_ms:
-                back = group[-1].t - ref_t
+            if statistics.median(ms for _, ms in group) <= factor * baseline_ms:
+                back = group[-1][0] - ref_t
                 break
     return Recovery(first, back)
 
@@ -149,7 +151,7 @@ def max_gap(times: Sequence[float], start: float, end: float) -> float:
     edges: how long consumers waited for an output at worst."""
     inside = [t for t in times if start <= t <= end]
     edges = [start, *inside, end]
-    return max(b - a for a, b in zip(edges, edges[1:]))
+    return max(b - a for a, b in itertools.pairwise(edges))
 
 
 def median_or_none(xs: Iterable[float]) -> float | None:
@@ -203,10 +205,8 @@ def rejected_counts(values: Mapping[str, str]) -> dict[str, int]:
     out = {}
     for k, v in values.items():
         if k.startswith("rejected."):
-            try:
+            with contextlib.suppress(ValueError):
                 out[k[len("rejected."):]] = int(v)
-            except ValueError:
-                pass
     return out
 
 

@@ -36,7 +36,7 @@ DEFAULT_DIR = Path("bench/results")
 SCENARIO = "digits_demo"
 FRAMES, QUICK_FRAMES = 300, 100
 EPOCHS, QUICK_EPOCHS = 20, 12
-# Adam lr 0.01 with a cosine decay: the training bench's recipe (docs/training.md, session 5) at
+# Adam lr 0.01 with a cosine decay: the training bench's recipe (docs/training.md) at
 # the native 8x8 size, on camera inputs instead of standardised ones
 TRAIN_ARGS = ("--ranks", "2", "--devices", "cpu:a,cpu:b", "--slowdowns", "1,3", "--policy", "adaptive",
               "--camera-inputs", "--optimizer", "adam", "--lr", "0.01", "--lr-schedule", "cosine",
@@ -95,11 +95,11 @@ def run_bench(*, frames: int, weights: Path | None, train_to: Path, epochs: int,
     import torch
 
     from kaitian_ros.bench.adaptivity import AdaptivityGraph
-    from kaitian_ros.comm.trainer import evaluate, load_data
     from kaitian_ros.core.models import build_model
     from kaitian_ros.nodes import inference_common as ic
     from kaitian_ros.nodes.image_source import parse_digit_frame_id
     from kaitian_ros.runtime import interfaces
+    from kaitian_ros.training.trainer import evaluate, load_data
 
     torch.set_num_threads(1)
     result: dict[str, Any] = {"frames_requested": frames, "emulated": True}
@@ -191,7 +191,8 @@ def table(r: dict[str, Any]) -> str:
              f"{'single device':24} {r['single_device_accuracy']:9.4f} {r['frames']:7d}",
              (f"agree {r['agree']:.4f}, incomplete {r['incomplete']}, model input == training sample for "
               f"{r['inputs_equal_training_samples']}/{r['frames']} frames, max |logit diff| "
-              f"{r['max_abs_logit_diff']:.1e}, plans {r['strategies']}, trunk output rows per node {r['trunk_output_rows']}, "
+              f"{r['max_abs_logit_diff']:.1e}, plans {r['strategies']}, "
+              f"trunk output rows per node {r['trunk_output_rows']}, "
               f"median latency {r['latency_ms_median'] or 0:.1f} ms"),
              (f"weights {r['weights']}: test accuracy {r['weights_test_accuracy']:.4f} on the trainer's "
               "whole test split")]

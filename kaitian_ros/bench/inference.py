@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import queue
@@ -119,7 +120,8 @@ class Driver:
         self.image_pub = self.rt.create_publisher("/camera/image_raw", "Image")
         self.lw_pubs = {w: self.rt.create_publisher(lw_topic(w), "TensorChunk") for w in graph_proc.workers}
         self.rt.create_subscription(ic.FUSED_TOPIC, "FusedOutput", lambda m: self.fused.put((time.perf_counter(), m)))
-        self.rt.create_subscription(lw_topic(DRIVER), "TensorChunk", lambda m: self.lw_out.put((time.perf_counter(), m)))
+        self.rt.create_subscription(lw_topic(DRIVER), "TensorChunk",
+                                    lambda m: self.lw_out.put((time.perf_counter(), m)))
         self.rt.create_subscription(ic.TELEMETRY_TOPIC, "NodeTelemetry", self._on_tele)
         self.rt.create_subscription(LW_TELEMETRY, "NodeTelemetry", self._on_lw_tele)
         self.rt.create_subscription(ic.PLAN_TOPIC, "LoadAssignment", self._on_plan, QoS.LATCHED)
@@ -451,6 +453,10 @@ def _trunk_alone(driver: Driver, gp: Graph, frames: list[np.ndarray], count: int
     return [min(solo[w].compute[w]) for w in gp.workers]
 
 
+def _layerwise(driver: Driver, chain: list[tuple[str, int, int]], image: np.ndarray) -> dict:
+    return driver.layerwise_frame(image, chain)
+
+
 def _layerwise_search(driver: Driver, gp: Graph, measure: Measurer, frames_each: int) -> list[dict]:
     """Every cut, every ordered pair of devices (local ones too), coarse: the best is measured
     with the other variants."""
@@ -460,7 +466,7 @@ def _layerwise_search(driver: Driver, gp: Graph, measure: Measurer, frames_each:
         for cut in g.cut_values:
             chain = [(gp.workers[a], 0, cut), (gp.workers[b], cut, g.output_value)]
             s = Series("lw", {})
-            measure(s, lambda im, c=chain: driver.layerwise_frame(im, c), frames_each, warmup=0)
+            measure(s, functools.partial(_layerwise, driver, chain), frames_each, warmup=0)
             search.append({"first": a, "second": b, "cut_value": cut, "cut_shape": list(g.value_shapes[cut]),
                            "median_ms": s.median})
     return search
@@ -567,7 +573,7 @@ def _measure_rounds(driver: Driver, gp: Graph, measure: Measurer, cfgs: dict[str
             else:
                 measure(series[name], driver.product_frame, per_round, warmup=2 if r == 0 else 1)
         for name, chain in chains.items():
-            measure(series[name], lambda im, c=chain: driver.layerwise_frame(im, c), per_round)
+            measure(series[name], functools.partial(_layerwise, driver, chain), per_round)
         say(f"[bench] round {r + 1}/{args.rounds}: " + ", ".join(
             f"{k} {s.median:.1f}" for k, s in series.items()) + " ms")
     return series

@@ -7,6 +7,7 @@ The worker runs as ``python -m kaitian_ros.bench.inference_graph --ros-args ...`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kaitian_ros.bench.inference_scenarios import BenchScenario
+from kaitian_ros.ports import free_port
 
 LW_TOPIC_PREFIX = "/kaitian/bench/lw/"
 LW_TELEMETRY = "/kaitian/bench/lw_telemetry"
@@ -143,7 +145,7 @@ class Graph:
         self.compute = [f"compute_{i}" for i in range(n)]
         self.workers = [f"lw_{i}" for i in range(n)]
         self.host = links.root_ip() if links is not None else "127.0.0.1"
-        self.router_ep = f"tcp/{self.host}:{_free_port()}"
+        self.router_ep = f"tcp/{self.host}:{free_port()}"
 
     def params_file(self) -> Path:
         import yaml
@@ -200,7 +202,7 @@ class Graph:
         log = self.tmp / f"{name}.log"
         with open(log, "w") as fh:
             p = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 preexec_fn=_die_with_parent)
+                                 preexec_fn=_die_with_parent)  # noqa: PLW1509 - see launcher._die_with_parent
         self.procs.append(Proc(name, p, log))
 
     @staticmethod
@@ -218,24 +220,14 @@ class Graph:
 
         stop_process_groups([p.popen for p in self.procs], ((signal.SIGINT, 4.0), (signal.SIGKILL, 2.0)))
         for p in self.procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.popen.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                pass
         if self.router is not None:
-            try:
+            from kaitian_ros.runtime import zenoh_session as zs
+
+            with contextlib.suppress(zs.SessionError):
                 self.router.close()
-            except Exception:
-                pass
             self.router = None
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -89,9 +89,8 @@ def with_overrides(base: BenchScenario, *, slowdowns: Sequence[float] | None = N
                         for i, s in enumerate(slowdowns))
     if local is not None:
         devices = tuple(Device(d.slowdown, i < local) for i, d in enumerate(devices))
-    changes = {"devices": devices, "mbit": base.mbit if mbit is None else float(mbit),
-               "model": model or base.model, "height": height or base.height, "width": width or base.width}
-    return dataclasses.replace(base, **changes)
+    return dataclasses.replace(base, devices=devices, mbit=base.mbit if mbit is None else float(mbit),
+                               model=model or base.model, height=height or base.height, width=width or base.width)
 
 
 def scenario_problem(s: BenchScenario) -> str:

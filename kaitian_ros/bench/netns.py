@@ -35,7 +35,7 @@ class LinkSetupError(RuntimeError):
 
 
 def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run(list(cmd), capture_output=True, text=True)
+    p = subprocess.run(list(cmd), capture_output=True, check=False, text=True)
     if check and p.returncode != 0:
         raise LinkSetupError(f"`{' '.join(cmd)}` failed: {p.stderr.strip() or p.stdout.strip()}")
     return p

@@ -16,7 +16,7 @@ upsampled to ``--image-size``, default 16, for realistic compute per step):
 * drift: 1 : 1 and rank 1 slows 2x halfway through (profile_once, adaptive).
 
 Speeds are EMULATED: a rank with slowdown s sleeps (s-1) x its real compute time after
-its compute before each all-reduce (``comm.trainer``). Efficiency = samples/s / ideal samples/s. Communication
+its compute before each all-reduce (``training.trainer``). Efficiency = samples/s / ideal samples/s. Communication
 overhead = per step the smallest blocked-in-communication time over the ranks (the last
 rank to arrive waits for nobody, so its blocked time is the transfer itself), summed,
 over the training wall time. The first two steps of every run (lazy initialisation, DDP's
@@ -32,11 +32,12 @@ difference to the single device is summation-order noise, not a weighting bug.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,7 @@ class RunSpec:
 
 
 def _rank_fn(rank: int, world: int, cfg: Any, drift: tuple[int, int, float] | None) -> dict:
-    from kaitian_ros.comm.trainer import RankTrainer, TrainingStep
+    from kaitian_ros.training.trainer import RankTrainer, TrainingStep
 
     box: dict[str, Any] = {}
 
@@ -91,7 +92,7 @@ def _rank_fn(rank: int, world: int, cfg: Any, drift: tuple[int, int, float] | No
 
 
 def _run(spec: RunSpec, base: Any) -> dict:
-    from kaitian_ros.comm.launch import run_local
+    from kaitian_ros.training.launch import run_local
 
     world = len(spec.slowdowns)
     devices = ("cpu",) if world == 1 else tuple(f"cpu:{chr(97 + r)}" for r in range(world))
@@ -122,7 +123,7 @@ def _run(spec: RunSpec, base: Any) -> dict:
 def _solo_child(index: int, spec: RunSpec, base: Any, q: Any) -> None:
     try:
         q.put((index, _run(spec, base)["samples_per_s"], None))
-    except Exception as e:  # reported by the parent
+    except Exception as e:  # noqa: BLE001 - a child process: any failure goes to the parent, which reports it
         q.put((index, 0.0, f"{type(e).__name__}: {e}"))
 
 
@@ -153,6 +154,16 @@ def _concurrent_solo(slowdowns: Sequence[float], base: Any, steps: int) -> list[
     for i, r, _ in got:
         rates[i] = r
     return rates
+
+
+def _isolated_rate(solo: Mapping[float, float], slowdowns: tuple[float, ...]) -> float:
+    """The summed solo rates of devices at ``slowdowns``, each measured alone."""
+    return sum(solo[s] for s in slowdowns)
+
+
+def _concurrent_rate(concurrent: Mapping[tuple[float, ...], Sequence[float]], slowdowns: tuple[float, ...]) -> float:
+    """The summed solo rates of devices at ``slowdowns``, measured running side by side."""
+    return sum(concurrent[slowdowns])
 
 
 def _ideal(slowdowns_per_step: Sequence[Sequence[float]], global_batches: Sequence[int],
@@ -203,8 +214,8 @@ def split_train(cfg: Any, *, shares: Sequence[float] | None = None,
     import torch
     from torch import nn
 
-    from kaitian_ros.comm.sampler import AdaptiveBatchSampler, split_counts
-    from kaitian_ros.comm.trainer import (
+    from kaitian_ros.training.sampler import AdaptiveBatchSampler, split_counts
+    from kaitian_ros.training.trainer import (
         _batch,
         _build_model,
         _size,
@@ -251,9 +262,12 @@ def split_train(cfg: Any, *, shares: Sequence[float] | None = None,
                     loss = nn.functional.cross_entropy(model(x), y, reduction="sum") / b
                     loss.backward()
                 for i, p in enumerate(params):
-                    g = p.grad.mul(b / big) if len(counts) > 1 else p.grad.clone()
+                    # a run's very first chunk of 0 samples has no gradient yet: it adds zeros
+                    grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                    g = grad.mul(b / big) if len(counts) > 1 else grad.clone()
                     total[i] = g if total[i] is None else total[i] + g
             for p, g in zip(params, total):
+                assert p.grad is not None  # the counts sum to the batch: some chunk ran backward
                 p.grad.copy_(g)
             set_lr(opt, lr_at(cfg, sl.step, sampler.steps_per_epoch()))
             opt.step()
@@ -266,7 +280,7 @@ def _random_counts(base: Any, seed: int, world: int = 2) -> list[tuple[int, ...]
     """Per-step splits drawn at random (shares 0.1..0.9): what adaptive re-splitting does."""
     import numpy as np
 
-    from kaitian_ros.comm.sampler import split_counts
+    from kaitian_ros.training.sampler import split_counts
 
     rng = np.random.default_rng(seed)
     n, B = 1347, base.global_batch  # digits: 1347 training samples
@@ -323,7 +337,7 @@ def run_bench(quick: bool, image_size: int | None = DEFAULT_IMAGE_SIZE) -> tuple
 
     import torch
 
-    from kaitian_ros.comm.trainer import TrainingConfig
+    from kaitian_ros.training.trainer import TrainingConfig
 
     torch.set_num_threads(1)
     epochs = 16 if quick else 60  # 60: upsampled digits converge (0.98 single device)
@@ -333,8 +347,7 @@ def run_bench(quick: bool, image_size: int | None = DEFAULT_IMAGE_SIZE) -> tuple
                           # 3-epoch warm-up: 0.98 single device, and one-process runs that
                           # differ only in how each batch's gradient is summed (9 splits, 3
                           # seeds) end on the same test accuracy. SGD (lr 0.02-0.1) stayed
-                          # below 0.96 or spread by 2-6 test samples (docs/training.md,
-                          # session 5)
+                          # below 0.96 or spread by 2-6 test samples (docs/training.md)
                           optimizer="adam", lr=0.01, standardize_inputs=True,
                           seed=0, rebalance_every=3, lr_schedule="cosine", warmup_steps=9,
                           ewma_alpha=0.5, evaluate_every_epoch=False, timeout_s=60)
@@ -410,13 +423,12 @@ def run_bench(quick: bool, image_size: int | None = DEFAULT_IMAGE_SIZE) -> tuple
                                                  for k, v in sorted(solo_log.items())}},
         }
         for name, r in runs.items():
-            spec: RunSpec = r["spec"]
+            spec = r["spec"]
             if spec.solo:
                 continue
-            isolated = _ideal(r["slowdown_per_step"], r["global_batches"],
-                              lambda sl, solo=r["solo"]: sum(solo[x] for x in sl))
+            isolated = _ideal(r["slowdown_per_step"], r["global_batches"], functools.partial(_isolated_rate, r["solo"]))
             ideal = _ideal(r["slowdown_per_step"], r["global_batches"],
-                           lambda sl, conc=r["concurrent_solo"]: sum(conc[sl]))
+                           functools.partial(_concurrent_rate, r["concurrent_solo"]))
             speeds = ":".join(f"{1 / s:.2g}" for s in spec.slowdowns)
             result["policies"][name] = {
                 "samples_per_s": r["samples_per_s"], "ideal_samples_per_s": ideal,
@@ -442,8 +454,8 @@ def run_bench(quick: bool, image_size: int | None = DEFAULT_IMAGE_SIZE) -> tuple
 
 
 def _table(result: dict) -> str:
-    rows = [f"{'run':22s} {'speeds (EMULATED)':>17s} {'samples/s':>10s} {'ideal':>8s} "
-            f"{'eff':>6s} {'eff-iso':>7s} {'comm %':>7s} {'wait %':>7s} {'acc':>7s}  shares"]
+    rows = [(f"{'run':22s} {'speeds (EMULATED)':>17s} {'samples/s':>10s} {'ideal':>8s} "
+             f"{'eff':>6s} {'eff-iso':>7s} {'comm %':>7s} {'wait %':>7s} {'acc':>7s}  shares")]
     for name, p in result["policies"].items():
         rows.append(f"{name:22s} {p['emulated_speeds']:>17s} {p['samples_per_s']:10.0f} "
                     f"{p['ideal_samples_per_s']:8.0f} {p['efficiency']:6.3f} "
@@ -496,7 +508,7 @@ def main(argv: list[str]) -> int:
         _plot({k: v for k, v in runs.items() if not v["spec"].solo}, png)
         result["plot"] = str(png)
         json_path.write_text(json.dumps(result, indent=2))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - a command: any failure is one error line and exit code 1
         print(f"kaitian bench training: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     print(_table(result))

@@ -25,10 +25,10 @@ Usage: ``kaitian bench transport [--json PATH] [--quick] [--repeats N] [--runtim
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kaitian_ros.bench import BenchArgumentParser
+from kaitian_ros.ports import free_port
 
 BIG = 4 * 1024 * 1024
 SMALL = 256
@@ -90,7 +91,7 @@ def ros_available() -> bool:
     """rclpy and the generated kaitian_ros messages import here (checked in a child process:
     importing rclpy in the orchestrator would tie it to one ROS context for nothing)."""
     code = "import rclpy, kaitian_ros.msg; kaitian_ros.msg.TensorChunk"
-    return subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True).returncode == 0
+    return subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, check=False).returncode == 0
 
 
 # --- subscriber process ------------------------------------------------------------------------
@@ -201,6 +202,7 @@ def _role_pub(kind: str) -> int:
     def send(mode: str, trial: int, n: int, stop: threading.Event | None = None) -> None:
         size = _size(mode)
         if mode.startswith("raw"):
+            assert raw is not None  # raw modes run on the embedded runtime only
             payload = raw_payload(trial, size)
             for _ in range(n):
                 if stop is not None and stop.is_set():
@@ -260,8 +262,8 @@ class _Child:
 
     def _pump(self) -> None:
         assert self.p.stdout is not None
-        for line in self.p.stdout:
-            line = line.strip()
+        for raw in self.p.stdout:
+            line = raw.strip()
             if line.startswith("{"):
                 self.q.put(json.loads(line))
         self.q.put({"eof": True})
@@ -284,10 +286,8 @@ class _Child:
                 return msg
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(BrokenPipeError, OSError):
             self.send(cmd="quit")
-        except (BrokenPipeError, OSError):
-            pass
         try:
             self.p.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -295,18 +295,12 @@ class _Child:
             self.p.wait()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(repeats: int, n_big: int, n_small: int, log: Any = print,
             runtimes: tuple[str, ...] = ("embedded",)) -> dict[str, list[dict[str, Any]]]:
     """Per mode, one result per repeat; the modes interleave so drift hits every path alike."""
     from kaitian_ros.runtime import zenoh_session as zs
 
-    endpoint = f"tcp/127.0.0.1:{_free_port()}"
+    endpoint = f"tcp/127.0.0.1:{free_port()}"
     router = zs.open_session("router", listen=endpoint)
     env = dict(os.environ, KAITIAN_ROUTER=endpoint, ROS_DOMAIN_ID=os.environ.get("ROS_DOMAIN_ID", "0"),
                PYTHONUNBUFFERED="1")
@@ -392,14 +386,16 @@ def table(summary: dict[str, Any]) -> str:
     med = summary["medians"]
     lines = [f"{'path':22s} {'4 MiB GB/s':>11s} {'256 B msg/s':>12s}",
              f"{'raw zenoh':22s} {med['raw_4mib']['gbytes_per_s']:11.3f} {med['raw_256b']['msgs_per_s']:12.0f}",
-             f"{'embedded runtime':22s} {med['ours_4mib']['gbytes_per_s']:11.3f} {med['ours_256b']['msgs_per_s']:12.0f}",
+             (f"{'embedded runtime':22s} {med['ours_4mib']['gbytes_per_s']:11.3f} "
+              f"{med['ours_256b']['msgs_per_s']:12.0f}"),
              f"{'ours / raw':22s} {summary['ratio_to_raw']:11.2f} {summary['ratio_to_raw_256b']:12.2f}",
-             *([f"{'rclpy runtime':22s} {med['ros_4mib']['gbytes_per_s']:11.3f} {med['ros_256b']['msgs_per_s']:12.0f}"
-                f"   (samples lost: {summary['ros']['lost']['ros_4mib']} x 4 MiB, "
-                f"{summary['ros']['lost']['ros_256b']} x 256 B)"] if "ros" in summary else []),
-             f"targets: ratio >= {TARGET_RATIO} ({'met' if summary['meets_targets']['ratio_to_raw'] else 'NOT met'}), "
-             f">= {TARGET_MSGS} msg/s at 256 B "
-             f"({'met' if summary['meets_targets']['msgs_per_s_256b'] else 'NOT met'})"]
+             *([(f"{'rclpy runtime':22s} {med['ros_4mib']['gbytes_per_s']:11.3f} "
+                 f"{med['ros_256b']['msgs_per_s']:12.0f}"
+                 f"   (samples lost: {summary['ros']['lost']['ros_4mib']} x 4 MiB, "
+                 f"{summary['ros']['lost']['ros_256b']} x 256 B)")] if "ros" in summary else []),
+             (f"targets: ratio >= {TARGET_RATIO} ({'met' if summary['meets_targets']['ratio_to_raw'] else 'NOT met'}), "
+              f">= {TARGET_MSGS} msg/s at 256 B "
+              f"({'met' if summary['meets_targets']['msgs_per_s_256b'] else 'NOT met'})")]
     return "\n".join(lines)
 
 

@@ -469,8 +469,8 @@ def _avg_divisor(m: nn.AvgPool2d, in_hw: tuple[int, int], out_hw: tuple[int, int
     return (sizes[0][:, None] * sizes[1][None, :]).view(1, 1, *out_hw).to(device)
 
 
-# Activations between trunk ops on a CPU (`ModelGraph.activation_format`). Measured here
-# (session 6, ResNet-18 224, one thread, interleaved medians): channels-last with every conv
+# Activations between trunk ops on a CPU (`ModelGraph.activation_format`). Measured on this CPU
+# (ResNet-18 224, one thread, interleaved medians): channels-last with every conv
 # prepacked made the whole trunk 10 % faster than NCHW (53.9 -> 48.4 ms), a streamed
 # single-node stripe 10 % and the two stripes of a 0.7/0.3 split 11-12 %.
 CPU_ACTIVATION_FORMAT = torch.channels_last
@@ -490,12 +490,12 @@ class PrepackedConv:
     Why: the default CPU conv reorders the whole weight tensor on every call. For a stripe of
     a few rows of a weight-heavy layer that reorder is most of the cost - a 1-row call of a
     512-channel 3x3 conv (9.4 MB of weights) took 7.1 ms, as long as all 7 rows (7.3 ms);
-    prepacked it takes 0.26 ms and 4.6 ms (docs/benchmarks.md, session 4). Row splits pay that
+    prepacked it takes 0.26 ms and 4.6 ms (docs/architecture-core.md). Row splits pay that
     fixed cost once per node and per run, so it decides whether splitting pays at all.
 
     oneDNN chooses the blocked layout by input shape. The one packed for the whole map suits
     nearly every row count, but for a few shapes oneDNN wants another and converts between
-    the two on every call, 4-150x slower (session 7: ResNet-18 at 448, a layer4 conv on 12 of
+    the two on every call, 4-150x slower (ResNet-18 at 448: a layer4 conv on 12 of
     its 14 rows took 155 ms instead of 9; MobileNetV2 at 224, 1x1 convs on 2-3 of 7 rows took
     10-25 ms instead of 0.1-0.3). So the first call at each (batch, rows) shape is timed
     against the whole-map call; a shape that is still far slower on a second call gets weights
@@ -644,8 +644,8 @@ def _compile(raw: _Raw, epilogue: list[Callable[[Tensor], Tensor]], gm: fx.Graph
             def run(xs: list[Tensor], lo: int, hi: int) -> Tensor:
                 # The rows hold the H padding already (`border_rows`), so the pool pads only W;
                 # an exact row window gives hi - lo rows in floor and ceil mode alike. On
-                # channels-last rows 3-4x faster than a max over k*k strided views (session 7:
-                # ResNet-18's maxpool over the whole map at 224, 1.18 -> 0.40 ms).
+                # channels-last rows 3-4x faster than a max over k*k strided views
+                # (ResNet-18's maxpool over the whole map at 224: 0.40 ms instead of 1.18).
                 return finish(F.max_pool2d(xs[0], k, s, pad_w, d, ceil))
 
             window = Window(k[0], s[0], p[0], d[0], hin, hout)

@@ -38,9 +38,9 @@ from kaitian_ros.core.tensors import ImageFormatError, image_to_array, resize_pi
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.nodes.planner_process import PlannerProcess, PlanRequest, plan_round
 from kaitian_ros.runtime import interfaces, run_node
+from kaitian_ros.runtime.api import MessageInfo, QoS, Runtime, SetParametersResult
 from kaitian_ros.runtime.api import ParameterDescriptor as P
 from kaitian_ros.runtime.api import ParameterType as T
-from kaitian_ros.runtime.api import MessageInfo, QoS, Runtime, SetParametersResult
 from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher, Level
 
 PARAMETERS = ic.MODEL_PARAMETERS + (
@@ -139,7 +139,7 @@ class Coordinator:
         self.guard = ImpersonationGuard("coordinator", self.incarnation)  # forged plans on our topic
         self.next_request = ic.first_request_id()
         self.scheduler_authority = AuthorityTracker("scheduler")
-        self.counts = collections.Counter()
+        self.counts: collections.Counter[str] = collections.Counter()
         self.latencies: collections.deque = collections.deque(maxlen=200)
         self.chunk_pubs = {n: rt.create_publisher(ic.chunk_topic(n), "TensorChunk") for n in self.nodes}
         self.plan_pub = rt.create_publisher(ic.PLAN_TOPIC, "LoadAssignment", QoS.LATCHED)
@@ -236,8 +236,8 @@ class Coordinator:
             # proposal kept the planner process busy back to back while speeds changed (the
             # scheduler proposes every few hundred ms then) - a core the compute nodes lacked
             return
-        self._replan_soon(f"scheduler v{proposal.version}: {proposal.reason}", effective=proposal.effective_from_request,
-                          proposal=True)
+        self._replan_soon(f"scheduler v{proposal.version}: {proposal.reason}",
+                          effective=proposal.effective_from_request, proposal=True)
 
     def _shares_for(self, alive: tuple[str, ...]) -> tuple[tuple[float, ...], str]:
         """The proposed shares of the alive nodes (aligned with `alive`) and their policy."""
@@ -324,8 +324,8 @@ class Coordinator:
                                                 sum(c.ms(op.out_shape[1]) for c, op in zip(ops, self.graph.ops)),
                                                 0.05)
         links = {(n, COORDINATOR): est for n, m in self.meters.items() if (est := m.estimate()) is not None}
-        prior = LinkEstimate(self.params["plan_link_mbit"] * 1e3 / 8, LINK_PRIOR_LATENCY_MS)
-        costs = Costs(profiles, links, prior, slab_rows=self.params["slab_rows"], pre_ms=self.pre_ms,
+        link_prior = LinkEstimate(self.params["plan_link_mbit"] * 1e3 / 8, LINK_PRIOR_LATENCY_MS)
+        costs = Costs(profiles, links, link_prior, slab_rows=self.params["slab_rows"], pre_ms=self.pre_ms,
                       post_ms=self.post_ms, send_ms_per_mb=self.send_ms_per_mb)
         return costs.with_links_from_profiles(), missing
 
@@ -444,16 +444,16 @@ class Coordinator:
             return
         if old is not None and request.strategy != "auto" and old.spec.strategy != request.strategy:
             force = True  # the running plan is a fallback (too few nodes for the strategy asked)
-        if old is not None and not force and request.share_search and was is not None \
-                and set(old.active_nodes()) <= set(request.nodes):
-            # the running plan can go on: switch only for a clear gain (no flapping between
-            # near-equal plans on measurement noise); by measurement where there is one. Not
-            # when the shares are the scheduler's to choose (`share_search` off, or a fixed
-            # policy): then its proposal is the plan - e.g. a probe share for a node that
-            # (re)joined, which must get rows to be measured at all
-            if was[1] <= choice.best.expected_ms * (1.0 + self.params["min_plan_gain"]):
-                self.predicted_ms = was[0]
-                return
+        # the running plan can go on: switch only for a clear gain (no flapping between
+        # near-equal plans on measurement noise); by measurement where there is one. Not
+        # when the shares are the scheduler's to choose (`share_search` off, or a fixed
+        # policy): then its proposal is the plan - e.g. a probe share for a node that
+        # (re)joined, which must get rows to be measured at all
+        if (old is not None and not force and request.share_search and was is not None
+                and set(old.active_nodes()) <= set(request.nodes)
+                and was[1] <= choice.best.expected_ms * (1.0 + self.params["min_plan_gain"])):
+            self.predicted_ms = was[0]
+            return
         self.predicted_ms = choice.best.predicted_ms
         plan = choice.plan(self.graph)
         text = f"{request.reason}: {choice.summary()}"
@@ -510,6 +510,7 @@ class Coordinator:
         rid = self.next_request
         if self.pending is not None and rid >= self.pending.effective_from_request:
             self._activate(self.pending)
+        assert self.current is not None  # callers dispatch only while a plan is in effect
         self.next_request += 1
         c, h, w = self.out_shape
         req = Request(rid, self.current.version, self.plans[self.current.version], msg.header.stamp,
@@ -559,8 +560,10 @@ class Coordinator:
         return 0
 
     def _paced_sender(self) -> None:
+        sendq = self._sendq
+        assert sendq is not None  # started right after the queue is made
         while self.rt.ok():
-            node, m = self._sendq.get()
+            node, m = sendq.get()
             self.chunk_pubs[node].publish(m)
             time.sleep(self.params["input_pacing_ms"] / 1e3)
 
@@ -576,7 +579,8 @@ class Coordinator:
             self.rt.rejected.count(f"stale chunk: request {msg.request_id} not in flight")
             return
         if int(msg.plan_version) != req.version:
-            self.rt.rejected.count(f"stale plan: request {msg.request_id} runs v{req.version}, chunk v{msg.plan_version}")
+            self.rt.rejected.count(
+                f"stale plan: request {msg.request_id} runs v{req.version}, chunk v{msg.plan_version}")
             return
         try:
             rows = ic.chunk_rows(msg)
@@ -761,8 +765,8 @@ class Coordinator:
         silent_s = time.monotonic() - self.assignment_s
         if self.params["use_scheduler"] and self.assignment is None and self.alive and silent_s > NO_ASSIGNMENT_S:
             # a latched topic: a running scheduler's assignment reaches a new coordinator at once
-            level, text = Level.WARN, text + f", no assignment from the scheduler in {silent_s:.0f} s " \
-                                             f"although compute nodes report (scheduler down or refused?)"
+            level, text = Level.WARN, (text + f", no assignment from the scheduler in {silent_s:.0f} s "
+                                              "although compute nodes report (scheduler down or refused?)")
         ru = self.choice.runner_up if self.choice is not None else None
         self.diagnostics.publish(level, text, {
             "plan_version": self.current.version if self.current else 0,
@@ -783,7 +787,7 @@ class Coordinator:
             "planner": self._planner_state(), "plan_round_ms": f"{self.planner.last_round_ms:.0f}",
             "alive": ",".join(self.alive), "in_flight": len(self.requests),
             "latency_p50_ms": f"{p50:.1f}", "latency_p95_ms": f"{p95:.1f}"}
-            | {k: v for k, v in self.counts.items()})
+            | dict(self.counts))
 
 
 # telemetry of a node whose session just ended is ignored this long: a sample it sent before it

@@ -53,8 +53,8 @@ def held_out_digits() -> tuple[np.ndarray, np.ndarray]:
     is fixed, whatever the training seed): the pixels are ``core.tensors.to_pixels`` of the very
     images the trainer evaluates on, so a model trained with ``camera_inputs`` sees exactly its
     test samples when the compute nodes normalise these frames."""
-    from kaitian_ros.comm.trainer import load_data
     from kaitian_ros.core.tensors import to_pixels
+    from kaitian_ros.training.trainer import load_data
 
     x, y = load_data("digits").test
     return to_pixels(x)[:, 0].numpy(), y.numpy()
@@ -147,12 +147,14 @@ class FrameReader:
             if bgr is None:
                 return self.next()
         else:
-            ok, bgr = self._video.read()
+            video = self._video
+            assert video is not None  # a source is a folder (files) or a video file
+            ok, bgr = video.read()
             if not ok:
                 if not self.loop:
                     return None
-                self._video.set(cv2.CAP_PROP_POS_FRAMES, 0)
-                ok, bgr = self._video.read()
+                video.set(cv2.CAP_PROP_POS_FRAMES, 0)
+                ok, bgr = video.read()
                 if not ok:
                     return None
         bgr = cv2.resize(bgr, (self.width, self.height), interpolation=cv2.INTER_AREA)
@@ -207,6 +209,7 @@ class ImageSource:
         if limit and self.index >= limit:
             return
         frame_id = self.params["frame_id"]
+        pixels: np.ndarray | None
         if self.reader is None:
             pixels = synthetic_frame(self.index, self.params["height"], self.params["width"])
         elif isinstance(self.reader, DigitFrames):

@@ -144,7 +144,7 @@ def _serve(conn: Any, spec: Any) -> None:
             return
         try:
             result = plan_round(graph, request)
-        except Exception as exc:  # a round must never end the planner: report it as the error
+        except Exception as exc:  # noqa: BLE001 - a round must never end the planner: report it as the error
             result = (None, RuntimeError(f"planner failed: {type(exc).__name__}: {exc}"))
         try:
             conn.send(result)

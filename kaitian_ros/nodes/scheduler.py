@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 from kaitian_ros.core import policy as pol
 from kaitian_ros.core.authority import ImpersonationGuard, new_incarnation
@@ -25,7 +26,8 @@ from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher, Level
 _TYPES = {"string": T.STRING, "double": T.DOUBLE, "integer": T.INTEGER, "bool": T.BOOL,
           "double_array": T.DOUBLE_ARRAY}
 POLICY_PARAMETERS = tuple(
-    P(d.name, _TYPES[d.type], list(d.default) if d.type == "double_array" else d.default, d.description,
+    P(d.name, _TYPES[d.type], list(cast(Sequence[float], d.default)) if d.type == "double_array" else d.default,
+      d.description,
       # a node is live if its heartbeats come: the policy itself takes any timeout, the node
       # no less than two of the slowest heartbeats
       ic.MIN_DEAD_AFTER_S if d.name == "dead_after_s" else d.min, d.max, choices=d.choices)
@@ -122,7 +124,7 @@ class Scheduler:
             if assignment is None:
                 return
             msg = ic.assignment_msg(assignment, self.incarnation)
-        except Exception as exc:  # one bad input must not end adaptation: reported, tried again next period
+        except Exception as exc:  # noqa: BLE001 - one bad input must not end adaptation: reported, tried again
             self.decide_errors += 1
             self.last_decide_error = f"{type(exc).__name__}: {exc}"
             self.rt.logger.error(f"decision failed: {self.last_decide_error}")

@@ -1,7 +1,7 @@
 """trainer node: one rank of collaborative heterogeneous training as a ROS 2 node (docs/training.md).
 
 ROS is only the control plane here. Gradients travel over torch.distributed (gloo / the
-vendor backend, ``kaitian_ros.comm``); the node publishes one ``TrainingTelemetry`` per
+vendor backend, ``kaitian_ros.training``); the node publishes one ``TrainingTelemetry`` per
 training step on ``/kaitian/training/telemetry``, a ``/diagnostics`` status every
 ``diagnostics_period_s``, and takes parameters:
 
@@ -144,7 +144,7 @@ def rank_environment(params: dict[str, Any], environ: Any = None) -> dict[str, A
 
 def training_config(params: dict[str, Any]) -> Any:
     """The TrainingConfig of this rank from its parameters (ValueError if invalid)."""
-    from kaitian_ros.comm.trainer import TrainingConfig
+    from kaitian_ros.training.trainer import TrainingConfig
 
     d = {k: params[k] for k in _CONFIG_KEYS}
     d["devices"] = (params["device"],)
@@ -215,12 +215,12 @@ class TrainerNode:
         import torch
         import torch.distributed as dist
 
-        from kaitian_ros.comm.launch import (
+        from kaitian_ros.training.launch import (
             DistEnv,
             init_distributed,
             shutdown_distributed,
         )
-        from kaitian_ros.comm.trainer import RankTrainer
+        from kaitian_ros.training.trainer import RankTrainer
 
         torch.set_num_threads(int(self.params["threads"]))
         d = self.dist

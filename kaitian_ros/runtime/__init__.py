@@ -46,7 +46,7 @@ def run_node(node_factory: Callable[[Runtime], Any], default_name: str,
     except (NodeArgsError, ValueError) as exc:
         print(f"{default_name}: {exc}", file=sys.stderr)
         return 2
-    except Exception as exc:  # e.g. no router reachable
+    except Exception as exc:  # noqa: BLE001 - e.g. no router reachable, or rclpy's init: one line, exit code 1
         print(f"{default_name}: cannot start runtime: {exc}", file=sys.stderr)
         return 1
 

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import yaml
 
@@ -34,7 +34,7 @@ from kaitian_ros.runtime.graph_client import DISCOVERY_WAIT_S, GraphClient, RawS
 from kaitian_ros.runtime.zenoh_session import LivelinessEntry
 
 STORAGE = "mcap"
-BAG_VERSION = 9  # rosbag2's metadata version since Jazzy
+BAG_VERSION: Final = 9  # rosbag2's metadata version since Jazzy
 # The data plane (tensor rows, up to MiBs per message at frame rate) is left out of "every topic":
 # a recorder that subscribes to it slows the graph it records. Naming such a topic records it.
 CHUNK_PREFIX = "/kaitian/chunks/"
@@ -243,9 +243,13 @@ class Recorder:
             rihs01=interfaces.type_hash(topic.msg_type), offered_qos_profiles=[_offered_qos(topic)])
         self.topics[topic.name] = topic
         self._counts[topic.name] = 0
-        self._subscriptions.append(self.client.subscribe_raw(
-            topic.name, topic.msg_type, lambda sample, name=topic.name: self._samples.put((name, sample)),
-            latched=topic.latched))
+        name = topic.name
+
+        def put(sample: RawSample) -> None:
+            self._samples.put((name, sample))
+
+        self._subscriptions.append(self.client.subscribe_raw(topic.name, topic.msg_type, put,
+                                                             latched=topic.latched))
 
     # --- recording --------------------------------------------------------------------------
     def run(self, stop: threading.Event, duration_s: float | None = None) -> RecordSummary:
@@ -312,6 +316,7 @@ class Recorder:
 
 def read_info(path: Path | str) -> BagInfo:
     """What ``ros2 bag info`` shows, read back with rosbags' reader."""
+    from rosbags.interfaces import ConnectionExtRosbag2
     from rosbags.rosbag2 import Reader, ReaderError
 
     path = Path(path)
@@ -321,7 +326,8 @@ def read_info(path: Path | str) -> BagInfo:
         with Reader(path) as reader:
             topics = tuple(
                 TopicSummary(c.topic, c.msgtype, c.msgcount,
-                             any(q.durability.name == "TRANSIENT_LOCAL" for q in c.ext.offered_qos_profiles))
+                             isinstance(c.ext, ConnectionExtRosbag2)  # always, from a rosbag2 reader
+                             and any(q.durability.name == "TRANSIENT_LOCAL" for q in c.ext.offered_qos_profiles))
                 for c in sorted(reader.connections, key=lambda c: c.topic))
             start_ns = reader.start_time if reader.message_count else 0
             duration_ns = max(0, reader.end_time - reader.start_time - 1) if reader.message_count else 0

@@ -44,7 +44,7 @@ class DiagnosticsPublisher:
         self._reported_rejects = total
         if new > 0 and level == Level.OK:
             level = Level.WARN
-            message = f"{message}; dropped {new} message{'s' * (new != 1)} since the last report " \
-                      f"(last: {rejected.last_reason})"
+            message = (f"{message}; dropped {new} message{'s' * (new != 1)} since the last report "
+                       f"(last: {rejected.last_reason})")
         array = interfaces.make("DiagnosticArray", status=[self.status(level, message, values, name)])
         self.pub.publish(array)

@@ -7,6 +7,7 @@ message to a single executor thread so node callbacks never run concurrently.
 from __future__ import annotations
 
 import collections
+import contextlib
 import heapq
 import itertools
 import json
@@ -282,7 +283,7 @@ class EmbeddedRuntime:
     """A node's runtime on a zenoh peer session connected to the graph's router."""
 
     def __init__(self, args: NodeArgs, *, router: str | None = None, domain: int | None = None,
-                 security: Security | None | str = zs.FROM_ENV) -> None:
+                 security: Security | str | None = zs.FROM_ENV) -> None:
         self.node_name = args.node_name
         self.namespace = args.namespace
         self.fqn = args.fqn
@@ -403,7 +404,7 @@ class EmbeddedRuntime:
             try:
                 request = json.loads(query.payload.to_bytes() or b"{}") if query.payload else {}
                 answer = self._call_on_executor(lambda: self._answer_param(op, request))
-            except Exception as exc:  # any failure becomes an error reply, never a crash
+            except Exception as exc:  # noqa: BLE001 - any failure becomes an error reply, never a crash
                 answer = {"successful": False, "reason": f"{type(exc).__name__}: {exc}"}
             query.reply(query.key_expr, json.dumps(answer).encode())
         return handle
@@ -429,7 +430,7 @@ class EmbeddedRuntime:
         def task() -> None:
             try:
                 box["value"] = fn()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - carried to the calling thread, which raises it
                 box["error"] = exc
             done.set()
 
@@ -497,7 +498,5 @@ class EmbeddedRuntime:
         self.shutdown()
         self._tokens.clear()
         self._keepalive.clear()
-        try:
+        with contextlib.suppress(zs.SessionError):
             self.session.close()
-        except Exception:
-            pass

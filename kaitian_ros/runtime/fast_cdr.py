@@ -259,5 +259,5 @@ def decode(payload: Any) -> Any:
                          last_slab, dtype_code, dtype_bits, shape, data)
     except DecodeError:
         raise
-    except Exception as exc:  # UnicodeDecodeError, struct.error, ...: never anything but DecodeError
+    except Exception as exc:  # noqa: BLE001 - UnicodeDecodeError, struct.error, ...: never anything but DecodeError
         raise DecodeError(f"malformed {TYPE_NAME}: {type(exc).__name__}: {exc}") from None

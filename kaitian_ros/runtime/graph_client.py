@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -48,7 +49,7 @@ class GraphClient:
             self.session = zs.open_session("peer", connect=self.router)
         except security.SecurityError as exc:  # KAITIAN_SECURITY names unusable certificates
             raise GraphError(str(exc)) from None
-        except Exception as exc:
+        except zs.SessionError as exc:
             hint = "" if security.from_env() else " (a secure graph needs KAITIAN_SECURITY=<cert dir>)"
             raise GraphError(f"cannot reach a router at {self.router}: {exc}{hint}") from None
         # a fresh session needs a moment before the router routes queries to it
@@ -72,16 +73,6 @@ class GraphClient:
                 if entry is not None:
                     entries.append(entry)
         return entries
-
-    def wait_for_nodes(self, names: list[str], timeout_s: float) -> bool:
-        """True once every node (fully qualified or plain name) is alive."""
-        deadline = time.monotonic() + timeout_s
-        wanted = {n if n.startswith("/") else "/" + n for n in names}
-        while time.monotonic() < deadline:
-            if wanted <= set(self.nodes()):
-                return True
-            time.sleep(0.2)
-        return False
 
     def nodes(self) -> list[str]:
         return sorted({e.node_fqn for e in self.liveliness() if e.kind == "NN"})
@@ -135,18 +126,19 @@ class GraphClient:
             received_ns = time.time_ns()
             source_ns, gid = 0, b""
             if sample.attachment is not None:
-                try:
+                with contextlib.suppress(ValueError):  # foreign publishers may attach nothing useful
                     _, source_ns, gid = zs.parse_attachment(sample.attachment.to_bytes())
-                except ValueError:  # foreign publishers may attach nothing useful
-                    pass
             callback(RawSample(sample.payload.to_bytes(), received_ns, source_ns, gid, cached))
 
         sub = self.session.declare_subscriber(key, lambda sample: deliver(sample, False))
         if latched is None:
             latched = any(e.kind == "MP" and e.topic == topic for e in self.liveliness())
         if latched:
-            zs.query_latched(self.session, key, lambda r: r.ok is not None and deliver(r.ok, True),
-                             QUERY_TIMEOUT_S)
+            def deliver_reply(reply: Any) -> None:
+                if reply.ok is not None:  # an error reply carries no sample
+                    deliver(reply.ok, True)
+
+            zs.query_latched(self.session, key, deliver_reply, QUERY_TIMEOUT_S)
         return sub
 
     def _param_request(self, node: str, op: str, request: dict[str, Any]) -> dict[str, Any]:

@@ -133,7 +133,7 @@ def decode(payload: bytes | bytearray | memoryview, name: str) -> Any:
         return typestore().deserialize_cdr(buf, full)
     except DecodeError:
         raise
-    except Exception as exc:  # rosbags raises assorted errors on garbage: normalise them
+    except Exception as exc:  # noqa: BLE001 - rosbags raises assorted errors on garbage: normalise them
         raise DecodeError(f"malformed {name}: {type(exc).__name__}: {exc}") from None
 
 
@@ -189,7 +189,7 @@ _NUMPY_OF_ROS = {
 
 # --- tensors <-> ExperimentalTensor-style fields -----------------------------------------
 
-_DLPACK_OF_NUMPY = {
+_DLPACK_OF_NUMPY: dict[np.dtype[Any], tuple[int, int]] = {
     np.dtype(np.float32): (2, 32), np.dtype(np.float64): (2, 64), np.dtype(np.float16): (2, 16),
     np.dtype(np.int8): (0, 8), np.dtype(np.int16): (0, 16), np.dtype(np.int32): (0, 32),
     np.dtype(np.int64): (0, 64), np.dtype(np.uint8): (1, 8), np.dtype(np.uint16): (1, 16),
@@ -221,6 +221,7 @@ def array_from_fields(msg: Any) -> np.ndarray:
     """numpy view of a message's tensor fields (zero copy; read-only if the payload was bytes)."""
     shape = tuple(int(s) for s in msg.shape)
     key = (int(msg.dtype_code), int(msg.dtype_bits))
+    dtype: np.dtype[Any]
     if key == (4, 16):
         dtype = np.dtype(np.uint16)
     elif key in _NUMPY_OF_DLPACK:

@@ -33,6 +33,7 @@ rclpy is imported only when a RosRuntime is created, so nothing else needs ROS i
 from __future__ import annotations
 
 import array
+import contextlib
 import importlib
 import sys
 import threading
@@ -108,9 +109,9 @@ def rcl_descriptor(desc: ParameterDescriptor, modules: Any) -> Any:  # modules: 
         hi = _INT64_MAX if desc.max_value is None else int(desc.max_value)
         out.integer_range = [modules.IntegerRange(from_value=lo, to_value=hi, step=0)]
     elif desc.type is ParameterType.DOUBLE:
-        lo = -sys.float_info.max if desc.min_value is None else float(desc.min_value)
-        hi = sys.float_info.max if desc.max_value is None else float(desc.max_value)
-        out.floating_point_range = [modules.FloatingPointRange(from_value=lo, to_value=hi, step=0.0)]
+        low = -sys.float_info.max if desc.min_value is None else float(desc.min_value)
+        high = sys.float_info.max if desc.max_value is None else float(desc.max_value)
+        out.floating_point_range = [modules.FloatingPointRange(from_value=low, to_value=high, step=0.0)]
     return out
 
 
@@ -375,7 +376,7 @@ class RosRuntime:
             for callback in self._on_set:
                 try:
                     result = callback(dict(proposed))
-                except Exception as exc:  # a node bug refuses the change, never crashes the service
+                except Exception as exc:  # noqa: BLE001 - a node bug refuses the change, never crashes the service
                     result = SetParametersResult(False, f"{type(exc).__name__}: {exc}")
                 if not result.successful:
                     break
@@ -414,18 +415,14 @@ class RosRuntime:
             return
         self._closed = True
         self.shutdown()
-        try:
+        # best effort, in order: rclpy raises assorted errors (RCLError, InvalidHandle, ...) on
+        # handles a signal handler or an earlier failure already destroyed
+        with contextlib.suppress(Exception):
             self.executor.remove_node(self.node)
             self.executor.shutdown()
-        except Exception:
-            pass
-        try:
+        with contextlib.suppress(Exception):
             self.node.destroy_node()
-        except Exception:
-            pass
         if self._owns_context:
-            try:
+            with contextlib.suppress(Exception):  # already shut down by a signal handler
                 if self._rclpy.ok():
                     self._rclpy.shutdown()
-            except Exception:  # already shut down by a signal handler
-                pass

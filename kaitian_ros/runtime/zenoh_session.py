@@ -19,6 +19,9 @@ DEFAULT_ROUTER = "tcp/127.0.0.1:7447"
 LIVELINESS_PREFIX = "@ros2_lv"
 PARAM_PREFIX = "@kaitian/params"
 CONNECT_TIMEOUT_MS = 5000  # a peer gives up on an unreachable router after this
+# what zenoh raises (closed session, unreachable router, bad endpoint): the layers above catch it
+# by this name, so that this module stays the one that imports zenoh
+SessionError = zenoh.ZError
 
 
 def router_endpoint() -> str:
@@ -28,7 +31,7 @@ def router_endpoint() -> str:
 
 # addresses a router may listen on that mean "every interface": this host's own processes reach
 # such a router at loopback (other hosts at one of the host's addresses)
-_ANY_ADDRESS = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]"}
+_ANY_ADDRESS = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]"}  # noqa: S104 - recognises the address, binds nothing
 
 
 def split_endpoint(endpoint: str) -> tuple[str, str, str]:
@@ -73,7 +76,7 @@ def domain_id() -> int:
 FROM_ENV = "env"  # open_session's default: security as KAITIAN_SECURITY / KAITIAN_SECURITY_ROLE say
 
 
-def resolve_security(security: security_.Security | None | str = FROM_ENV) -> security_.Security | None:
+def resolve_security(security: security_.Security | str | None = FROM_ENV) -> security_.Security | None:
     """``security`` itself, or for FROM_ENV what KAITIAN_SECURITY(_ROLE) say (None: off)."""
     if isinstance(security, str):
         if security != FROM_ENV:
@@ -83,7 +86,7 @@ def resolve_security(security: security_.Security | None | str = FROM_ENV) -> se
 
 
 def open_session(mode: str = "peer", *, connect: str | None = None, listen: str | None = None,
-                 security: security_.Security | None | str = FROM_ENV) -> Any:
+                 security: security_.Security | str | None = FROM_ENV) -> Any:
     """A zenoh session like rmw_zenoh's defaults: multicast scouting off, loopback only.
 
     Peers connect to the router for discovery and then talk to each other directly
@@ -132,7 +135,7 @@ def open_session(mode: str = "peer", *, connect: str | None = None, listen: str 
     return zenoh.open(config)
 
 
-def router_problem(endpoint: str, security: security_.Security | None | str = FROM_ENV) -> str:
+def router_problem(endpoint: str, security: security_.Security | str | None = FROM_ENV) -> str:
     """'' when a peer session connects to the router at ``endpoint``, else one line saying
     why not (checked before starting nodes that would each fail to connect on their own)."""
     try:
@@ -250,7 +253,7 @@ def watch_departures(session: Any, domain: int, on_gone: Any) -> Any:
             for reply in session.liveliness().get(key, timeout=1.0):
                 if reply.ok is not None:
                     return  # still held: not a departure
-        except Exception:  # session closing
+        except zenoh.ZError:  # session closing
             return
         on_gone(entry)
 
@@ -352,7 +355,7 @@ def shm_payload(buf: bytes | bytearray) -> Any:
             pool = int(os.environ.get("KAITIAN_SHM_POOL_MB", str(SHM_POOL_MB_DEFAULT))) * 1024 * 1024
             _shm_provider = zenoh.shm.ShmProvider.default_backend(pool)
         shm = _shm_provider.alloc(len(buf), policy=zenoh.shm.GarbageCollect())
-    except Exception:  # no /dev/shm, pool exhausted by in-flight messages, ...: plain put
+    except Exception:  # noqa: BLE001 - optional fast path: whatever fails (no /dev/shm, pool exhausted by in-flight messages, ...), a plain put
         if _shm_provider is None:
             _shm_failed = True
         return None

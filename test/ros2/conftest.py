@@ -9,7 +9,7 @@ import pytest
 @pytest.fixture
 def router() -> Iterator[Any]:
     """A zenoh router on a free loopback port, for an EmbeddedRuntime to compare with."""
-    from kaitian_ros.launcher import free_port
+    from kaitian_ros.ports import free_port
     from kaitian_ros.runtime import zenoh_session as zs
 
     endpoint = f"tcp/127.0.0.1:{free_port()}"

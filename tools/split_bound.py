@@ -3,19 +3,21 @@
 Runs each plan in one process with no messages (``run_plan_locally``, whole stripes, best of
 ``--reps``) and prints every node's stripe compute time. With node b EMULATED ``--slow`` times
 slower, no collaborative run of that plan can beat max(a, slow x b), whatever the transport;
-trunk / max(a, slow x b) is the most speed-up the plan allows (docs/benchmarks.md, session 3).
+trunk / max(a, slow x b) is the most speed-up the plan allows (docs/benchmarks-history.md, "An upper bound without
+messages").
 
-    python bench/split_bound.py [--model resnet18] [--size 224] [--slow 2.0]
+    python tools/split_bound.py [--model resnet18] [--size 224] [--slow 2.0]
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import torch
 
-from kaitian_ros.core.plan import make_plan
+from kaitian_ros.core.plan import CostModel, Plan, make_plan
 from kaitian_ros.core.stripe import run_plan_locally
 from kaitian_ros.nodes import inference_common as ic
 
@@ -33,9 +35,9 @@ def main() -> None:
     torch.set_num_threads(1)
     g = ic.build_graph(ic.ModelSpec(args.model, (3, args.size, args.size), 1000, 0, ""))
     x = torch.randn(1, 3, args.size, args.size)
-    cost = ic.cost_model(args.link_mbit)
+    cost = CostModel(link_bytes_per_ms=args.link_mbit * 1e6 / 8 / 1e3)  # Mbit/s -> bytes/ms
 
-    def per_node(plan) -> tuple[dict[str, float], float]:
+    def per_node(plan: Plan) -> tuple[dict[str, float], float]:
         """Best stripe times per node, and the best whole-trunk time measured between them
         (this box's speed drifts by 10-30 % within minutes: compare only interleaved times).
         The trunk runs the same fused, prepacked ops as the stripes (``run_ops``), as the
@@ -60,7 +62,7 @@ def main() -> None:
         best_plan = (0.0, "")  # (at most x, which plan)
         for share_a in (float(v) for v in args.shares.split(",")):
             shares = (share_a, round(1.0 - share_a, 6))
-            variants = {"planner": {"cost": cost},
+            variants: dict[str, dict[str, Any]] = {"planner": {"cost": cost},
                         "no solo tail": {"cost": cost, "solo_tail": False},
                         "every cut": {"cuts": cuts, "solo_tail": False},
                         "every cut + solo tail": {"cuts": cuts, "solo_tail": True}}

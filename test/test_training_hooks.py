@@ -12,15 +12,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from kaitian_ros.comm.groups import build_groups
-from kaitian_ros.comm.hooks import (
+from kaitian_ros.training.groups import build_groups
+from kaitian_ros.training.hooks import (
     HookState,
     flat_all_reduce,
     flat_hook,
     hierarchical_all_reduce,
     hierarchical_hook,
 )
-from kaitian_ros.comm.launch import run_local
+from kaitian_ros.training.launch import run_local
 
 BATCHES = (5, 17, 42)
 LR = 0.1

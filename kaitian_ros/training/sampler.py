@@ -333,13 +333,6 @@ class AdaptiveBatchSampler:
         self._since_rebalance = 0
         return True
 
-    def reset_measurements(self) -> None:
-        """Forget the speed estimate (e.g. after the device changed speed on purpose)."""
-        self._ewma = math.nan
-        self._beta = 0.0
-        self._fit = np.zeros(7)
-        self._fit_updates = 0
-
     def state_dict(self) -> dict:
         return {"shares": list(self.shares), "step": self.step, "rebalances": self.rebalances,
                 "ewma": self._ewma, "beta": self._beta, "fit": self._fit.tolist(),

@@ -2,7 +2,7 @@
 
 The sampler's shares come from past steps; on a shared machine one step's compute time
 still swings by +-30 %, and the fast rank then waits for the slow one at the all-reduce
-(``docs/training.md``, session 5). Here the planned contiguous slices only fix where each
+(``docs/training.md``). Here the planned contiguous slices only fix where each
 rank *starts*; the boundaries between neighbours are settled at run time:
 
 * rank 0 starts at the batch's first sample and claims to the right, rank N-1 starts at
@@ -19,7 +19,7 @@ rank *starts*; the boundaries between neighbours are settled at run time:
   fine-grained ones where the boundary is actually decided.
 
 Exactness does not depend on who computed what: every rank scales its summed per-sample
-gradient by ``1 / B`` (``comm.trainer``), so the reduced gradient is the mean over the
+gradient by ``1 / B`` (``training.trainer``), so the reduced gradient is the mean over the
 global batch whatever the final counts are.
 """
 

@@ -24,9 +24,11 @@ Failure handling, two layers:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -39,26 +41,26 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from kaitian_ros.comm import netif
+from kaitian_ros.ports import free_port
+from kaitian_ros.training import netif
+
+if TYPE_CHECKING:  # imported at run time where used, as the functions below do
+    from kaitian_ros.training.trainer import TrainingConfig
 
 HEARTBEAT_S = 0.5
 STALE_S = 2.5  # a heartbeat older than this means the rank is gone
+# what a TCPStore call raises when its host is gone or slow: c10d's DistError family (RuntimeError
+# subclasses: DistNetworkError, DistStoreError), or a socket error as such
+STORE_ERRORS = (RuntimeError, OSError)
 
 
 class RankFailure(RuntimeError):
     """Another rank died or stopped responding; the message names it."""
-
-
-def free_port() -> int:
-    """A TCP port that is free right now (bind to port 0), for MASTER_PORT."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --------------------------------------------------------------------------------------
@@ -108,16 +110,14 @@ class Heartbeat:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 self._store.set(f"kaitian/hb/{self.env.rank}", repr(time.time()))
-            except Exception:  # store host gone: diagnose() will report it
+            except STORE_ERRORS:  # store host gone: diagnose() will report it
                 return
 
     def stop(self, state: str = "done") -> None:
         self._stop.set()
-        try:
+        with contextlib.suppress(*STORE_ERRORS):  # store host gone: nobody left to tell
             self._store.set(f"kaitian/state/{self.env.rank}", state)
             self._store.set(f"kaitian/final/{self.env.rank}", state)  # done with the store
-        except Exception:
-            pass
 
     def _heartbeat_age(self, rank: int, now: float) -> float | None:
         """Seconds since ``rank``'s last heartbeat, None if it never sent one."""
@@ -139,7 +139,7 @@ class Heartbeat:
                     age = self._heartbeat_age(r, now)
                     if age is not None and age <= STALE_S:
                         pending += 1
-            except Exception:
+            except STORE_ERRORS:
                 return
             if not pending:
                 return
@@ -153,7 +153,7 @@ class Heartbeat:
         """
         try:
             self._store.set(f"kaitian/state/{self.env.rank}", "aborting")
-        except Exception:
+        except STORE_ERRORS:
             return ("rank 0 is unreachable (it hosts the rendezvous store at "
                     f"{self.env.master_addr}:{self.env.master_port}); it died or its host is down")
         deadline = time.monotonic() + wait_s
@@ -171,7 +171,7 @@ class Heartbeat:
                     age = self._heartbeat_age(r, now)
                     if age is None or age > STALE_S:
                         dead.append((r, age))
-            except Exception:
+            except STORE_ERRORS:
                 return ("rank 0 is unreachable (it hosts the rendezvous store at "
                         f"{self.env.master_addr}:{self.env.master_port}); it died or its host is down")
             if dead or time.monotonic() >= deadline:
@@ -194,7 +194,7 @@ def init_distributed(env: DistEnv, *, timeout_s: float = 60.0,
 
     The world group is gloo: it carries control traffic (step times, metadata) and the
     DDP constructor's checks, which must work across vendors. Vendor backends are used in
-    the intra-group groups built by :func:`kaitian_ros.comm.groups.build_groups`.
+    the intra-group groups built by :func:`kaitian_ros.training.groups.build_groups`.
     """
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
@@ -218,10 +218,8 @@ def shutdown_distributed(hb: Heartbeat | None, state: str = "done") -> None:
             # stays up until each of them has said it is aborting/done or has gone stale
             hb.wait_for_peers(STALE_S * 2 + 1.0)
     if dist.is_initialized():
-        try:
+        with contextlib.suppress(RuntimeError, ValueError):  # c10d errors after a peer died
             dist.destroy_process_group()
-        except Exception:
-            pass
 
 
 # --------------------------------------------------------------------------------------
@@ -240,7 +238,7 @@ def _local_child(fn: Callable[..., Any], rank: int, world: int, port: int, args:
         dist.barrier()
         q.put((rank, True, out))
         shutdown_distributed(hb)
-    except BaseException as e:  # report, never hang the parent
+    except BaseException as e:  # noqa: BLE001 - a rank's child process: report anything, never hang the parent
         q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         shutdown_distributed(hb, "aborting")
 
@@ -273,7 +271,7 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any,
                 raise RuntimeError(f"ranks timed out; finished: {sorted(results)}")
             try:
                 r, ok, out = q.get(timeout=min(left, 1.0))
-            except Exception:
+            except queue.Empty:
                 dead = [i for i, p in enumerate(procs)
                         if p.exitcode not in (None, 0) and i not in results and i not in errors]
                 if dead:
@@ -303,7 +301,7 @@ class _ArgError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, no usage dump, no SystemExit(2)
+    def error(self, message: str) -> NoReturn:  # one line, no usage dump, no SystemExit(2)
         raise _ArgError(message)
 
 
@@ -400,8 +398,8 @@ def _placement(a: argparse.Namespace, ranks: int) -> Placement:
     return Placement(a.nnodes, a.node_rank, ranks, a.master_addr, a.master_port or DEFAULT_MASTER_PORT)
 
 
-def _config_from_args(a: argparse.Namespace) -> tuple[Any, int | None]:
-    from kaitian_ros.comm.trainer import TrainingConfig
+def _config_from_args(a: argparse.Namespace) -> tuple[TrainingConfig, int]:
+    from kaitian_ros.training.trainer import TrainingConfig
 
     d: dict[str, Any] = {}
     ranks = a.ranks
@@ -491,7 +489,7 @@ class _EpochProgress:
 
 def _run_one_rank(cfg: Any) -> int:
     """Run as one rank from the torchrun environment; errors as one stderr line."""
-    from kaitian_ros.comm.trainer import RankTrainer
+    from kaitian_ros.training.trainer import RankTrainer
 
     torch.set_num_threads(int(os.environ.get("KAITIAN_THREADS", "1")))
     env = DistEnv.from_environ()
@@ -513,7 +511,7 @@ def _run_one_rank(cfg: Any) -> int:
             if progress is not None:
                 progress.close()
         dist.barrier()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - a rank: any failure is one line naming the cause, then exit 1
         first = str(e).splitlines()[0] if str(e) else ""
         msg = f"rank {env.rank}: {type(e).__name__}: {first}"
         # RuntimeError covers gloo/c10d failures (DistBackendError is a subclass): find
@@ -549,7 +547,7 @@ def _spawn_local(argv: list[str], cfg: Any, placement: Placement, as_json: bool)
     for r in range(ranks):
         env = dict(os.environ, **placement.child_env(r))
         env[_CHILD_RESULT_ENV] = str(tmp / f"rank{r}.json")
-        procs.append(subprocess.Popen([sys.executable, "-m", "kaitian_ros.comm.launch", *argv],
+        procs.append(subprocess.Popen([sys.executable, "-m", "kaitian_ros.training.launch", *argv],
                                       env=env))
     first_dead: tuple[int, int] | None = None
     dead_at = 0.0
@@ -637,7 +635,7 @@ def main_train(argv: list[str]) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         try:
             return _run_one_rank(cfg)
-        except Exception as e:  # e.g. a bad MASTER_PORT
+        except Exception as e:  # noqa: BLE001 - e.g. a bad MASTER_PORT: one error line, exit code 1
             print(f"kaitian train: error: {e}", file=sys.stderr)
             return 1
     return _spawn_local(argv, cfg, placement, a.json)

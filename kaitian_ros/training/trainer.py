@@ -2,14 +2,14 @@
 
 No middleware here: a ROS trainer node wraps :class:`RankTrainer`, passes ``on_step`` to
 publish telemetry and calls :meth:`RankTrainer.set_emulated_slowdown` from a parameter
-callback. The process group must already be initialised (see ``comm.launch``).
+callback. The process group must already be initialised (see ``training.launch``).
 
 One step on rank r: take this rank's contiguous slice (b_r samples) of the global batch
-(``comm.sampler``), forward/backward with the loss averaged over the local slice, the DDP
-hook scales by b_r/B and all-reduces hierarchically (``comm.hooks``), optimizer step --
+(``training.sampler``), forward/backward with the loss averaged over the local slice, the DDP
+hook scales by b_r/B and all-reduces hierarchically (``training.hooks``), optimizer step --
 which makes every rank's update the single-process update on the union batch. With work
 stealing (``work_stealing``, on for the adaptive policy) the slice is only where the rank
-starts: it claims chunks at run time (``comm.stealing``), accumulates them without
+starts: it claims chunks at run time (``training.stealing``), accumulates them without
 communication and weighs the sum by 1/B, so the update stays exact. If the
 rank emulates a slower device (factor s), it sleeps (s-1) x its real compute time, and
 does so *before* each communication (for the compute since the previous one) and after the
@@ -38,10 +38,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from kaitian_ros.comm.groups import CommGroups, build_groups, parse_device
-from kaitian_ros.comm.hooks import HOOKS, HookState
-from kaitian_ros.comm.sampler import MODELS, POLICIES, AdaptiveBatchSampler
-from kaitian_ros.comm.stealing import StepClaims, forget_step
+from kaitian_ros.training.groups import CommGroups, build_groups, parse_device
+from kaitian_ros.training.hooks import HOOKS, HookState
+from kaitian_ros.training.sampler import MODELS, POLICIES, AdaptiveBatchSampler
+from kaitian_ros.training.stealing import StepClaims, forget_step
 
 CHECKPOINT_NAME = "checkpoint.pt"
 LR_SCHEDULES = ("constant", "cosine")
@@ -55,7 +55,7 @@ class TrainingConfig:
     """Everything that defines a training run; identical on every rank.
 
     ``devices`` and ``emulated_slowdown`` are per rank (a single entry applies to all).
-    A device ``cpu:a`` is the CPU labelled as its own device type (see ``comm.groups``).
+    A device ``cpu:a`` is the CPU labelled as its own device type (see ``training.groups``).
     ``emulated_slowdown`` s >= 1 makes a rank behave like a device s times slower.
     """
 
@@ -84,7 +84,7 @@ class TrainingConfig:
     rebalance_every: int = 5
     ewma_alpha: float = 0.5
     share_model: str = "affine"  # step time a + c b per rank ("proportional": c b)
-    # slice boundaries settled at run time by claims (``comm.stealing``): "on", "off", or
+    # slice boundaries settled at run time by claims (``training.stealing``): "on", "off", or
     # "auto" = on for the adaptive policy, off for the baselines (equal = plain DDP,
     # profile_once = KAITIAN's profiling)
     work_stealing: str = "auto"
@@ -352,7 +352,7 @@ def camera_split(data: DataSplit) -> DataSplit:
 
     if not isinstance(data.train, tuple) or not isinstance(data.test, tuple):
         # a configuration mistake: ValueError, which the CLI and the node report as one line
-        raise ValueError("camera_inputs needs an in-memory (x, y) tensor dataset")  # noqa: TRY004
+        raise ValueError("camera_inputs needs an in-memory (x, y) tensor dataset")
 
     def one(ds: tuple) -> tuple:
         return (normalise_input(to_pixels(ds[0]), data.in_channels), ds[1])
@@ -450,7 +450,7 @@ class RankTrainer:
                  data: DataSplit | None = None,
                  on_epoch: Callable[[EpochDone], None] | None = None) -> None:
         if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised (use comm.launch)")
+            raise RuntimeError("torch.distributed is not initialised (use kaitian_ros.training.launch)")
         self.config = config
         self.rank = dist.get_rank() if rank is None else rank
         self.world_size = dist.get_world_size() if world_size is None else world_size
@@ -490,7 +490,7 @@ class RankTrainer:
     def _gather(self, x: float | Sequence[float]) -> list[Any]:
         """All-gather a float or a fixed-length float vector from every rank (rank order)."""
         scalar = isinstance(x, (int, float))
-        t = torch.tensor([x] if scalar else list(x), dtype=torch.float64)
+        t = torch.tensor([x] if isinstance(x, (int, float)) else list(x), dtype=torch.float64)
         out = [torch.zeros_like(t) for _ in range(self.world_size)]
         dist.all_gather(out, t, group=self.groups.world if self.groups else None)
         return [float(o.item()) if scalar else tuple(o.tolist()) for o in out]
@@ -526,6 +526,7 @@ class RankTrainer:
         """Rank 0 reads the checkpoint and broadcasts it (other hosts need no shared disk)."""
         path = self._checkpoint_path()
         box: list[Any] = [None]
+        assert self.groups is not None  # run() builds the groups before it loads
         if self.rank == 0 and path is not None and path.exists():
             box[0] = torch.load(path, map_location="cpu", weights_only=False)
         dist.broadcast_object_list(box, src=0, group=self.groups.world)
@@ -575,13 +576,14 @@ class RankTrainer:
         claims_store = self._claims_store() if cfg.steals and self.world_size > 1 else None
 
         def stolen_forward_backward(sl: Any) -> tuple[int, float]:
-            """This rank's share of the step with run-time boundaries (``comm.stealing``).
+            """This rank's share of the step with run-time boundaries (``training.stealing``).
 
             Chunks are accumulated without communication; an empty forward/backward then
             runs the comm hook on the sum. Each chunk's summed loss is divided by the
             *planned* slice size d and the hook weighs by d / B, so the reduced gradient is
             (sum over the samples this rank computed) / B: exact for any final counts.
             """
+            assert claims_store is not None  # only called where cfg.steals with several ranks
             d = max(sl.local_batch, 1)
             state.set_batch(d, sl.global_batch)
             claims = StepClaims(claims_store, str(sl.step), sl.counts, self.rank)
@@ -698,9 +700,3 @@ class RankTrainer:
             train_seconds=train_s, comm_seconds=comm_s, final_shares=sampler.shares,
             accuracy_per_epoch=tuple(accs), history=tuple(history),
             groups=self.groups.topology.describe() if self.groups else "")
-
-
-def train_rank(config: TrainingConfig, *, local_rank: int | None = None,
-               on_step: Callable[[TrainingStep], None] | None = None) -> TrainingResult:
-    """Run this rank of ``config`` in an initialised process group."""
-    return RankTrainer(config, local_rank=local_rank, on_step=on_step).run()

@@ -3,11 +3,12 @@
 For every windowed conv of the trunk, times the op (as the stripe executor calls it) on each
 possible number of output rows and compares that with the rows' share of the whole-map call.
 A row count over 4x its share (+2 ms) is listed as slow. oneDNN chooses its blocked weight
-layout by input shape, and before session 7 a few shapes (ResNet-18 at 448, MobileNetV2 and
-VGG-11 at 224) converted layouts on every call, 4-40x slower; `graph.PrepackedConv` now packs
-such a shape's weights for itself after its first calls, so this should list nothing.
+layout by input shape, and for a few shapes (ResNet-18 at 448, MobileNetV2 and VGG-11 at 224)
+it converts layouts on every call, 4-40x slower; `graph.PrepackedConv` packs such a shape's
+weights for itself after its first calls, so this should list nothing (a listed row count is a
+shape it misses).
 
-    python bench/conv_row_costs.py [--model resnet18] [--size 224] [--max-counts 40]
+    python tools/conv_row_costs.py [--model resnet18] [--size 224] [--max-counts 40]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kaitian_ros.nodes import inference_common as ic
 def best_ms(op: TrunkOp, in_shape: tuple[int, int, int], rows: int, fmt: torch.memory_format) -> float:
     """Best of two timed calls of `op` computing `rows` output rows (after two untimed ones:
     the first calls at a shape build kernels, and may repack the weights)."""
+    assert op.window is not None  # only windowed convs are timed
     lo, hi = op.window.raw(0, rows)
     x = torch.randn(1, in_shape[0], hi - lo, in_shape[2]).contiguous(memory_format=fmt)
     for _ in range(2):

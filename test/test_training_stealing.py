@@ -16,9 +16,9 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kaitian_ros.comm.launch import run_local
-from kaitian_ros.comm.stealing import StepClaims, forget_step, sides_of, start_points
-from kaitian_ros.comm.trainer import RankTrainer, TrainingConfig
+from kaitian_ros.training.launch import run_local
+from kaitian_ros.training.stealing import StepClaims, forget_step, sides_of, start_points
+from kaitian_ros.training.trainer import RankTrainer, TrainingConfig
 
 
 def _claim_all(counts: list[int], order_seed: int, stop_after: dict[int, int] | None = None
@@ -63,7 +63,7 @@ def test_every_sample_claimed_once_in_contiguous_rank_ordered_ranges(counts: lis
             assert c.range is None
             continue
         lo, hi = c.range
-        assert hi - lo == c.count == sum(h - l for l, h in got[r])
+        assert hi - lo == c.count == sum(end - start for start, end in got[r])
         assert lo == pos
         pos = hi
     assert pos == B

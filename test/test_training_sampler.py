@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kaitian_ros.comm.sampler import (
+from kaitian_ros.training.sampler import (
     AdaptiveBatchSampler,
     epoch_permutation,
     shares_from_model,
@@ -72,7 +72,7 @@ def test_exactly_once_coverage_with_changing_shares(policy: str) -> None:
             assert len({sl.counts for sl in step_slices}) == 1
             assert len({sl.step for sl in step_slices}) == 1
             off = 0
-            for r, sl in enumerate(step_slices):
+            for sl in step_slices:
                 assert sl.offset == off and sl.local_batch == len(sl.indices)
                 off += sl.local_batch
                 seen.extend(sl.indices)
@@ -200,7 +200,7 @@ def test_fixed_cost_fit_ignores_noise_it_cannot_resolve() -> None:
         b = 120 + (k % 3)  # almost no spread
         s.record(1e-3 * b * (1 + rng.uniform(-0.5, 0.5)), b, 256)
     assert s.fixed_samples == 0.0
-    for k in range(200):
+    for _ in range(200):
         b = rng.choice([60, 128, 200])
         s.record((3e-3 + 1e-4 * b) * (1 + rng.uniform(-0.9, 0.9)), b, 256)
     assert 0.0 <= s.fixed_samples <= 128

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kaitian_ros.comm.groups import CommGroups
+from kaitian_ros.training.groups import CommGroups
 
 
 def hierarchical_all_reduce(tensor: torch.Tensor, groups: CommGroups,

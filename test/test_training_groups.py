@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kaitian_ros.comm.groups import (
+from kaitian_ros.training.groups import (
     backend_for_device,
     build_groups,
     device_backends,
@@ -14,7 +14,7 @@ from kaitian_ros.comm.groups import (
     plan_topology,
     register_device_backend,
 )
-from kaitian_ros.comm.launch import run_local
+from kaitian_ros.training.launch import run_local
 
 
 def test_plan_groups_by_host_and_device() -> None:
@@ -41,7 +41,7 @@ def test_backend_table_and_device_parsing() -> None:
         assert backend_for_device("xpu") == "xccl"
     finally:
         device_backends()  # copy; the table itself is module state
-        import kaitian_ros.comm.groups as g
+        import kaitian_ros.training.groups as g
         g._DEVICE_BACKENDS.pop("xpu")
 
 

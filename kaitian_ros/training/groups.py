@@ -73,7 +73,7 @@ def backend_for_device(device_label: str) -> str:
     except KeyError:
         raise ValueError(
             f"no collective backend known for device type {base!r}; call "
-            f"kaitian_ros.comm.groups.register_device_backend({base!r}, '<backend>') "
+            f"kaitian_ros.training.groups.register_device_backend({base!r}, '<backend>') "
             "after registering the backend with torch.distributed.Backend.register_backend"
         ) from None
 

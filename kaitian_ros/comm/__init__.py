@@ -1,1 +1,0 @@
-"""comm layer of kaitian_ros (see docs/architecture.md)."""

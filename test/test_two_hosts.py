@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import Proc
 
 from kaitian_ros.bench import netns
 
@@ -59,38 +60,16 @@ def _env(**extra: str) -> dict[str, str]:
                 **extra)
 
 
-class Host:
+class Host(Proc):
     """A ``kaitian`` command running in one namespace, its output collected line by line."""
 
     def __init__(self, links: netns.Links, index: int, args: Sequence[str], env: dict[str, str]) -> None:
-        self.lines: list[str] = []
-        self._changed = threading.Condition()
-        self.process = subprocess.Popen(
-            [*links.exec_prefix(index), sys.executable, "-u", "-m", "kaitian_ros.cli", *args], env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-            start_new_session=True)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        super().__init__([*links.exec_prefix(index), sys.executable, "-u", "-m", "kaitian_ros.cli", *args], env,
+                         new_session=True)
+        self.process = self.p
 
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            with self._changed:
-                self.lines.append(line.rstrip("\n"))
-                self._changed.notify_all()
-        with self._changed:
-            self._changed.notify_all()
-
-    def wait_for(self, text: str, timeout_s: float) -> None:
-        with self._changed:
-            found = self._changed.wait_for(
-                lambda: any(text in ln for ln in self.lines) or self.process.poll() is not None, timeout_s)
-            assert found and any(text in ln for ln in self.lines), \
-                f"no {text!r} in the output:\n{self.output()}"
-
-    def output(self) -> str:
-        with self._changed:
-            return "\n".join(self.lines[-80:])
+    def wait_for_text(self, text: str, timeout_s: float) -> None:
+        self.wait_for(re.escape(text), timeout_s=timeout_s)
 
     def stop(self, timeout_s: float = 30.0) -> int:
         """Ctrl-C, as a user stops a launch; the exit code."""
@@ -112,7 +91,7 @@ def test_inference_graph_split_across_two_hosts(hosts: netns.Links) -> None:
                              "--listen", a_ip, "--exclude", "compute_1", "--no-view"], _env())
     host_b = None
     try:
-        host_a.wait_for("router listening on", STARTUP_S)
+        host_a.wait_for_text("router listening on", STARTUP_S)
         host_b = Host(hosts, 1, ["launch", "robot_edge", *GRAPH, "--connect", router, "--listen", b_ip,
                                  "--only", "compute_1", "--no-view"], _env())
         # a tool on host B reads host A's results through the same router, until compute_1 took

@@ -64,7 +64,7 @@ def _client(args: argparse.Namespace) -> Any:
 def cmd_launch(args: argparse.Namespace) -> int:
     import os
 
-    from kaitian_ros.launcher import launch, preflight
+    from kaitian_ros.launcher import launch, preflight, router_seen_here
     from kaitian_ros.runtime import security
     from kaitian_ros.runtime import zenoh_session as zs
     from kaitian_ros.scenario import (
@@ -129,7 +129,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         from kaitian_ros.live_view import LiveView
 
         # with --no-view it still listens: the summary at exit is told either way
-        view = LiveView(zs.local_endpoint(router) if host_router else router, scenario, show=not args.no_view)
+        view = LiveView(router_seen_here(router, host_router), scenario, show=not args.no_view)
     try:
         code = launch(scenario, router, duration_s=args.duration, on_tick=view.tick if view else None,
                       out=view.output if view else sys.stdout, warm_start=not args.no_warm_start,

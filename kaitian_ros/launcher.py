@@ -250,7 +250,7 @@ class Launcher:
         self.host_router = host_router
         # where this host's processes connect: a router hosted on an any-address
         # (tcp/0.0.0.0:7447, reachable from other hosts) is reached at loopback here
-        self.connect_endpoint = zs.local_endpoint(router_endpoint) if host_router else router_endpoint
+        self.connect_endpoint = router_seen_here(router_endpoint, host_router)
         self.children: list[Child] = []
         self._stopping = threading.Event()
         self._print_lock = threading.Lock()
@@ -549,6 +549,13 @@ class CapturedOutput:
         with self._lock:
             lines = self.lines + ([self._partial] if self._partial else [])
             return "\n".join(lines if last is None else lines[-last:])
+
+
+def router_seen_here(router_endpoint: str, host_router: bool) -> str:
+    """Where this host's processes connect to the graph's router: the one this launch hosts on
+    ``router_endpoint`` (at loopback when that is an any-address such as ``tcp/0.0.0.0:7447``,
+    reachable from other hosts), or the one at ``router_endpoint`` on another host."""
+    return zs.local_endpoint(router_endpoint) if host_router else router_endpoint
 
 
 def start_on_free_port(scenario: Scenario, *, out: LineOut = sys.stdout, attempts: int = 5,

@@ -56,6 +56,7 @@ RESPAWN_KEYS = ("respawn", "respawn_delay", "respawn_max_retries")
 ALL_NODES = ("/**", "**")  # the parameter-file sections that apply to every node
 SECURITY_KEY = "security"
 ROUTER_KEYS = ("router", "connect", "listen")  # where the graph's router is: see the module docstring
+GRAPH_KEYS = (SECURITY_KEY, *ROUTER_KEYS)  # whole-graph launch settings: never a node's parameter
 COMPUTE_RESPAWN_DELAY_S = 0.2
 
 
@@ -181,11 +182,11 @@ def load_scenario(name_or_path: str, overrides: Sequence[tuple[str, Any]] | Sequ
     for name, section in data.items():
         if name in ALL_NODES:
             params = section.get("ros__parameters") if isinstance(section, dict) else None
-            if isinstance(params, dict) and SECURITY_KEY in params:
-                security = _security_dir(params[SECURITY_KEY], path.parent, f"{path}: {name} {SECURITY_KEY}")
-            for key in ROUTER_KEYS:
-                if isinstance(params, dict) and key in params:
-                    where[key] = _router_setting(key, params[key], f"{path}: {name} {key}")
+            if isinstance(params, dict):
+                if SECURITY_KEY in params:
+                    security = _security_dir(params[SECURITY_KEY], path.parent, f"{path}: {name} {SECURITY_KEY}")
+                where |= {key: _router_setting(key, params[key], f"{path}: {name} {key}")
+                          for key in ROUTER_KEYS if key in params}
             continue
         if not isinstance(section, dict) or not isinstance(section.get("ros__parameters"), dict):
             raise ScenarioError(f"{path}: node '{name}' has no ros__parameters mapping")
@@ -213,7 +214,7 @@ def load_scenario(name_or_path: str, overrides: Sequence[tuple[str, Any]] | Sequ
     if where.get("router") and where.get("connect"):
         raise ScenarioError(f"{path}: router (host the graph's router here) and connect (join the router on "
                             f"another host) exclude each other")
-    nodes = apply_overrides(nodes, [(k, v) for k, v in pairs if k != SECURITY_KEY and k not in ROUTER_KEYS])
+    nodes = apply_overrides(nodes, [(k, v) for k, v in pairs if k not in GRAPH_KEYS])
     return Scenario(path.stem, path, tuple(nodes), tuple(pairs), security, **where)
 
 

@@ -120,10 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if order.module != "kaitian_ros.nodes.compute" and "kaitian_ros.nodes.compute" in sys.modules:
         # a scheduler or coordinator becoming this interpreter must not carry a compute node's
         # prepared model (ResNet-18 at 224x224: about 200 MB)
-        sys.modules["kaitian_ros.nodes.compute"]._PREPARED.clear()
-        from kaitian_ros.runtime import memory
-
-        memory.trim_heap()
+        sys.modules["kaitian_ros.nodes.compute"].drop_prepared()
     os.environ.update(order.env)
     sys.argv = [order.module, *order.argv]
     node: Any = importlib.import_module(order.module)

@@ -51,7 +51,7 @@ def test_prepared_costs_are_the_measured_ones_scaled_and_a_bad_preparation_is_re
 
     argv = ["--ros-args", "-r", "__node:=compute_7", "-p", "model:=digits_cnn", "-p", "input_height:=32",
             "-p", "input_width:=32", "-p", "input_channels:=1", "-p", "profile_budget_s:=0.5"]
-    compute._PREPARED.clear()
+    compute.drop_prepared()
     try:
         assert "built, costs measured" in compute.prepare(argv)
         assert "already prepared" in compute.prepare(argv + ["-p", "emulated_slowdown:=3.0"])  # speed: scaled
@@ -63,7 +63,7 @@ def test_prepared_costs_are_the_measured_ones_scaled_and_a_bad_preparation_is_re
         assert slow.probe_ops == prepared.costs.probe_ops
         assert compute.prepare(argv + ["-p", "threads:=0"]).startswith("not prepared")  # the node would refuse it
     finally:
-        compute._PREPARED.clear()
+        compute.drop_prepared()
     assert parse_prepare('[["--ros-args"]]') == [["--ros-args"]]
     for bad in ("{", '{"a": 1}', "[[1]]"):
         with pytest.raises(ValueError, match="prepare-compute"):

@@ -542,6 +542,13 @@ def prepare(argv: list[str]) -> str:
     return f"{key.spec.name} {key.spec.input_shape} on {key.device}: built, costs measured ({costs.trunk_ms:.1f} ms)"
 
 
+def drop_prepared() -> None:
+    """Forget what `prepare` built (an interpreter that becomes another kind of node must not
+    carry a compute node's model) and give its pages back."""
+    _PREPARED.clear()
+    memory.trim_heap()
+
+
 def main(argv: list[str] | None = None) -> int:
     return run_node(ComputeNode, "compute", argv)
 

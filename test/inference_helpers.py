@@ -34,7 +34,8 @@ STARTUP_S = 45.0  # liveness deadline for a graph to come up on 2 busy cores (no
 def scenario_dict(*, model: str, height: int, width: int, channels: int = 3, num_classes: int = 10,
                   slowdowns: Sequence[float], shares: Sequence[float], slab_rows: int = 4,
                   weights: str = "", coordinator: dict[str, Any] | None = None,
-                  compute: dict[str, Any] | None = None) -> dict[str, Any]:
+                  compute: dict[str, Any] | None = None,
+                  devices: Sequence[str] | None = None) -> dict[str, Any]:
     """A hetero_inference-like graph (coordinator + compute_i), no image_source, no scheduler.
 
     The coordinator splits into stripes (``coordinator={"strategy": "auto"}`` lets it choose)
@@ -49,9 +50,9 @@ def scenario_dict(*, model: str, height: int, width: int, channels: int = 3, num
         "static_shares": [float(s) for s in shares], "use_scheduler": False, "max_in_flight": 4,
         "request_timeout_s": 30.0, "dead_after_s": 1.5, "strategy": "stripes", "min_plan_gain": 1.0,
         **model_params, **(coordinator or {})}}}
-    for name, slowdown in zip(names, slowdowns):
+    for name, slowdown, device in zip(names, slowdowns, devices or ["cpu"] * len(names)):
         graph[name] = {"ros__parameters": {
-            "executable": "compute", "device": "cpu", "threads": 1,
+            "executable": "compute", "device": device, "threads": 1,
             "emulated_slowdown": float(slowdown), **model_params, **(compute or {})}}
     return graph
 

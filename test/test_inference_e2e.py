@@ -8,6 +8,8 @@ results and telemetry timestamps only, never on speed.
 
 from __future__ import annotations
 
+import pytest
+import torch
 from inference_helpers import InferenceGraph, wait_until
 
 FRAMES = 6
@@ -114,4 +116,20 @@ def test_node_whose_share_rounds_to_zero_rows(tmp_path):
                 assert not served, f"{node} has no rows in plan v{pv.version} but got work"
         ids = sorted(int(f.request_id) for f in outputs)
         assert ids == list(range(ids[0], ids[0] + len(frames)))
+        assert not g.dead_children()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_cuda_node_and_cpu_node_match_single_device(tmp_path):
+    """A real heterogeneous graph: compute_0 on the GPU, compute_1 on the CPU, halo rows
+    between them over Zenoh; the fused output equals the single-device CPU reference."""
+    with InferenceGraph(tmp_path, model="resnet18", height=128, width=128, slowdowns=[1.0, 1.0],
+                        shares=[1.0, 1.0], slab_rows=8, devices=["cuda:0", "cpu"]) as g:
+        plan = g.wait_ready()
+        assert list(plan.node_ids) == ["compute_0", "compute_1"]
+        frames = g.frames(FRAMES)
+        outputs = g.check_outputs(frames, g.stream(frames))
+        assert len(g.fused) == FRAMES
+        for f in outputs:
+            assert list(f.node_ids) == ["compute_0", "compute_1"], "both devices computed rows"
         assert not g.dead_children()

@@ -104,6 +104,34 @@ def test_hierarchical_step_equals_single_process(labels: list[str]) -> None:
     assert _max_diff(ref, [p.detach() for p in _model().parameters()]) > 1e-4
 
 
+def _ddp_step_on_device(rank: int, world: int, labels: list[str]) -> list[torch.Tensor]:
+    """`_ddp_step` with each rank's model and batch on its label's torch device (the CUDA
+    rank's intra group is nccl, the leaders' group gloo on host memory)."""
+    device = torch.device("cuda:0" if labels[rank] == "cuda" else "cpu")
+    groups = build_groups(labels[rank], timeout_s=30)
+    m = _model().to(device)
+    ddp = DDP(m, process_group=groups.world, init_sync=False)
+    state = HookState(groups=groups, flat_group=groups.world)
+    ddp.register_comm_hook(state, hierarchical_hook)
+    x, y = _data()
+    lo = sum(BATCHES[:rank])
+    xb, yb = x[lo:lo + BATCHES[rank]].to(device), y[lo:lo + BATCHES[rank]].to(device)
+    state.set_batch(len(yb), sum(BATCHES))
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    nn.functional.cross_entropy(ddp(xb), yb).backward()
+    opt.step()
+    return [p.detach().cpu().clone() for p in m.parameters()]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_cuda_rank_and_cpu_ranks_step_equals_single_process() -> None:
+    """Real heterogeneous training: one rank on the GPU (nccl group of one), two on the CPU
+    (gloo); the batch-weighted step equals one process's step on the whole batch."""
+    ref = _single_step()
+    for params in run_local(_ddp_step_on_device, 3, ["cuda", "cpu", "cpu"], timeout_s=60):
+        assert _max_diff(params, ref) < 1e-9
+
+
 def test_flat_weighted_step_equals_single_process() -> None:
     ref = _single_step()
     for params in run_local(_ddp_step, 3, ["cpu:a", "cpu:b", "cpu:b"], "flat", timeout_s=30):

@@ -144,12 +144,25 @@ class ModelSpec:
 def build_graph(spec: ModelSpec, device: str = "cpu") -> ModelGraph:
     """Model in eval mode on `device`, traced and split into trunk and head (raises ValueError
     clearly)."""
+    if torch.device(device).type == "cuda":
+        full_float32_on_cuda()
     try:
         model = build_model(spec.name, num_classes=spec.num_classes, in_channels=spec.input_shape[0],
                             seed=spec.seed, state_dict_path=spec.weights or None)
         return split_model(model.to(device), spec.input_shape)
     except (ImportError, AttributeError, FileNotFoundError, RuntimeError) as exc:
         raise ValueError(f"cannot build model {spec.name!r}: {exc}") from None
+
+
+def full_float32_on_cuda() -> None:
+    """Turn off TF32 in cuDNN convolutions and cuBLAS matmuls for this process.
+
+    PyTorch lets cuDNN use TF32 (a 10-bit mantissa) for float32 convolutions by default. A
+    stripe then differs from the same rows computed whole by about 1e-3 of the output's
+    magnitude, and a split on a GPU node would no longer equal the single-device result
+    within the 1e-4 the exactness tests hold every strategy to (docs/planner.md)."""
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
 
 
 def check_device(name: str) -> torch.device:

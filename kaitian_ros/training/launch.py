@@ -28,6 +28,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -236,7 +237,9 @@ def _local_child(fn: Callable[..., Any], rank: int, world: int, port: int, args:
         hb = init_distributed(DistEnv.from_environ(), timeout_s=timeout_s)
         out = fn(rank, world, *args)
         dist.barrier()
-        q.put((rank, True, out))
+        # as bytes: torch's queue pickler would pass tensors as file descriptors that the
+        # parent can only fetch while this process still lives (it may have exited by then)
+        q.put((rank, True, pickle.dumps(out)))
         shutdown_distributed(hb)
     except BaseException as e:  # noqa: BLE001 - a rank's child process: report anything, never hang the parent
         q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -246,12 +249,16 @@ def _local_child(fn: Callable[..., Any], rank: int, world: int, port: int, args:
 def run_local(fn: Callable[..., Any], world_size: int, *args: Any,
               env_per_rank: Sequence[dict[str, str]] | None = None,
               timeout_s: float = 60.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked processes with gloo.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes with gloo.
 
-    ``fn`` must be picklable-free (fork) and return picklable values. Returns the results
-    in rank order; raises RuntimeError with the first failing rank's error.
+    Without CUDA the ranks are forked (fast: no second import of torch). Where CUDA exists
+    they are spawned: a forked child can neither use CUDA once this process has initialised
+    it, nor run autograd once this process has (autograd then keeps a thread per device), so
+    ``fn`` and ``args`` must be picklable (a module-level function) for code that may run
+    there. ``fn`` returns picklable values. Returns the results in rank order; raises
+    RuntimeError with the first failing rank's error.
     """
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn" if torch.cuda.is_available() else "fork")
     q = ctx.Queue()
     port = free_port()
     procs = []
@@ -278,7 +285,10 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any,
                     raise RuntimeError(f"rank {dead[0]} died with exit code "
                                        f"{procs[dead[0]].exitcode}") from None
                 continue
-            (results if ok else errors)[r] = out
+            if ok:
+                results[r] = pickle.loads(out)  # noqa: S301 - bytes our own child pickled
+            else:
+                errors[r] = out
     finally:
         for p in procs:
             p.join(timeout=5)

@@ -103,3 +103,19 @@ def test_inputs_that_moved_less_than_their_noise_plan_the_same_round_and_real_ch
     # the scheduler's shares are compared at the planner's own grain (0.05 of the total)
     assert _request(costs, shares=(1.0, 1.001)).material() == base.material()
     assert _request(costs, shares=(1.0, 2.0)).material() != base.material()
+
+
+def test_a_plans_measured_latency_is_the_median_of_its_latest_requests() -> None:
+    """One request slowed by a busy moment does not make a plan look slow (the planner compares
+    plans by this), and the window forgets the oldest requests."""
+    from kaitian_ros.nodes.coordinator import MEASURED_WINDOW, ObservedPlan
+
+    spec = PlanSpec.single("a")
+
+    def observed(samples: tuple[float, ...]) -> ObservedPlan:
+        return ObservedPlan(spec, 8, samples[-MEASURED_WINDOW:], len(samples), 0.0, {}, 50.0, frozenset("a"))
+
+    assert observed((50.0, 200.0, 52.0)).ms == 52.0
+    assert observed((200.0, 51.0, 52.0)).ms == 52.0
+    # a real change of speed wins once it is most of the window
+    assert observed((50.0,) * 5 + (80.0,) * 3).ms == 80.0

@@ -21,6 +21,7 @@ import collections
 import dataclasses
 import math
 import queue
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -261,10 +262,10 @@ class Coordinator:
         predicted = self.predicted_ms if is_running else plan.estimated_ms
         seen = self.observed.get(key)
         if seen is None or not self._still_valid(seen):
-            self.observed[key] = ObservedPlan(spec, slab_rows, ms, 1, time.monotonic(), trunks, predicted,
+            self.observed[key] = ObservedPlan(spec, slab_rows, (ms,), 1, time.monotonic(), trunks, predicted,
                                               frozenset(plan.active_nodes()))
         else:
-            self.observed[key] = ObservedPlan(spec, slab_rows, seen.ms + 0.3 * (ms - seen.ms), seen.n + 1,
+            self.observed[key] = ObservedPlan(spec, slab_rows, (*seen.samples, ms)[-MEASURED_WINDOW:], seen.n + 1,
                                               time.monotonic(), seen.trunks, predicted, seen.active)
         if len(self.observed) > 64:  # bounded: the oldest go
             for k, _ in sorted(self.observed.items(), key=lambda kv: kv[1].last_s)[:len(self.observed) - 64]:
@@ -798,19 +799,29 @@ IMPOSTOR_REPORT_S = 30.0  # ERROR on /diagnostics this long after a forged plan 
 NO_ASSIGNMENT_S = 15.0  # use_scheduler without any accepted assignment this long: WARN
 SPEED_CHANGE = 1.3  # a profile whose trunk time moved this much is a device that changed speed
 OBSERVED_TTL_S = 60.0  # a plan's measured latency is forgotten this long after it last ran
-MEASURED_MIN = 2  # requests that ran alone before a plan's measured latency counts
+# Requests that ran alone before a plan's measured latency counts, and how many of the latest
+# its median is over. A median of three ignores one request that a busy moment slowed down;
+# an average seeded by the first ones let one such request make a good plan look worse than
+# the one before it for the rest of OBSERVED_TTL_S (robot_two_edges lost its layer-wise plan so)
+MEASURED_MIN = 3
+MEASURED_WINDOW = 5
 
 
 @dataclass(frozen=True)
 class ObservedPlan:
     spec: PlanSpec
     slab_rows: int
-    ms: float  # EWMA of the latency of requests that ran alone under it
-    n: int
+    samples: tuple[float, ...]  # latencies of the latest requests that ran alone under it (ms)
+    n: int  # requests that ran alone under it since the measurement started
     last_s: float  # monotonic time of the last one
     trunks: dict  # node -> profile trunk_ms when the measurement started
     predicted_ms: float  # the plan's predicted latency at the latest request
     active: frozenset  # the nodes it keeps busy
+
+    @property
+    def ms(self) -> float:
+        """The plan's measured latency: the median of the latest samples."""
+        return statistics.median(self.samples)
 
 
 def _members(a: Assignment) -> frozenset:

@@ -52,6 +52,10 @@ STOP_GRACE_S = 5.0
 REFUSED_TO_START = 2  # a node's exit code for bad parameters/arguments: a respawn would fail the same way
 _PR_SET_PDEATHSIG = 1
 WARM_START_AFTER_S = 1.0  # after the graph (or the last warm takeover) started: its own imports first
+# after a takeover, the next warm interpreter waits this long: its imports and preparation take
+# a core for 2-3 s and the memory bandwidth with it, and right after the takeover they slowed
+# the node that had just respawned (its first requests 30-60 % over its pre-fault latency)
+WARM_REFILL_AFTER_S = 10.0
 WARM_START_FAILURES = 3  # warm interpreters that died unused before the launcher stops starting them
 ROUTER = "router"  # name and executable of the router's child process
 ROUTER_RESPAWN = Respawn(enabled=True, delay_s=0.5, max_retries=20)
@@ -363,7 +367,7 @@ class Launcher:
         if warm is None or warm.process.poll() is not None or spec.name in self.node_prefix \
                 or spec.executable == ROUTER:
             return self.spawn(spec)
-        self.warm, self.warm_due = None, now + WARM_START_AFTER_S
+        self.warm, self.warm_due = None, now + WARM_REFILL_AFTER_S
         argv = node_command(spec, self.params_file)[4:]  # after: python -u -m MODULE
         order = warm_start.Order(f"kaitian_ros.nodes.{spec.executable}", tuple(argv), self._node_env(spec))
         try:

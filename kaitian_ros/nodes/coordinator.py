@@ -115,6 +115,7 @@ class Coordinator:
         self.assignment: Assignment | None = None  # scheduler's latest proposal
         self.assignment_s = time.monotonic()  # of the latest accepted proposal (start: none yet)
         self.departed: dict[str, float] = {}  # compute node -> monotonic time its session ended
+        self.left_from: dict[str, Departure] = {}  # compute node -> the measured plan that ran when it left
         self.current: Assignment | None = None
         self.pending: Assignment | None = None  # adopted, effective from a later request
         self.plans: dict[int, Plan] = {}
@@ -173,6 +174,7 @@ class Coordinator:
         self.params = self.params | changes
         if {"static_shares", "use_scheduler", "strategy", "slab_rows", "share_search"} & set(changes):
             # self.params already holds the new values; the runtime applies them after we return
+            self.left_from.clear()  # plans chosen under the old values
             self._replan(f"{', '.join(sorted(changes))} set", force=True)
         return SetParametersResult(True)
 
@@ -187,7 +189,33 @@ class Coordinator:
         if first:
             self.alive = tuple(n for n in self.nodes if n in self.last_seen and
                                time.monotonic() - self.last_seen[n] < self.params["dead_after_s"])
-            self._replan(f"{msg.node_id} joined", force=True)
+            if not self._restore_plan_it_left(msg.node_id):
+                self._replan(f"{msg.node_id} joined", force=True)
+
+    def _restore_plan_it_left(self, node: str) -> bool:
+        """A node that comes back (a respawned process) at the speed it had gets the plan that
+        ran when it left, at once and without a search: the planner had settled on that plan
+        with everything it knew, while a search at the rejoin first tried untried plans the
+        model over-rated (kill_compute took 3-5 s back to the pre-fault latency so). The
+        periodic rounds refine it from there."""
+        d = self.left_from.pop(node, None)
+        if d is None or time.monotonic() - d.left_s > OBSERVED_TTL_S or \
+                self.params["strategy"] not in ("auto", d.spec.strategy) or \
+                any(n not in self.alive for n in d.spec.node_ids):
+            return False
+        for n, trunk in d.trunks.items():
+            now = self.profiles.get(n)  # (the rejoined node's is its last one until it publishes anew)
+            if now is None or not trunk / SPEED_CHANGE <= now.trunk_ms <= trunk * SPEED_CHANGE:
+                self.rt.logger.info(f"{node} joined again, {n} at another speed (trunk {trunk:.1f} -> "
+                                    f"{now.trunk_ms if now else float('nan'):.1f} ms): planning anew")
+                return False
+        request = self._plan_request(f"{node} joined again", 0, True)
+        if request is None or not set(d.spec.node_ids) <= set(request.nodes):
+            return False  # fixed shares that leave a node of it out now: plan by them
+        cand = planner.Candidate(d.spec, d.predicted_ms, f"{d.spec.describe(self.graph)} (the plan it left)",
+                                 d.measured_ms, d.slab_rows)
+        self._apply_plan(request, planner.Choice(cand, None, (cand,)), None)
+        return True
 
     def _on_profile(self, msg: Any) -> None:
         try:
@@ -661,6 +689,15 @@ class Coordinator:
             self._drop([name], "left the graph")
 
     def _drop(self, dead: list[str], why: str) -> None:
+        running = self._running_plan()
+        if running is not None and all(n in self.profiles for n in running.spec.node_ids):
+            seen = self.observed.get(planner.spec_key(running.spec, running.slab_rows))
+            measured = seen.ms if seen is not None and seen.n >= MEASURED_MIN else None
+            trunks = {n: self.profiles[n].trunk_ms for n in running.spec.node_ids}
+            for n in dead:
+                if n in running.active_nodes():
+                    self.left_from[n] = Departure(running.spec, running.slab_rows, self.predicted_ms, measured,
+                                                  trunks, time.monotonic())
         self.alive = tuple(n for n in self.alive if n not in dead)
         for n in dead:
             self.last_seen.pop(n, None)
@@ -822,6 +859,18 @@ class ObservedPlan:
     def ms(self) -> float:
         """The plan's measured latency: the median of the latest samples."""
         return statistics.median(self.samples)
+
+
+@dataclass(frozen=True)
+class Departure:
+    """The plan that ran when a node of it left (restored if the node comes back)."""
+
+    spec: PlanSpec
+    slab_rows: int
+    predicted_ms: float  # its latest prediction
+    measured_ms: float | None  # what it measured, if it ran long enough alone
+    trunks: dict  # node -> profile trunk_ms then
+    left_s: float  # monotonic
 
 
 def _members(a: Assignment) -> frozenset:

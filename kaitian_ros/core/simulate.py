@@ -27,7 +27,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .costs import COORDINATOR, Costs
-from .graph import ModelGraph, iv_add, iv_sub
+from .graph import ModelGraph
+from .intervals import iv_add, iv_sub
 from .plan import Plan
 from .stripe import _Wavefront
 

@@ -23,17 +23,8 @@ from typing import Generic, TypeVar
 import torch
 from torch import Tensor
 
-from .graph import (
-    EMPTY,
-    Interval,
-    ModelGraph,
-    border_rows,
-    hull,
-    intersect,
-    iv_add,
-    iv_intersect,
-    iv_sub,
-)
+from .graph import ModelGraph, border_rows
+from .intervals import EMPTY, Interval, hull, intersect, iv_add, iv_intersect, iv_sub
 from .plan import Plan
 
 COORDINATOR = "coordinator"

@@ -196,7 +196,7 @@ def test_forged_new_incarnations_are_caught_by_the_authorities_they_impersonate(
     from helpers import wait_until
 
     from kaitian_ros.core.authority import new_incarnation
-    from kaitian_ros.core.policy import Assignment
+    from kaitian_ros.core.policy_state import Assignment
     from kaitian_ros.nodes import inference_common as ic
     from kaitian_ros.runtime.api import QoS
 

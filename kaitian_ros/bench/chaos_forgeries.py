@@ -102,7 +102,7 @@ class Variant:
 def forgery_variants(g: ChaosGraph, kind: str) -> list[Variant]:
     """The forged messages of one kind, implausible first, then the plausible one."""
     from kaitian_ros.core.authority import new_incarnation
-    from kaitian_ros.core.policy import Assignment
+    from kaitian_ros.core.policy_state import Assignment
     from kaitian_ros.nodes import inference_common as ic
     from kaitian_ros.runtime import interfaces
 

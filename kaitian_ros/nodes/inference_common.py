@@ -24,7 +24,7 @@ from kaitian_ros.core.costs import DeviceProfile, LinkEstimate, OpCost, model_ke
 from kaitian_ros.core.graph import ModelGraph
 from kaitian_ros.core.models import build_model
 from kaitian_ros.core.plan import STRATEGIES, Plan, PlanSpec, build_plan
-from kaitian_ros.core.policy import Assignment
+from kaitian_ros.core.policy_state import Assignment
 from kaitian_ros.core.split import split_model
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime.api import ParameterDescriptor as P

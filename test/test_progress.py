@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from kaitian_ros.progress import Progress
 from kaitian_ros.training.launch import _EpochProgress
-from kaitian_ros.training.trainer import EpochDone
+from kaitian_ros.training.results import EpochDone
 
 
 class _Terminal(io.StringIO):

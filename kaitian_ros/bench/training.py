@@ -72,7 +72,8 @@ class RunSpec:
 
 
 def _rank_fn(rank: int, world: int, cfg: Any, drift: tuple[int, int, float] | None) -> dict:
-    from kaitian_ros.training.trainer import RankTrainer, TrainingStep
+    from kaitian_ros.training.results import TrainingStep
+    from kaitian_ros.training.trainer import RankTrainer
 
     box: dict[str, Any] = {}
 
@@ -214,26 +215,19 @@ def split_train(cfg: Any, *, shares: Sequence[float] | None = None,
     import torch
     from torch import nn
 
+    from kaitian_ros.training.config import lr_at, make_optimizer, set_lr
+    from kaitian_ros.training.data import dataset_size, evaluate, gather_batch, load_data
     from kaitian_ros.training.sampler import AdaptiveBatchSampler, split_counts
-    from kaitian_ros.training.trainer import (
-        _batch,
-        _build_model,
-        _size,
-        evaluate,
-        load_data,
-        lr_at,
-        make_optimizer,
-        set_lr,
-    )
+    from kaitian_ros.training.trainer import build_training_model
 
     torch.set_num_threads(1)  # as every rank: kernels (and their summation order) match
     torch.manual_seed(cfg.seed)
     key = (cfg.dataset, cfg.image_size, cfg.standardize_inputs)
     data = _DATA.get(key) or _DATA.setdefault(key, load_data(
         cfg.dataset, cfg.num_classes, cfg.image_size, standardize=cfg.standardize_inputs))
-    model = _build_model(cfg, data).train()
+    model = build_training_model(cfg, data).train()
     opt = make_optimizer(cfg, model)
-    sampler = AdaptiveBatchSampler(_size(data.train), cfg.global_batch, 0, 1, seed=cfg.seed,
+    sampler = AdaptiveBatchSampler(dataset_size(data.train), cfg.global_batch, 0, 1, seed=cfg.seed,
                                    policy="equal")
     params = list(model.parameters())
     step = 0
@@ -257,7 +251,7 @@ def split_train(cfg: Any, *, shares: Sequence[float] | None = None,
                 part = idx[off:off + b]
                 off += b
                 opt.zero_grad(set_to_none=False)
-                x, y = _batch(data.train, part)
+                x, y = gather_batch(data.train, part)
                 if b:
                     loss = nn.functional.cross_entropy(model(x), y, reduction="sum") / b
                     loss.backward()
@@ -337,7 +331,7 @@ def run_bench(quick: bool, image_size: int | None = DEFAULT_IMAGE_SIZE) -> tuple
 
     import torch
 
-    from kaitian_ros.training.trainer import TrainingConfig
+    from kaitian_ros.training.config import TrainingConfig
 
     torch.set_num_threads(1)
     epochs = 16 if quick else 60  # 60: upsampled digits converge (0.98 single device)

@@ -144,7 +144,7 @@ def rank_environment(params: dict[str, Any], environ: Any = None) -> dict[str, A
 
 def training_config(params: dict[str, Any]) -> Any:
     """The TrainingConfig of this rank from its parameters (ValueError if invalid)."""
-    from kaitian_ros.training.trainer import TrainingConfig
+    from kaitian_ros.training.config import TrainingConfig
 
     d = {k: params[k] for k in _CONFIG_KEYS}
     d["devices"] = (params["device"],)

@@ -51,7 +51,7 @@ from kaitian_ros.ports import free_port
 from kaitian_ros.training import netif
 
 if TYPE_CHECKING:  # imported at run time where used, as the functions below do
-    from kaitian_ros.training.trainer import TrainingConfig
+    from kaitian_ros.training.config import TrainingConfig
 
 HEARTBEAT_S = 0.5
 STALE_S = 2.5  # a heartbeat older than this means the rank is gone
@@ -409,7 +409,7 @@ def _placement(a: argparse.Namespace, ranks: int) -> Placement:
 
 
 def _config_from_args(a: argparse.Namespace) -> tuple[TrainingConfig, int]:
-    from kaitian_ros.training.trainer import TrainingConfig
+    from kaitian_ros.training.config import TrainingConfig
 
     d: dict[str, Any] = {}
     ranks = a.ranks

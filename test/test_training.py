@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from kaitian_ros.training.config import TrainingConfig
-from kaitian_ros.training.launch import main_train, run_local
+from kaitian_ros.training.launch import main_train
+from kaitian_ros.training.local_ranks import run_local
 from kaitian_ros.training.results import TrainingStep
 from kaitian_ros.training.trainer import RankTrainer
 

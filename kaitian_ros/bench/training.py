@@ -93,7 +93,7 @@ def _rank_fn(rank: int, world: int, cfg: Any, drift: tuple[int, int, float] | No
 
 
 def _run(spec: RunSpec, base: Any) -> dict:
-    from kaitian_ros.training.launch import run_local
+    from kaitian_ros.training.local_ranks import run_local
 
     world = len(spec.slowdowns)
     devices = ("cpu",) if world == 1 else tuple(f"cpu:{chr(97 + r)}" for r in range(world))

@@ -215,11 +215,7 @@ class TrainerNode:
         import torch
         import torch.distributed as dist
 
-        from kaitian_ros.training.launch import (
-            DistEnv,
-            init_distributed,
-            shutdown_distributed,
-        )
+        from kaitian_ros.training.process_group import DistEnv, init_distributed, shutdown_distributed
         from kaitian_ros.training.trainer import RankTrainer
 
         torch.set_num_threads(int(self.params["threads"]))

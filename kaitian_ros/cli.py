@@ -64,7 +64,8 @@ def _client(args: argparse.Namespace) -> Any:
 def cmd_launch(args: argparse.Namespace) -> int:
     import os
 
-    from kaitian_ros.launcher import launch, preflight, router_seen_here
+    from kaitian_ros.launcher import launch, router_seen_here
+    from kaitian_ros.preflight import preflight
     from kaitian_ros.runtime import security
     from kaitian_ros.runtime import zenoh_session as zs
     from kaitian_ros.scenario import (

@@ -76,8 +76,9 @@ class AdaptivityGraph:
                  frames: Callable[[int], Any] | None = None) -> None:
         """``frames(i)``: the i-th camera Image to publish, with a stamp of its own (default:
         random rgb8 pixels of the model's input size)."""
-        from kaitian_ros.launcher import CapturedOutput, start_on_free_port
+        from kaitian_ros.launcher import start_on_free_port
         from kaitian_ros.nodes import inference_common as ic
+        from kaitian_ros.processes import CapturedOutput
         from kaitian_ros.runtime.api import QoS
         from kaitian_ros.runtime.diagnostics import DIAGNOSTICS_TOPIC
         from kaitian_ros.runtime.embedded import EmbeddedRuntime
@@ -153,7 +154,7 @@ class AdaptivityGraph:
 
     def restart(self, name: str) -> int:
         """Start a node again with the scenario's parameters (as the launcher did); returns its pid."""
-        from kaitian_ros.launcher import Child
+        from kaitian_ros.processes import Child
 
         spec = self.scenario.node(name)
         process, reader = self.launcher.spawn(spec)

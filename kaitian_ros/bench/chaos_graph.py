@@ -24,7 +24,7 @@ from kaitian_ros.bench.chaos_settings import (
     GraphFailed,
     Settings,
 )
-from kaitian_ros.launcher import CapturedOutput
+from kaitian_ros.processes import CapturedOutput
 
 
 # =========================================================================== recording

@@ -223,7 +223,7 @@ def store_reachable(env: DistEnv, timeout_s: float) -> bool:
             time.sleep(0.2)
 
 
-class _EpochProgress:
+class EpochProgress:
     """``kaitian train``'s progress: one step per epoch, with the accuracy and shares so far."""
 
     def __init__(self, cfg: Any) -> None:
@@ -257,7 +257,7 @@ def _run_one_rank(cfg: Any) -> int:
     try:
         hb = init_distributed(env, timeout_s=cfg.timeout_s)
         # rank 0 tells the epochs (stderr: --json's result stays alone on stdout)
-        progress = _EpochProgress(cfg) if env.rank == 0 else None
+        progress = EpochProgress(cfg) if env.rank == 0 else None
         trainer = RankTrainer(cfg, local_rank=env.local_rank, on_epoch=progress.epoch_done if progress else None)
         try:
             res = trainer.run()

@@ -25,8 +25,6 @@ the scenario's nodes.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import importlib
 import json
 import os
 import signal
@@ -38,194 +36,27 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import yaml
 
 from kaitian_ros import warm_start
 from kaitian_ros.ports import free_port
+from kaitian_ros.processes import ROUTER, Child, LineOut, die_with_parent, node_command, stop_process_groups
 from kaitian_ros.runtime import security
 from kaitian_ros.runtime import zenoh_session as zs
 from kaitian_ros.scenario import NodeSpec, Respawn, Scenario
 
-STOP_GRACE_S = 5.0
 REFUSED_TO_START = 2  # a node's exit code for bad parameters/arguments: a respawn would fail the same way
-_PR_SET_PDEATHSIG = 1
 WARM_START_AFTER_S = 1.0  # after the graph (or the last warm takeover) started: its own imports first
 # after a takeover, the next warm interpreter waits this long: its imports and preparation take
 # a core for 2-3 s and the memory bandwidth with it, and right after the takeover they slowed
 # the node that had just respawned (its first requests 30-60 % over its pre-fault latency)
 WARM_REFILL_AFTER_S = 10.0
 WARM_START_FAILURES = 3  # warm interpreters that died unused before the launcher stops starting them
-ROUTER = "router"  # name and executable of the router's child process
 ROUTER_RESPAWN = Respawn(enabled=True, delay_s=0.5, max_retries=20)
 ROUTER_READY_S = 20.0
 ROUTER_READY_LINE = "router listening on"
-
-
-class LineOut(Protocol):
-    """Where a launcher writes the prefixed node lines: a text stream, or anything that takes
-    ``write``/``flush`` like one (``CapturedOutput``, the live view's console lines)."""
-
-    def write(self, text: str, /) -> int: ...
-
-    def flush(self) -> None: ...
-
-
-def _load_prctl() -> Callable[..., int] | None:
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):  # not glibc: children are not tied to the launcher
-        return None
-
-
-# resolved in the parent: a dlopen in the child, between fork and exec, could block on a loader
-# lock some other thread of the launcher held at the fork
-_PRCTL = _load_prctl()
-
-
-def _die_with_parent() -> None:
-    """Child side: get SIGTERM if the launcher disappears, even by SIGKILL (no orphans).
-
-    Runs as ``preexec_fn`` although the launcher has threads (PLW1509): only the child itself can
-    ask for the kernel's parent-death signal. So it does as little as it can: no imports and no
-    library loading, a prctl, setsid and one signal disposition."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    os.setsid()  # own process group: the terminal's Ctrl-C reaches only the launcher, which forwards it
-    # SIGINT ignored until the node's run_node installs its handler: a graph stopped in its first
-    # seconds would otherwise print a KeyboardInterrupt traceback per node still importing torch
-    # (the stop escalates to SIGTERM after STOP_GRACE_S, which ends such a node quietly)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def node_command(spec: NodeSpec, params_file: Path) -> list[str]:
-    if spec.executable == ROUTER:
-        return [sys.executable, "-u", "-m", "kaitian_ros.cli", "router", "--listen", spec.parameters["listen"]]
-    return [sys.executable, "-u", "-m", f"kaitian_ros.nodes.{spec.executable}", "--ros-args",
-            "-r", f"__node:={spec.name}", "--params-file", str(params_file)]
-
-
-DEFAULT_ESCALATION = ((signal.SIGINT, STOP_GRACE_S), (signal.SIGTERM, 2.0), (signal.SIGKILL, 2.0))
-
-
-def stop_process_groups(processes: list[subprocess.Popen],
-                        escalation: tuple[tuple[int, float], ...] = DEFAULT_ESCALATION) -> None:
-    """Signal each live process's group, escalating (signal, grace seconds) until all exit."""
-    for sig, grace in escalation:
-        alive = [p for p in processes if p.poll() is None]
-        if not alive:
-            break
-        for process in alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, sig)
-        end = time.monotonic() + grace
-        while time.monotonic() < end and any(p.poll() is None for p in alive):
-            time.sleep(0.05)
-
-
-def preflight(scenario: Scenario) -> str:
-    """'' if every node's ``model`` and ``device`` can be used on this machine, else one line
-    saying which cannot and which nodes name it: checked before any process starts, so a typo
-    is one clear error instead of every node refusing to start (the launcher starts all nodes
-    on this host, so this host's devices are the ones that count)."""
-    problems: dict[str, list[str]] = {}
-    for spec in scenario.nodes:
-        checks = [("model", _model_problem)]
-        if spec.executable == "compute":  # trainers name devices their own way (cpu:<tag>)
-            checks.append(("device", _device_problem))
-        found = [problem for key, check in checks
-                 if isinstance(value := spec.parameters.get(key), str) and (problem := check(value))]
-        if not found and spec.executable in ("coordinator", "compute"):
-            found = _inference_model_problems(spec.parameters)
-        for problem in found:
-            problems.setdefault(problem, []).append(spec.name)
-    return "; ".join(f"{problem} (node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)})"
-                     for problem, nodes in problems.items())
-
-
-def _inference_model_problems(params: Mapping[str, Any]) -> list[str]:
-    """A weights file that does not load into the model, labels that do not fit its classes."""
-    from kaitian_ros.nodes import inference_common as ic
-
-    defaults = {p.name: p.default for p in ic.MODEL_PARAMETERS}
-
-    def get(key: str) -> Any:
-        return params.get(key, defaults.get(key))
-
-    out = []
-    if params.get("labels") or params.get("labels_file"):
-        try:
-            ic.load_labels(params.get("labels") or [], params.get("labels_file") or "", int(get("num_classes")))
-        except (ValueError, TypeError) as exc:
-            out.append(str(exc))
-    if get("weights"):
-        out += _weights_problem(str(get("model")), str(get("weights")), int(get("num_classes")),
-                                int(get("input_channels")))
-    return out
-
-
-_WEIGHTS_CHECKED: dict[tuple, list[str]] = {}  # every compute node names the same file: load it once
-
-
-def _weights_problem(model: str, weights: str, num_classes: int, in_channels: int) -> list[str]:
-    key = (model, weights, num_classes, in_channels)
-    if key not in _WEIGHTS_CHECKED:
-        from kaitian_ros.core.models import build_model
-
-        try:
-            build_model(model, num_classes=num_classes, in_channels=in_channels, state_dict_path=weights)
-            _WEIGHTS_CHECKED[key] = []
-        except FileNotFoundError:
-            hint = "kaitian train --save-weights PATH writes one"
-            _WEIGHTS_CHECKED[key] = [f"weights file {weights!r} does not exist ({hint})"]
-        except Exception as exc:  # noqa: BLE001 - torch.load/load_state_dict raise many kinds; all mean unusable
-            first = " ".join(str(exc).split())[:300]
-            _WEIGHTS_CHECKED[key] = [(f"weights {weights!r} do not load into model {model!r} "
-                                      f"({num_classes} classes, {in_channels} input channels): {first}")]
-    return _WEIGHTS_CHECKED[key]
-
-
-def _model_problem(name: str) -> str:
-    from kaitian_ros.core.models import MODEL_NAMES
-
-    if name in MODEL_NAMES:
-        return ""
-    if ":" not in name:
-        return (f"unknown model '{name}' (valid: {', '.join(MODEL_NAMES)}, or a 'package.module:callable' "
-                f"import path)")
-    module, _, attr = name.partition(":")
-    try:
-        obj: Any = importlib.import_module(module)
-    except ImportError as exc:
-        return f"model '{name}': cannot import {module!r}: {' '.join(str(exc).split())}"
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            return f"model '{name}': module {module!r} has no attribute {attr!r}"
-        obj = getattr(obj, part)
-    return "" if callable(obj) else f"model '{name}' is not callable"
-
-
-def _device_problem(name: str) -> str:
-    from kaitian_ros.nodes.inference_common import check_device
-
-    try:
-        check_device(name)
-    except ValueError as exc:
-        return " ".join(str(exc).split())
-    return ""
-
-
-@dataclass
-class Child:
-    spec: NodeSpec
-    process: subprocess.Popen
-    reader: threading.Thread
-    restarts: int = 0          # respawns so far
-    restarted_at: float = 0.0  # monotonic time of the last respawn (0: never)
-    respawn_at: float = 0.0    # monotonic time of a scheduled respawn (0: none)
-    handled: bool = False      # the current process's exit was seen (respawn scheduled or final)
-    last_exit: int | None = None
 
 
 @dataclass
@@ -317,7 +148,7 @@ class Launcher:
         process = subprocess.Popen(command, env=self._base_env() | self._node_env(spec),
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL,
-                                   preexec_fn=_die_with_parent,  # noqa: PLW1509 - see _die_with_parent
+                                   preexec_fn=die_with_parent,  # noqa: PLW1509 - see processes.die_with_parent
                                    text=True, bufsize=1)
         reader = threading.Thread(target=self._pump, args=(lambda: spec.name, process, ready), daemon=True)
         reader.start()
@@ -343,7 +174,7 @@ class Launcher:
         process = subprocess.Popen(self._warm_command(), env=self._base_env(),
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
                                    text=True, bufsize=1,
-                                   preexec_fn=_die_with_parent)  # noqa: PLW1509 - see _die_with_parent
+                                   preexec_fn=die_with_parent)  # noqa: PLW1509 - see processes.die_with_parent
         warm = WarmInterpreter(process, threading.Thread())
         warm.reader = threading.Thread(target=self._pump, args=(lambda: warm.name, process), daemon=True)
         warm.reader.start()
@@ -524,35 +355,6 @@ class Supervision:
             self.thread.join(timeout=2.0)
             self.rt.close()
             self.rt = None
-
-
-class CapturedOutput:
-    """A thread-safe ``out`` for a Launcher that keeps the prefixed node lines (for harnesses
-    that start graphs: benchmarks and tests read them back for pids and diagnostics)."""
-
-    def __init__(self, echo: bool = False) -> None:
-        self.lines: list[str] = []
-        self.echo = echo
-        self._lock = threading.Lock()
-        self._partial = ""
-
-    def write(self, text: str) -> int:
-        with self._lock:
-            self._partial += text
-            *done, self._partial = self._partial.split("\n")
-            self.lines.extend(done)
-            if self.echo:
-                for line in done:
-                    print(line, file=sys.stderr, flush=True)
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-    def text(self, last: int | None = None) -> str:
-        with self._lock:
-            lines = self.lines + ([self._partial] if self._partial else [])
-            return "\n".join(lines if last is None else lines[-last:])
 
 
 def router_seen_here(router_endpoint: str, host_router: bool) -> str:

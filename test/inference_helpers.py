@@ -125,7 +125,8 @@ class InferenceGraph:
     def __init__(self, tmp_path: Path, *, supervise: bool = False, **scenario: Any) -> None:
         """``supervise``: the launcher supervises on a thread as ``kaitian launch`` does (nodes
         with respawn are restarted; one that dies for good stops the graph)."""
-        from kaitian_ros.launcher import CapturedOutput, start_on_free_port
+        from kaitian_ros.launcher import start_on_free_port
+        from kaitian_ros.processes import CapturedOutput
         from kaitian_ros.scenario import load_scenario
 
         self.config = scenario_dict(**scenario)

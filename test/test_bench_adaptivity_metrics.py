@@ -5,7 +5,7 @@ that was slower during one run does not count against that run's policy."""
 
 from __future__ import annotations
 
-from kaitian_ros.bench.adaptivity import PHASES, PolicyRun, combine_rounds, summarise
+from kaitian_ros.bench.adaptivity_metrics import PHASES, PolicyRun, combine_rounds, summarise
 
 PHASE_LEN = 12
 

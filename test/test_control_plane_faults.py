@@ -22,7 +22,7 @@ import pytest
 from helpers import Probe, spawn_node, wait_until
 from inference_helpers import InferenceGraph
 
-from kaitian_ros.core.policy import Assignment
+from kaitian_ros.core.policy_state import Assignment
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime.api import QoS

@@ -10,14 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kaitian_ros.core import graph as graph_module
-from kaitian_ros.core.graph import (
-    UnsplittableModelError,
-    Window,
-    prepacked_conv,
-    split_model,
-)
+from kaitian_ros.core import prepack as prepack_module
+from kaitian_ros.core.graph import UnsplittableModelError, Window
 from kaitian_ros.core.models import build_model
+from kaitian_ros.core.prepack import prepacked_conv
+from kaitian_ros.core.split import split_model
 
 torch.set_num_threads(1)
 
@@ -168,9 +165,9 @@ def test_prepacked_conv_packs_again_for_a_shape_that_stays_slow(
     width = 12
     conv = prepacked_conv(w, b, (0, 1), (1, 1), (1, 1), 1, (1, 32, 14, width))
     assert conv is not None
-    monkeypatch.setattr(graph_module, "SLOW_PACK_FACTOR", factor)
-    monkeypatch.setattr(graph_module, "SLOW_PACK_SLACK_S", -1.0)
-    monkeypatch.setattr(graph_module, "REPACK_MIN_SPEEDUP", 0.0)
+    monkeypatch.setattr(prepack_module, "SLOW_PACK_FACTOR", factor)
+    monkeypatch.setattr(prepack_module, "SLOW_PACK_SLACK_S", -1.0)
+    monkeypatch.setattr(prepack_module, "REPACK_MIN_SPEEDUP", 0.0)
     shapes = [(1, 5), (2, 5), (1, 9), (1, 14)]
     for _ in range(2):  # the second pass takes the layouts chosen in the first
         for n, rows in shapes:

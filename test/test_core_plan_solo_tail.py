@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kaitian_ros.core.graph import split_model
 from kaitian_ros.core.models import build_model
 from kaitian_ros.core.plan import CostModel, make_plan
+from kaitian_ros.core.split import split_model
 from kaitian_ros.core.stripe import run_plan_locally
 
 torch.set_num_threads(1)

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from kaitian_ros.core.costs import COORDINATOR, Costs, DeviceProfile, LinkEstimate, OpCost
-from kaitian_ros.core.graph import split_model
 from kaitian_ros.core.models import build_model
 from kaitian_ros.core.plan import PlanSpec, build_plan
 from kaitian_ros.core.planner import MeasuredPlan, choose_plan, predict, spec_key, speed_shares, stripe_specs
 from kaitian_ros.core.profiling import MeasuredCosts, measure_profile, probe
 from kaitian_ros.core.simulate import simulate
+from kaitian_ros.core.split import split_model
 from kaitian_ros.core.stripe import StripeRunner
 
 torch.set_num_threads(1)

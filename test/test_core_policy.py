@@ -10,20 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kaitian_ros.core.policy import (
-    PARAMETERS,
-    Assignment,
-    PolicyConfig,
-    PolicyState,
-    TelemetrySample,
-    config_from_params,
-    decide,
-    equalise_finish_time,
-    heartbeat,
-    initial_state,
-    observe,
-    predicted_makespan,
-)
+from kaitian_ros.core.policy import decide, heartbeat, initial_state, observe
+from kaitian_ros.core.policy_config import PARAMETERS, PolicyConfig, config_from_params
+from kaitian_ros.core.policy_state import Assignment, PolicyState, TelemetrySample
+from kaitian_ros.core.water_filling import equalise_finish_time, predicted_makespan
 
 FAST = settings(max_examples=150, deadline=None)
 

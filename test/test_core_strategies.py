@@ -13,9 +13,9 @@ import pytest
 import torch
 from plan_checks import assert_close, assert_plan_invariants
 
-from kaitian_ros.core.graph import split_model
 from kaitian_ros.core.models import build_model
 from kaitian_ros.core.plan import PlanSpec, build_plan
+from kaitian_ros.core.split import split_model
 from kaitian_ros.core.stripe import run_plan_locally
 
 torch.set_num_threads(1)

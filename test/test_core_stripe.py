@@ -10,9 +10,9 @@ import pytest
 import torch
 from plan_checks import assert_close
 
-from kaitian_ros.core.graph import split_model
 from kaitian_ros.core.models import build_model
 from kaitian_ros.core.plan import make_plan
+from kaitian_ros.core.split import split_model
 from kaitian_ros.core.stripe import Emission, StripeRunner, run_plan_locally
 
 torch.set_num_threads(1)

@@ -21,7 +21,7 @@ from kaitian_ros.nodes import image_source
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.scenario import load_scenario
-from kaitian_ros.training.trainer import load_data
+from kaitian_ros.training.data import load_data
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -91,7 +91,7 @@ def test_image_source_publishes_labelled_mono8_digits_and_refuses_odd_sizes() ->
 
 
 def test_camera_inputs_exclude_standardised_ones() -> None:
-    from kaitian_ros.training.trainer import TrainingConfig
+    from kaitian_ros.training.config import TrainingConfig
 
     with pytest.raises(ValueError, match="exclude each other"):
         TrainingConfig(camera_inputs=True, standardize_inputs=True)

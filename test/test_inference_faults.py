@@ -17,7 +17,7 @@ import pytest
 import torch
 from inference_helpers import InferenceGraph, image_msg, synthetic_image, wait_until
 
-from kaitian_ros.core.policy import Assignment
+from kaitian_ros.core.policy_state import Assignment
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime import zenoh_session as zs

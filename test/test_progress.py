@@ -8,8 +8,8 @@ import io
 from types import SimpleNamespace
 
 from kaitian_ros.progress import Progress
-from kaitian_ros.training.launch import _EpochProgress
-from kaitian_ros.training.trainer import EpochDone
+from kaitian_ros.training.launch import EpochProgress
+from kaitian_ros.training.results import EpochDone
 
 
 class _Terminal(io.StringIO):
@@ -59,7 +59,7 @@ def test_bad_counts_do_not_crash():
 
 def test_train_epoch_notes_name_accuracy_speed_shares_and_emulation(capsys):
     cfg = SimpleNamespace(epochs=2, emulated_slowdown=(1.0, 3.0))
-    progress = _EpochProgress(cfg)
+    progress = EpochProgress(cfg)
     progress.progress.plain_every_s = 0.0
     progress.epoch_done(EpochDone(epoch=0, epochs=2, test_accuracy=None, samples_per_s=812.4, shares=(0.5, 0.5)))
     progress.epoch_done(EpochDone(epoch=1, epochs=2, test_accuracy=0.93, samples_per_s=901.0, shares=(0.75, 0.25)))

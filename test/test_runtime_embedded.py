@@ -217,9 +217,9 @@ def test_a_flood_on_a_reliable_subscription_is_bounded_dropped_and_counted(route
     of them (here 50) and counts the rest as "queue full"; once it is unstuck it serves again."""
     import threading
 
-    from kaitian_ros.runtime import embedded
+    from kaitian_ros.runtime import embedded_endpoints
 
-    monkeypatch.setattr(embedded, "QUEUE_MAX_MESSAGES", 50)
+    monkeypatch.setattr(embedded_endpoints, "QUEUE_MAX_MESSAGES", 50)
     node = Probe(router.endpoint, "flooded")
     sender = Probe(router.endpoint, "flooder")
     try:

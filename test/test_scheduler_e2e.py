@@ -4,7 +4,7 @@ survives a compute node dying and coming back.
 Real processes (coordinator, scheduler with policy ``adaptive``, compute nodes) on the embedded
 runtime, a router on a free port per test; the test is the camera (a steady closed-loop stream:
 the next frame as soon as fewer than ``window`` are unanswered) through an EmbeddedRuntime. The
-harness is :class:`kaitian_ros.bench.adaptivity.AdaptivityGraph` (the adaptivity benchmark runs
+harness is :class:`kaitian_ros.bench.adaptivity_graph.AdaptivityGraph` (the adaptivity benchmark runs
 the same graph). Speeds are EMULATED (``emulated_slowdown``). No absolute timing assertion:
 shares are compared with shares, latency medians with latency medians; the time to drop a dead
 node is measured, printed and bounded generously (2 busy cores shared with other test runs).
@@ -19,11 +19,7 @@ import time
 
 import pytest
 
-from kaitian_ros.bench.adaptivity import (
-    AdaptivityGraph,
-    check_requests,
-    scenario_config,
-)
+from kaitian_ros.bench.adaptivity_graph import AdaptivityGraph, check_requests, scenario_config
 
 MODEL = dict(model="resnet18", height=128, width=128, num_classes=10, slab_rows=8)
 # the scheduler's shares as the plan's stripes: these tests are about the share policy (the
@@ -200,7 +196,7 @@ def test_forged_new_incarnations_are_caught_by_the_authorities_they_impersonate(
     from helpers import wait_until
 
     from kaitian_ros.core.authority import new_incarnation
-    from kaitian_ros.core.policy import Assignment
+    from kaitian_ros.core.policy_state import Assignment
     from kaitian_ros.nodes import inference_common as ic
     from kaitian_ros.runtime.api import QoS
 

@@ -13,8 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kaitian_ros.training.launch import main_train, run_local
-from kaitian_ros.training.trainer import RankTrainer, TrainingConfig, TrainingStep
+from kaitian_ros.training.config import TrainingConfig
+from kaitian_ros.training.launch import main_train
+from kaitian_ros.training.local_ranks import run_local
+from kaitian_ros.training.results import TrainingStep
+from kaitian_ros.training.trainer import RankTrainer
 
 
 def _train(rank: int, world: int, cfg: TrainingConfig) -> dict:
@@ -164,7 +167,8 @@ def test_config_roundtrip_and_validation() -> None:
 
 
 def test_lr_schedule_and_image_size() -> None:
-    from kaitian_ros.training.trainer import load_data, lr_at
+    from kaitian_ros.training.config import lr_at
+    from kaitian_ros.training.data import load_data
 
     const = TrainingConfig(lr=0.1)
     assert [lr_at(const, k, 3) for k in (0, 7, 100)] == [0.1, 0.1, 0.1]
@@ -205,7 +209,7 @@ def test_slowdown_is_settable_at_run_time() -> None:
 
 
 def test_optimizer_standardised_inputs_and_work_stealing_options() -> None:
-    from kaitian_ros.training.trainer import load_data
+    from kaitian_ros.training.data import load_data
 
     with pytest.raises(ValueError, match="optimizer"):
         TrainingConfig(optimizer="rmsprop")

@@ -14,7 +14,7 @@ from kaitian_ros.training.groups import (
     plan_topology,
     register_device_backend,
 )
-from kaitian_ros.training.launch import run_local
+from kaitian_ros.training.local_ranks import run_local
 
 
 def test_plan_groups_by_host_and_device() -> None:

@@ -20,7 +20,7 @@ from kaitian_ros.training.hooks import (
     hierarchical_all_reduce,
     hierarchical_hook,
 )
-from kaitian_ros.training.launch import run_local
+from kaitian_ros.training.local_ranks import run_local
 
 BATCHES = (5, 17, 42)
 LR = 0.1

@@ -16,9 +16,10 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kaitian_ros.training.launch import run_local
+from kaitian_ros.training.config import TrainingConfig
+from kaitian_ros.training.local_ranks import run_local
 from kaitian_ros.training.stealing import StepClaims, forget_step, sides_of, start_points
-from kaitian_ros.training.trainer import RankTrainer, TrainingConfig
+from kaitian_ros.training.trainer import RankTrainer
 
 
 def _claim_all(counts: list[int], order_seed: int, stop_after: dict[int, int] | None = None

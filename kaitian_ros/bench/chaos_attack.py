@@ -172,12 +172,12 @@ def _hostile_scalar(base: str, rng: np.random.Generator) -> Any:
 
 
 def _hostile_array(base: str, length: int, rng: np.random.Generator) -> Any:
-    from kaitian_ros.runtime.interfaces import _NUMPY_OF_ROS
+    from kaitian_ros.runtime.interfaces import NUMPY_OF_ROS
 
     n = int(rng.choice([0, 1, max(0, length - 1), length + 1, 2 * length + 3, int(rng.integers(0, 64))]))
     if base == "string":
         return [str(rng.choice(_STRINGS)) for _ in range(n)]
-    dtype = _NUMPY_OF_ROS[base]
+    dtype = NUMPY_OF_ROS[base]
     if base in ("float32", "float64"):
         pool: np.ndarray = np.asarray(_FLOATS + tuple(rng.normal(0, 1e6, 8)), dtype=dtype)
         return rng.choice(pool, n)

@@ -94,12 +94,12 @@ def run_bench(*, frames: int, weights: Path | None, train_to: Path, epochs: int,
     import numpy as np
     import torch
 
-    from kaitian_ros.bench.adaptivity import AdaptivityGraph
+    from kaitian_ros.bench.adaptivity_graph import AdaptivityGraph
     from kaitian_ros.core.models import build_model
     from kaitian_ros.nodes import inference_common as ic
     from kaitian_ros.nodes.image_source import parse_digit_frame_id
     from kaitian_ros.runtime import interfaces
-    from kaitian_ros.training.trainer import evaluate, load_data
+    from kaitian_ros.training.data import evaluate, load_data
 
     torch.set_num_threads(1)
     result: dict[str, Any] = {"frames_requested": frames, "emulated": True}

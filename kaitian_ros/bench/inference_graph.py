@@ -197,12 +197,12 @@ class Graph:
             self._spawn(name, cmd, env)
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
-        from kaitian_ros.launcher import _die_with_parent
+        from kaitian_ros.processes import die_with_parent
 
         log = self.tmp / f"{name}.log"
         with open(log, "w") as fh:
             p = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 preexec_fn=_die_with_parent)  # noqa: PLW1509 - see launcher._die_with_parent
+                                 preexec_fn=die_with_parent)  # noqa: PLW1509 - see processes.die_with_parent
         self.procs.append(Proc(name, p, log))
 
     @staticmethod
@@ -216,7 +216,7 @@ class Graph:
                 raise RuntimeError(f"{p.name} exited with code {p.popen.returncode}:\n{tail}")
 
     def stop(self) -> None:
-        from kaitian_ros.launcher import stop_process_groups
+        from kaitian_ros.processes import stop_process_groups
 
         stop_process_groups([p.popen for p in self.procs], ((signal.SIGINT, 4.0), (signal.SIGKILL, 2.0)))
         for p in self.procs:

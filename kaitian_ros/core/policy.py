@@ -17,9 +17,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from types import MappingProxyType
-from typing import Any
+from dataclasses import replace
+
+# The values, the configuration and the water-filling live in modules of their own; the names
+# in __all__ are the policy's documented API (docs/policy.md) and stay importable from here.
+from .policy_config import PARAMETERS, POLICIES, ParamDescriptor, PolicyConfig, config_from_params
+from .policy_state import (
+    MAX_REQUEST_ID,
+    Assignment,
+    NodeEstimate,
+    PolicyState,
+    TelemetrySample,
+    frozen_map,
+)
+from .water_filling import equalise_finish_time, predicted_makespan
 
 __all__ = [
     "PARAMETERS",
@@ -39,324 +50,10 @@ __all__ = [
     "predicted_makespan",
 ]
 
-POLICIES: tuple[str, ...] = ("adaptive", "static", "equal", "profile_once")
 
 # How many published assignments we keep to look up which share a node had for a request
 # (telemetry arrives for requests that ran under an older plan while a newer one is announced).
 _HISTORY = 8
-
-StaticShares = tuple[float, ...] | Mapping[str, float]
-
-
-# --------------------------------------------------------------------------------------------
-# Parameters and configuration
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ParamDescriptor:
-    """One live-tunable parameter; the scheduler node declares ROS parameters from these.
-
-    ``type`` is one of "string", "double", "integer", "bool", "double_array". ``min``/``max``
-    are inclusive (ROS ranges are inclusive); for "double_array" they bound each element.
-    """
-
-    name: str
-    type: str
-    description: str
-    min: float | None
-    max: float | None
-    default: object
-    choices: tuple[str, ...] = ()
-
-
-PARAMETERS: tuple[ParamDescriptor, ...] = (
-    ParamDescriptor("policy", "string",
-                    "share policy: adaptive | static | equal | profile_once",
-                    None, None, "adaptive", POLICIES),
-    ParamDescriptor("ewma_alpha", "double",
-                    "weight of the newest telemetry sample in the EWMA estimates",
-                    0.01, 1.0, 0.3),
-    ParamDescriptor("min_gain", "double",
-                    "relative predicted-makespan improvement needed to publish a new plan",
-                    0.0, 1.0, 0.05),
-    ParamDescriptor("min_interval_s", "double",
-                    "minimum seconds between two load-driven plan changes",
-                    0.0, 3600.0, 0.5),
-    ParamDescriptor("change_ratio", "double",
-                    "a node whose speed differs from its estimate by this factor in "
-                    "change_samples consecutive samples changed: its estimate restarts from "
-                    "the new samples and may be acted on before min_interval_s (1 = off)",
-                    1.0, 100.0, 1.6),
-    ParamDescriptor("change_samples", "integer",
-                    "consecutive surprising samples that confirm a change (see change_ratio)",
-                    1, 100, 2),
-    ParamDescriptor("dead_after_s", "double",
-                    "a node silent (no heartbeat, no telemetry) this long leaves the plan",
-                    0.05, 3600.0, 2.0),
-    ParamDescriptor("warmup_requests", "integer",
-                    "telemetry samples a node must deliver before it is a full member",
-                    1, 1000, 3),
-    ParamDescriptor("probe_share", "double",
-                    "share a warming-up newcomer gets so that it produces telemetry",
-                    0.01, 0.5, 0.05),
-    ParamDescriptor("wait_as_fixed", "bool",
-                    "use reported wait_ms as share-independent fixed cost in the model",
-                    None, None, False),
-    ParamDescriptor("static_shares", "double_array",
-                    "shares for policy=static, in plan node order (normalised to sum 1)",
-                    0.0, 1.0e6, ()),
-)
-
-_DESC = {p.name: p for p in PARAMETERS}
-
-
-def _check_range(name: str, value: float) -> None:
-    d = _DESC[name]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if d.min is not None and value < d.min:
-        raise ValueError(f"{name}={value} below minimum {d.min}")
-    if d.max is not None and value > d.max:
-        raise ValueError(f"{name}={value} above maximum {d.max}")
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    """Validated policy parameters; constructing (or ``dataclasses.replace``) an invalid one
-    raises ValueError with the reason, so a refused ``param set`` can quote it verbatim."""
-
-    policy: str = "adaptive"
-    ewma_alpha: float = 0.3
-    min_gain: float = 0.05
-    min_interval_s: float = 0.5
-    change_ratio: float = 1.6
-    change_samples: int = 2
-    dead_after_s: float = 2.0
-    warmup_requests: int = 3
-    probe_share: float = 0.05
-    wait_as_fixed: bool = False
-    # tuple: share k belongs to the k-th node of the plan order (initial node_ids first, then
-    # first appearance); mapping: node_id -> share. Normalised to sum 1 over live nodes.
-    static_shares: StaticShares = ()
-
-    def __post_init__(self) -> None:
-        # Freeze a mapping so the config stays immutable and comparable.
-        if isinstance(self.static_shares, Mapping):
-            object.__setattr__(self, "static_shares",
-                               MappingProxyType(dict(self.static_shares)))
-        elif not isinstance(self.static_shares, tuple):
-            object.__setattr__(self, "static_shares", tuple(self.static_shares))
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first invalid parameter."""
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        for name in ("ewma_alpha", "min_gain", "min_interval_s", "change_ratio", "dead_after_s",
-                     "probe_share"):
-            _check_range(name, getattr(self, name))
-        for name in ("warmup_requests", "change_samples"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(f"{name} must be an integer, got {v!r}")
-            _check_range(name, v)
-        if not isinstance(self.wait_as_fixed, bool):
-            raise ValueError(f"wait_as_fixed must be a bool, got {self.wait_as_fixed!r}")
-        values = (list(self.static_shares.values()) if isinstance(self.static_shares, Mapping)
-                  else list(self.static_shares))
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                    or v < 0:
-                raise ValueError(f"static_shares must be finite and >= 0, got {v!r}")
-        if isinstance(self.static_shares, Mapping):
-            for k in self.static_shares:
-                if not isinstance(k, str) or not k:
-                    raise ValueError(f"static_shares keys must be node ids, got {k!r}")
-        if self.policy == "static" and not (values and sum(values) > 0):
-            raise ValueError("policy 'static' needs static_shares with a positive sum "
-                             "(set static_shares before switching policy)")
-
-
-def config_from_params(params: Mapping[str, object], base: PolicyConfig | None = None
-                       ) -> PolicyConfig:
-    """Build a config from ROS-style parameter values (lists -> tuples, ints -> floats).
-
-    Unknown names raise ValueError so a typo in a parameter file is not silently ignored.
-    """
-    base = base if base is not None else PolicyConfig()
-    changes: dict[str, Any] = {}  # typed per name by _DESC; PolicyConfig checks the values
-    for name, value in params.items():
-        d = _DESC.get(name)
-        if d is None:
-            raise ValueError(f"unknown policy parameter {name!r}")
-        if d.type == "double" and isinstance(value, int) and not isinstance(value, bool):
-            changes[name] = float(value)
-        elif d.type == "double_array" and isinstance(value, Sequence) \
-                and not isinstance(value, str):
-            changes[name] = tuple(float(v) if isinstance(v, int) and not isinstance(v, bool) else v
-                                  for v in value)
-        else:
-            changes[name] = value
-    return replace(base, **changes)
-
-
-# --------------------------------------------------------------------------------------------
-# Data
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TelemetrySample:
-    """What one node reports for one request.
-
-    ``work`` is the model cost (e.g. flops) the node actually computed, halo included.
-    ``wait_ms`` is only used as a fixed cost when ``wait_as_fixed`` is set (see docs).
-    """
-
-    node_id: str
-    request_id: int
-    rows: int
-    work: float
-    compute_ms: float
-    transfer_ms: float
-    wait_ms: float
-    bytes_in: int
-    bytes_out: int
-    stamp_s: float
-    share: float = 0.0  # the node's share of the plan it ran; 0 = look it up in the history
-
-
-@dataclass(frozen=True)
-class NodeEstimate:
-    """EWMA view of one node. speed/link are ratios of EWMAs (robust to one tiny sample)."""
-
-    node_id: str
-    speed: float = 0.0            # work per ms of compute; 0.0 = unknown
-    link_rate: float = math.inf   # bytes per ms of transfer; inf = no transfer observed
-    fixed_ms: float = 0.0         # EWMA of wait_ms (share-independent cost, if enabled)
-    samples: int = 0              # valid telemetry samples folded in
-    last_seen_s: float | None = None
-    # EWMA moments the ratios come from (kept so the estimate is a pure fold over samples).
-    ew_work: float = 0.0
-    ew_compute_ms: float = 0.0
-    ew_bytes: float = 0.0
-    ew_transfer_ms: float = 0.0
-    link_samples: int = 0
-    # change detection: consecutive samples whose speed is off the estimate by change_ratio
-    # in one direction (+n faster, -n slower); samples left in the settling window after one
-    surprise: int = 0
-    settle: int = 0
-
-
-MAX_REQUEST_ID = 2**64 - 1
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """A published plan. Shares align with node_ids and sum to 1."""
-
-    version: int
-    effective_from_request: int
-    node_ids: tuple[str, ...]
-    shares: tuple[float, ...]
-    policy: str
-    reason: str
-    predicted_makespan_ms: float  # 0.0 = unknown (no telemetry yet)
-
-
-@dataclass(frozen=True)
-class PolicyState:
-    """Everything the policy remembers. Mappings are read-only views; never mutate."""
-
-    order: tuple[str, ...] = ()                                   # plan order of node ids
-    estimates: Mapping[str, NodeEstimate] = field(default_factory=lambda: MappingProxyType({}))
-    members: frozenset[str] = frozenset()                         # warm, full members
-    dead: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
-    assignment: Assignment | None = None                          # last published
-    history: tuple[Assignment, ...] = ()                          # newest last
-    roles: tuple[tuple[str, bool], ...] = ()                      # (node, is_member) published
-    published_estimates: Mapping[str, NodeEstimate] = field(
-        default_factory=lambda: MappingProxyType({}))
-    profile: Mapping[str, NodeEstimate] = field(default_factory=lambda: MappingProxyType({}))
-    last_publish_s: float | None = None
-    changed: frozenset[str] = frozenset()  # nodes whose speed changed since the last publish
-    work_total: float = 0.0     # EWMA model cost of a whole request; 0.0 = unknown
-    bytes_total: float = 0.0    # EWMA bytes of a whole request
-    totals_samples: int = 0
-
-
-def _frozen(d: dict) -> Mapping:
-    return MappingProxyType(d)
-
-
-# --------------------------------------------------------------------------------------------
-# The math
-# --------------------------------------------------------------------------------------------
-
-
-def _slopes(work: float, bytes_total: float, speeds: Sequence[float],
-            link_rates: Sequence[float], fixed_ms: Sequence[float]) -> list[float]:
-    n = len(speeds)
-    if n == 0:
-        raise ValueError("need at least one node")
-    if len(link_rates) != n or len(fixed_ms) != n:
-        raise ValueError("speeds, link_rates and fixed_ms must have the same length")
-    if not (math.isfinite(work) and work > 0):
-        raise ValueError(f"work must be finite and > 0, got {work!r}")
-    if not (math.isfinite(bytes_total) and bytes_total >= 0):
-        raise ValueError(f"bytes_total must be finite and >= 0, got {bytes_total!r}")
-    k = []
-    for s, link, f in zip(speeds, link_rates, fixed_ms):
-        if not (math.isfinite(s) and s > 0):
-            raise ValueError(f"speeds must be finite and > 0, got {s!r}")
-        if not (link > 0) or math.isnan(link):
-            raise ValueError(f"link_rates must be > 0 (inf allowed), got {link!r}")
-        if not (math.isfinite(f) and f >= 0):
-            raise ValueError(f"fixed_ms must be finite and >= 0, got {f!r}")
-        transfer = 0.0 if (bytes_total == 0 or math.isinf(link)) else bytes_total / link
-        # Overlap model: compute and transfer of slabs overlap, so the slower one dominates.
-        k.append(max(work / s, transfer))
-    return k
-
-
-def equalise_finish_time(work: float, bytes_total: float, speeds: Sequence[float],
-                         link_rates: Sequence[float], fixed_ms: Sequence[float]
-                         ) -> tuple[float, ...]:
-    """Shares (>= 0, sum 1) that give every participating node the same predicted finish time.
-
-    Exact water-filling instead of bisection: T_i = x_i*k_i + f_i is linear in x_i, so for the
-    active set A (nodes with f_i < T) T = (1 + sum f_i/k_i) / sum 1/k_i. Nodes are added in
-    increasing f_i while their fixed cost is below the current T; a node whose fixed cost alone
-    exceeds T gets nothing. Deterministic, no tolerance loop.
-    """
-    k = _slopes(work, bytes_total, speeds, link_rates, fixed_ms)
-    n = len(k)
-    idx = sorted(range(n), key=lambda i: (fixed_ms[i], i))
-    inv_sum = 0.0
-    f_over_k = 0.0
-    t = math.inf
-    for i in idx:
-        if fixed_ms[i] >= t:
-            break
-        inv_sum += 1.0 / k[i]
-        f_over_k += fixed_ms[i] / k[i]
-        t = (1.0 + f_over_k) / inv_sum
-    x = [max(0.0, (t - fixed_ms[i]) / k[i]) for i in range(n)]
-    total = sum(x)
-    # Renormalise away rounding so the sum is 1 to ~1 ulp.
-    return tuple(v / total for v in x)
-
-
-def predicted_makespan(work: float, bytes_total: float, speeds: Sequence[float],
-                       link_rates: Sequence[float], fixed_ms: Sequence[float],
-                       shares: Sequence[float]) -> float:
-    """max_i T_i over nodes with a positive share (a node with no rows does not take part)."""
-    k = _slopes(work, bytes_total, speeds, link_rates, fixed_ms)
-    if len(shares) != len(k):
-        raise ValueError("shares must align with speeds")
-    times = [x * ki + f for x, ki, f in zip(shares, k, fixed_ms) if x > 0]
-    return max(times) if times else 0.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -374,7 +71,7 @@ def initial_state(config: PolicyConfig, node_ids: Sequence[str] = ()) -> PolicyS
         if n not in order:
             order.append(n)
     return PolicyState(order=tuple(order),
-                       estimates=_frozen({n: NodeEstimate(node_id=n) for n in order}))
+                       estimates=frozen_map({n: NodeEstimate(node_id=n) for n in order}))
 
 
 def _touch(state: PolicyState, node_id: str, stamp_s: float) -> tuple[PolicyState, NodeEstimate]:
@@ -389,9 +86,9 @@ def _touch(state: PolicyState, node_id: str, stamp_s: float) -> tuple[PolicyStat
     if node_id in dead and math.isfinite(stamp_s) and stamp_s > dead[node_id]:
         # Rejoin: the device may have changed (restart, other hardware) -> measure anew.
         est = NodeEstimate(node_id=node_id)
-        dead = _frozen({k: v for k, v in dead.items() if k != node_id})
+        dead = frozen_map({k: v for k, v in dead.items() if k != node_id})
         members = members - {node_id}
-        profile = _frozen({k: v for k, v in profile.items() if k != node_id})
+        profile = frozen_map({k: v for k, v in profile.items() if k != node_id})
     if math.isfinite(stamp_s) and node_id not in dead:
         last = est.last_seen_s
         est = replace(est, last_seen_s=stamp_s if last is None else max(last, stamp_s))
@@ -402,7 +99,7 @@ def _touch(state: PolicyState, node_id: str, stamp_s: float) -> tuple[PolicyStat
 def _with_estimate(state: PolicyState, est: NodeEstimate) -> PolicyState:
     d = dict(state.estimates)
     d[est.node_id] = est
-    return replace(state, estimates=_frozen(d))
+    return replace(state, estimates=frozen_map(d))
 
 
 def heartbeat(state: PolicyState, node_id: str, now_s: float, config: PolicyConfig
@@ -623,8 +320,8 @@ def decide(state: PolicyState, now_s: float, newest_request_id: int, config: Pol
     else:
         profile = {}
 
-    state = replace(state, estimates=_frozen(ests), dead=_frozen(dead),
-                    members=frozenset(members_set), profile=_frozen(profile))
+    state = replace(state, estimates=frozen_map(ests), dead=frozen_map(dead),
+                    members=frozenset(members_set), profile=frozen_map(profile))
     if not alive:
         return state, None
 

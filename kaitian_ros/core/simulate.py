@@ -27,9 +27,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .costs import COORDINATOR, Costs
-from .graph import ModelGraph, iv_add, iv_sub
+from .graph import ModelGraph
+from .intervals import iv_add, iv_sub
 from .plan import Plan
-from .stripe import _Wavefront
+from .stripe import Wavefront
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class _Sent:
     rows: int
 
 
-class _ShadowRunner(_Wavefront[_Sent]):
+class _ShadowRunner(Wavefront[_Sent]):
     """StripeRunner's wavefront computing nothing: runs cost measured time on `clock_ms`."""
 
     def __init__(self, graph: ModelGraph, plan: Plan, node_id: str, costs: Costs) -> None:

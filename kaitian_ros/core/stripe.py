@@ -23,17 +23,8 @@ from typing import Generic, TypeVar
 import torch
 from torch import Tensor
 
-from .graph import (
-    EMPTY,
-    Interval,
-    ModelGraph,
-    border_rows,
-    hull,
-    intersect,
-    iv_add,
-    iv_intersect,
-    iv_sub,
-)
+from .graph import ModelGraph, border_rows
+from .intervals import EMPTY, Interval, hull, intersect, iv_add, iv_intersect, iv_sub
 from .plan import Plan
 
 COORDINATOR = "coordinator"
@@ -56,7 +47,7 @@ def _contains(ivs: list[Interval], row: int) -> bool:
 _E = TypeVar("_E")
 
 
-class _Wavefront(Generic[_E]):
+class Wavefront(Generic[_E]):
     """The row bookkeeping and wavefront of `StripeRunner`, generic in what a run hands on:
     subclasses say what a run computes (`_compute`) and what its rows emit (`_emit`)."""
 
@@ -158,7 +149,7 @@ class _Wavefront(Generic[_E]):
         raise NotImplementedError
 
 
-class StripeRunner(_Wavefront[Emission]):
+class StripeRunner(Wavefront[Emission]):
     """Executes `node_id`'s part of `plan` for one request (see module docstring).
 
     `min_run_rows`: a run shorter than this is deferred while rows next to it are still to

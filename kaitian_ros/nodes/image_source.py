@@ -54,7 +54,7 @@ def held_out_digits() -> tuple[np.ndarray, np.ndarray]:
     images the trainer evaluates on, so a model trained with ``camera_inputs`` sees exactly its
     test samples when the compute nodes normalise these frames."""
     from kaitian_ros.core.tensors import to_pixels
-    from kaitian_ros.training.trainer import load_data
+    from kaitian_ros.training.data import load_data
 
     x, y = load_data("digits").test
     return to_pixels(x)[:, 0].numpy(), y.numpy()

@@ -21,10 +21,11 @@ import torch
 
 from kaitian_ros.core.authority import AuthorityTracker, ImpersonationGuard, Verdict
 from kaitian_ros.core.costs import DeviceProfile, LinkEstimate, OpCost, model_key
-from kaitian_ros.core.graph import ModelGraph, split_model
+from kaitian_ros.core.graph import ModelGraph
 from kaitian_ros.core.models import build_model
 from kaitian_ros.core.plan import STRATEGIES, Plan, PlanSpec, build_plan
-from kaitian_ros.core.policy import Assignment
+from kaitian_ros.core.policy_state import Assignment
+from kaitian_ros.core.split import split_model
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime.api import ParameterDescriptor as P
 from kaitian_ros.runtime.api import ParameterType as T

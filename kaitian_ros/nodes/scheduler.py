@@ -15,7 +15,10 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from kaitian_ros.core import policy as pol
+from kaitian_ros.core import policy_config
 from kaitian_ros.core.authority import ImpersonationGuard, new_incarnation
+from kaitian_ros.core.policy_config import config_from_params
+from kaitian_ros.core.policy_state import Assignment, TelemetrySample
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.runtime import run_node
 from kaitian_ros.runtime.api import ParameterDescriptor as P
@@ -31,7 +34,7 @@ POLICY_PARAMETERS = tuple(
       # a node is live if its heartbeats come: the policy itself takes any timeout, the node
       # no less than two of the slowest heartbeats
       ic.MIN_DEAD_AFTER_S if d.name == "dead_after_s" else d.min, d.max, choices=d.choices)
-    for d in pol.PARAMETERS)
+    for d in policy_config.PARAMETERS)
 NODE_PARAMETERS = (
     P("compute_nodes", T.STRING_ARRAY, ["compute_0", "compute_1"], "compute node ids in row order",
       read_only=True),
@@ -54,7 +57,7 @@ class Scheduler:
                                            empty_ok=True)
         if problem:
             raise ValueError(problem)
-        self.config = pol.config_from_params({d.name: self.params[d.name] for d in pol.PARAMETERS})
+        self.config = config_from_params({d.name: self.params[d.name] for d in policy_config.PARAMETERS})
         self.state = pol.initial_state(self.config, tuple(self.params["compute_nodes"]))
         self.newest_request = 0
         self.published = 0
@@ -64,7 +67,7 @@ class Scheduler:
         self.decided_s = time.monotonic()  # of the newest decision that ran through
         self.decide_errors = 0
         self.last_decide_error = ""
-        self.last: pol.Assignment | None = None
+        self.last: Assignment | None = None
         self.pub = rt.create_publisher(ic.ASSIGNMENT_TOPIC, "LoadAssignment", QoS.LATCHED)
         self.diagnostics = DiagnosticsPublisher(rt, hardware_id="cpu")
         rt.create_subscription(ic.TELEMETRY_TOPIC, "NodeTelemetry", self._on_telemetry)
@@ -79,9 +82,9 @@ class Scheduler:
             problem = ic.static_shares_problem(changes["static_shares"], self.params["compute_nodes"], empty_ok=True)
             if problem:
                 return SetParametersResult(False, problem)
-        policy_changes = {k: v for k, v in changes.items() if k in {d.name for d in pol.PARAMETERS}}
+        policy_changes = {k: v for k, v in changes.items() if k in {d.name for d in policy_config.PARAMETERS}}
         try:
-            config = pol.config_from_params(policy_changes, base=self.config) if policy_changes else self.config
+            config = config_from_params(policy_changes, base=self.config) if policy_changes else self.config
         except ValueError as exc:
             return SetParametersResult(False, str(exc))
         self.config = config
@@ -104,7 +107,7 @@ class Scheduler:
             return
         self.newest_request = max(self.newest_request, int(msg.request_id))
         self.telemetry_s = time.monotonic()
-        sample = pol.TelemetrySample(
+        sample = TelemetrySample(
             node_id=msg.node_id, request_id=int(msg.request_id), rows=int(msg.rows), work=float(msg.work),
             compute_ms=float(msg.compute_ms), transfer_ms=float(msg.transfer_ms), wait_ms=float(msg.wait_ms),
             # transfer_ms is the spread of the node's incoming rows, so pair it with the bytes that
@@ -133,7 +136,7 @@ class Scheduler:
         self.rt.logger.info(f"assignment v{assignment.version} from request {assignment.effective_from_request}: "
                             f"{assignment.reason}")
 
-    def _publish(self, assignment: pol.Assignment, msg: Any) -> None:
+    def _publish(self, assignment: Assignment, msg: Any) -> None:
         self.last = assignment
         self.published += 1
         self.guard.published(assignment.version, ic.assignment_digest(msg))

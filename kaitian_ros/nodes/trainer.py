@@ -144,7 +144,7 @@ def rank_environment(params: dict[str, Any], environ: Any = None) -> dict[str, A
 
 def training_config(params: dict[str, Any]) -> Any:
     """The TrainingConfig of this rank from its parameters (ValueError if invalid)."""
-    from kaitian_ros.training.trainer import TrainingConfig
+    from kaitian_ros.training.config import TrainingConfig
 
     d = {k: params[k] for k in _CONFIG_KEYS}
     d["devices"] = (params["device"],)
@@ -215,11 +215,7 @@ class TrainerNode:
         import torch
         import torch.distributed as dist
 
-        from kaitian_ros.training.launch import (
-            DistEnv,
-            init_distributed,
-            shutdown_distributed,
-        )
+        from kaitian_ros.training.process_group import DistEnv, init_distributed, shutdown_distributed
         from kaitian_ros.training.trainer import RankTrainer
 
         torch.set_num_threads(int(self.params["threads"]))

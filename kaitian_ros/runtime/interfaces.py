@@ -174,13 +174,13 @@ def _default_value(desc: Any) -> Any:
     inner_kind, inner_detail = detail[0]
     if inner_kind.name == "BASE" and inner_detail[0] != "string":
         length = detail[1] if kind.name == "ARRAY" else 0
-        return np.zeros(length, dtype=_NUMPY_OF_ROS[inner_detail[0]])
+        return np.zeros(length, dtype=NUMPY_OF_ROS[inner_detail[0]])
     if kind.name == "ARRAY":
         return [_default_value(detail[0]) for _ in range(detail[1])]
     return []
 
 
-_NUMPY_OF_ROS = {
+NUMPY_OF_ROS = {
     "bool": np.bool_, "byte": np.uint8, "char": np.uint8, "int8": np.int8, "uint8": np.uint8,
     "int16": np.int16, "uint16": np.uint16, "int32": np.int32, "uint32": np.uint32,
     "int64": np.int64, "uint64": np.uint64, "float32": np.float32, "float64": np.float64,

@@ -14,8 +14,9 @@ would repeat), stops the graph and the launcher exits non-zero naming it.
 A respawn starts from a warm interpreter when one is ready (``kaitian_ros.warm_start``: an
 interpreter that already imported torch and the middleware at a low CPU priority, waiting
 for the node to become), which skips the 1.5-3 s of imports of a fresh process; the launcher
-keeps one ready from ``WARM_START_AFTER_S`` after the graph started (``warm_start=False``: never).
-Nodes started under a command prefix (a network namespace in the benchmarks) always start fresh.
+keeps one ready from ``WARM_START_AFTER_S`` after the graph started (``warm_start=False``: never),
+one per command prefix that nodes start under (a network namespace in the benchmarks): a node
+respawns from the interpreter started under its own prefix.
 
 A graph may span hosts (docs/deployment.md): one launcher hosts the router, on an address the
 other hosts reach, and the others join it (``host_router=False``), each starting its share of
@@ -69,6 +70,16 @@ class WarmInterpreter:
     name: str = "warm"
 
 
+@dataclass
+class WarmSlot:
+    """The warm interpreter kept for the nodes under one command prefix (``()``: none)."""
+
+    prefix: tuple[str, ...]
+    warm: WarmInterpreter | None = None
+    due: float = 0.0  # monotonic time to start the next one
+    failures: int = 0  # started ones that died unused
+
+
 class Launcher:
     def __init__(self, scenario: Scenario, router_endpoint: str, *, out: LineOut = sys.stdout,
                  host_router: bool = True, node_prefix: Mapping[str, Sequence[str]] | None = None,
@@ -93,11 +104,9 @@ class Launcher:
         self.params_file = Path(self._tmpdir.name) / f"{scenario.name}.yaml"
         # TLS + access control for every process of the graph (SecurityError: unusable directory)
         self.security = security.for_launch(scenario.security)
-        # one warm interpreter when a node may be respawned from it (see the module docstring)
-        self.warm: WarmInterpreter | None = None
-        self.warm_due = float("inf") if not warm_start or not any(
-            n.respawn.enabled and n.name not in self.node_prefix for n in scenario.nodes) else 0.0
-        self.warm_failures = 0
+        # a warm interpreter per command prefix that a node may be respawned under (module docstring)
+        self.warm_slots = {p: WarmSlot(p) for p in sorted({self._prefix_of(n.name) for n in scenario.nodes
+                                                           if n.respawn.enabled})} if warm_start else {}
 
     def say(self, line: str) -> None:
         with self._print_lock:
@@ -113,7 +122,8 @@ class Launcher:
         for spec in self.scenario.nodes:
             process, reader = self.spawn(spec)
             self.children.append(Child(spec, process, reader))
-        self.warm_due = max(self.warm_due, time.monotonic() + WARM_START_AFTER_S)
+        for slot in self.warm_slots.values():
+            slot.due = max(slot.due, time.monotonic() + WARM_START_AFTER_S)
 
     @property
     def nodes(self) -> list[Child]:
@@ -162,43 +172,49 @@ class Launcher:
             if ready is not None and line.startswith(ROUTER_READY_LINE):
                 ready.set()
 
-    def _warm_command(self) -> list[str]:
-        """The warm interpreter's command line: it prepares (model, start-up costs) for every
-        compute node it may become."""
+    def _prefix_of(self, name: str) -> tuple[str, ...]:
+        return tuple(self.node_prefix.get(name, ()))
+
+    def _warm_command(self, prefix: tuple[str, ...] = ()) -> list[str]:
+        """The command line of the warm interpreter under `prefix`: it prepares (model, start-up
+        costs) for every compute node under that prefix it may become."""
         compute = [node_command(n, self.params_file)[4:] for n in self.scenario.nodes
-                   if n.executable == "compute" and n.respawn.enabled and n.name not in self.node_prefix]
-        return [sys.executable, "-u", "-m", "kaitian_ros.warm_start"] + (
+                   if n.executable == "compute" and n.respawn.enabled and self._prefix_of(n.name) == prefix]
+        return [*prefix, sys.executable, "-u", "-m", "kaitian_ros.warm_start"] + (
             ["--prepare-compute", json.dumps(compute)] if compute else [])
 
-    def _start_warm(self) -> None:
-        process = subprocess.Popen(self._warm_command(), env=self._base_env(),
+    def _start_warm(self, slot: WarmSlot) -> None:
+        process = subprocess.Popen(self._warm_command(slot.prefix), env=self._base_env(),
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
                                    text=True, bufsize=1,
                                    preexec_fn=die_with_parent)  # noqa: PLW1509 - see processes.die_with_parent
         warm = WarmInterpreter(process, threading.Thread())
         warm.reader = threading.Thread(target=self._pump, args=(lambda: warm.name, process), daemon=True)
         warm.reader.start()
-        self.warm = warm
+        slot.warm = warm
 
     def _tend_warm(self, now: float) -> None:
-        """Start a warm interpreter when one is due; count one that died unused."""
-        if self.warm is not None and self.warm.process.poll() is not None:
-            self.warm_failures += 1
-            self.say(f"[launch] warm interpreter exited unused (exit code {self.warm.process.returncode})"
-                     + ("; no more warm starts" if self.warm_failures >= WARM_START_FAILURES else ""))
-            self.warm = None
-            self.warm_due = now + WARM_START_AFTER_S
-        if self.warm is None and now >= self.warm_due and self.warm_failures < WARM_START_FAILURES \
-                and not self._stopping.is_set():
-            self._start_warm()
+        """Start the warm interpreters that are due; count those that died unused."""
+        for slot in self.warm_slots.values():
+            if slot.warm is not None and slot.warm.process.poll() is not None:
+                slot.failures += 1
+                where = f" under {' '.join(slot.prefix)}" if slot.prefix else ""
+                self.say(f"[launch] warm interpreter{where} exited unused (exit code {slot.warm.process.returncode})"
+                         + ("; no more warm starts" if slot.failures >= WARM_START_FAILURES else ""))
+                slot.warm = None
+                slot.due = now + WARM_START_AFTER_S
+            if slot.warm is None and now >= slot.due and slot.failures < WARM_START_FAILURES \
+                    and not self._stopping.is_set():
+                self._start_warm(slot)
 
     def _respawn(self, spec: NodeSpec, now: float) -> tuple[subprocess.Popen, threading.Thread]:
-        """The node's new process: the warm interpreter becoming it if one is ready, else a fresh one."""
-        warm = self.warm
-        if warm is None or warm.process.poll() is not None or spec.name in self.node_prefix \
-                or spec.executable == ROUTER:
+        """The node's new process: the warm interpreter under its prefix becoming it if one is
+        ready, else a fresh one."""
+        slot = self.warm_slots.get(self._prefix_of(spec.name))
+        warm = slot.warm if slot is not None else None
+        if slot is None or warm is None or warm.process.poll() is not None or spec.executable == ROUTER:
             return self.spawn(spec)
-        self.warm, self.warm_due = None, now + WARM_REFILL_AFTER_S
+        slot.warm, slot.due = None, now + WARM_REFILL_AFTER_S
         argv = node_command(spec, self.params_file)[4:]  # after: python -u -m MODULE
         order = warm_start.Order(f"kaitian_ros.nodes.{spec.executable}", tuple(argv), self._node_env(spec))
         try:
@@ -280,11 +296,12 @@ class Launcher:
         """SIGINT every node, then SIGTERM, then SIGKILL; never leave a process behind."""
         self._stopping.set()
         # taken first: the supervising thread and the caller may both be stopping the graph
-        warm, self.warm = self.warm, None
-        if warm is not None:  # nothing of its own to lose: it ignores SIGINT until it becomes a node
-            warm.process.kill()
-            warm.process.wait()
-            warm.reader.join(timeout=1.0)
+        for slot in self.warm_slots.values():
+            warm, slot.warm = slot.warm, None
+            if warm is not None:  # nothing of its own to lose: it ignores SIGINT until it becomes a node
+                warm.process.kill()
+                warm.process.wait()
+                warm.reader.join(timeout=1.0)
         # the router last: nodes shutting down still talk to each other through it
         for group in (self.nodes, [c for c in self.children if c.spec.executable == ROUTER]):
             stop_process_groups([c.process for c in group])

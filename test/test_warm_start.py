@@ -114,7 +114,12 @@ def test_the_launchers_warm_interpreter_prepares_for_the_compute_nodes_it_may_be
     command = launcher._warm_command()
     assert command[-2] == "--prepare-compute"
     names = [next(a.split(":=")[1] for a in argv if a.startswith("__node:=")) for argv in json.loads(command[-1])]
-    assert names == ["compute_0", "compute_1"]  # a node under a command prefix always starts fresh
+    assert names == ["compute_0", "compute_1"]  # compute_2 has the interpreter under its prefix
     assert all(str(launcher.params_file) in argv for argv in json.loads(command[-1]))
+    assert sorted(launcher.warm_slots) == [(), ("ip", "netns", "exec", "x")]
+    inside = launcher._warm_command(("ip", "netns", "exec", "x"))
+    assert inside[:4] == ["ip", "netns", "exec", "x"] and inside[4] == sys.executable
+    assert [next(a.split(":=")[1] for a in argv if a.startswith("__node:=")) for argv in json.loads(inside[-1])] \
+        == ["compute_2"]
     off = Launcher(load_scenario("hetero_inference", ["respawn:=false"]), "tcp/127.0.0.1:1")
     assert "--prepare-compute" not in off._warm_command()

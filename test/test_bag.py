@@ -30,6 +30,8 @@ from helpers import (
     spawn_helper,
 )
 
+pytestmark = pytest.mark.e2e
+
 mcap_reader = pytest.importorskip("mcap.reader", reason="the test extra installs mcap (pip install -e '.[test]')")
 mcap_ros2_decoder = pytest.importorskip("mcap_ros2.decoder", reason="the test extra installs mcap-ros2-support")
 

@@ -28,6 +28,8 @@ from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime.api import QoS
 from kaitian_ros.runtime.graph_client import GraphClient
 
+pytestmark = pytest.mark.e2e
+
 MODEL = dict(model="resnet18", height=64, width=64, slab_rows=8)
 
 

@@ -248,6 +248,7 @@ def test_huge_lengths_are_decode_errors():
 
 # --- through the embedded runtime (the reused encode buffer and the SHM put) --------------------
 
+@pytest.mark.e2e
 def test_large_chunks_arrive_intact_through_the_runtime():
     """Consecutive 1 MiB chunks (SHM put, reused encode buffer) and a small one arrive unchanged."""
     import threading

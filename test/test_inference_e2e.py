@@ -12,6 +12,8 @@ import pytest
 import torch
 from inference_helpers import InferenceGraph, wait_until
 
+pytestmark = pytest.mark.e2e
+
 FRAMES = 6
 
 

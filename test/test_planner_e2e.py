@@ -21,6 +21,8 @@ from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime.api import QoS
 
+pytestmark = pytest.mark.e2e
+
 MODEL = dict(model="resnet18", height=64, width=64, slab_rows=8)
 
 

@@ -15,6 +15,8 @@ from kaitian_ros.core.planner import MeasuredPlan, spec_key
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.nodes.planner_process import PlannerProcess, PlanRequest, plan_round
 
+pytestmark = pytest.mark.e2e
+
 SPEC = ic.ModelSpec(name="digits_cnn", input_shape=(1, 32, 32), num_classes=10, seed=0, weights="")
 
 

@@ -21,6 +21,8 @@ import pytest
 import torch
 import yaml
 
+pytestmark = [pytest.mark.e2e, pytest.mark.ros]
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "ros2_from_pypi.sh"
 VENV_PYTHON = str(ROOT / ".ros2" / "venv" / "bin" / "python")  # the ROS 2 environment's interpreter

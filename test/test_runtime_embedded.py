@@ -13,6 +13,8 @@ from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime import zenoh_session as zs
 from kaitian_ros.runtime.api import QoS
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture
 def probe(router):

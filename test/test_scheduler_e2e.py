@@ -25,6 +25,8 @@ from kaitian_ros.bench.adaptivity import (
     scenario_config,
 )
 
+pytestmark = pytest.mark.e2e
+
 MODEL = dict(model="resnet18", height=128, width=128, num_classes=10, slab_rows=8)
 # the scheduler's shares as the plan's stripes: these tests are about the share policy (the
 # planner's own choices have their tests in test_planner_e2e.py)

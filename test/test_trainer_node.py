@@ -13,6 +13,8 @@ import pytest
 import yaml
 from helpers import child_env, free_port
 
+pytestmark = pytest.mark.e2e
+
 pytest.importorskip("sklearn")
 
 

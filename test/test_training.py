@@ -28,6 +28,7 @@ def _train(rank: int, world: int, cfg: TrainingConfig) -> dict:
 
 
 
+@pytest.mark.e2e
 def test_adaptive_three_ranks_matches_single_process_accuracy() -> None:
     """Same global batches in the same order, exact weighting -> same model, same accuracy."""
     # cosine to 0: at a constant lr the final accuracy moved by 2 test samples (0.44 pp) with the
@@ -72,6 +73,7 @@ def _children(pid: int) -> dict[int, int]:
     return out
 
 
+@pytest.mark.e2e
 def test_killed_rank_is_named_and_others_fail_then_resume(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     args = ["--ranks", "3", "--devices", "cpu:a,cpu:b,cpu:b", "--epochs", "500",
@@ -116,6 +118,7 @@ def test_killed_rank_is_named_and_others_fail_then_resume(tmp_path: Path) -> Non
     assert "[progress]" not in out
 
 
+@pytest.mark.e2e
 def test_worker_alone_names_missing_peer_on_timeout(tmp_path: Path) -> None:
     """torchrun-style rank whose peer is killed: fails naming it (no launcher watching)."""
     from kaitian_ros.ports import free_port

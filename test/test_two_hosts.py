@@ -27,6 +27,8 @@ from helpers import Proc
 
 from kaitian_ros.bench import netns
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[1]
 DOMAIN = "42"  # both hosts use the same ROS_DOMAIN_ID, as ROS 2 hosts of one graph must
 ROUTER_PORT = 7447  # each namespace has its own ports: the default one is free in there

@@ -39,7 +39,7 @@ def test_cpu_busy_clock_counts_work_not_waiting() -> None:
 
     clock = ic.busy_clock(torch.device("cpu"))
     t0 = clock()
-    time.sleep(0.3)
+    time.sleep(0.3)  # the behaviour under test: sleeping is not compute time
     slept = clock() - t0
     t0 = clock()
     x = torch.randn(256, 256)

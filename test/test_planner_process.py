@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from helpers import wait_until
 
 from kaitian_ros.core.costs import Costs, DeviceProfile, LinkEstimate, OpCost
 from kaitian_ros.core.plan import PlanSpec
@@ -40,13 +41,7 @@ def _request(costs: Costs, **over) -> PlanRequest:
 
 
 def _wait(proc: PlannerProcess, timeout_s: float = 120.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = proc.result()
-        if got is not None:
-            return got
-        time.sleep(0.02)
-    raise AssertionError("the planner process answered nothing")
+    return wait_until(proc.result, "the planner process's answer", timeout_s)
 
 
 def test_the_planner_process_chooses_what_a_round_in_process_chooses() -> None:

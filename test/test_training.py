@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import wait_until
 
 from kaitian_ros.training.launch import main_train, run_local
 from kaitian_ros.training.trainer import RankTrainer, TrainingConfig, TrainingStep
@@ -80,11 +81,11 @@ def test_killed_rank_is_named_and_others_fail_then_resume(tmp_path: Path) -> Non
             "--global-batch", "64", "--checkpoint-dir", str(ck), "--timeout", "20"]
     p = _spawn(args, {})
     try:
-        deadline = time.monotonic() + 60
-        while not (ck / "checkpoint.pt").exists():
+        def checkpointed() -> bool:
             assert p.poll() is None, p.communicate()[1]
-            assert time.monotonic() < deadline, "no checkpoint within 60 s"
-            time.sleep(0.2)
+            return (ck / "checkpoint.pt").exists()
+
+        wait_until(checkpointed, "a checkpoint", 60.0, interval_s=0.2)
         kids = _children(p.pid)
         assert sorted(kids) == [0, 1, 2]
         os.kill(kids[2], signal.SIGKILL)
@@ -130,11 +131,11 @@ def test_worker_alone_names_missing_peer_on_timeout(tmp_path: Path) -> None:
     ps = [_spawn(common, {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}) for r in range(2)]
     try:
-        deadline = time.monotonic() + 60
-        while not (ck / "checkpoint.pt").exists():
+        def checkpointed() -> bool:
             assert ps[0].poll() is None and ps[1].poll() is None
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+            return (ck / "checkpoint.pt").exists()
+
+        wait_until(checkpointed, "a checkpoint", 60.0, interval_s=0.2)
         ps[1].kill()
         _, err = ps[0].communicate(timeout=40)
     finally:

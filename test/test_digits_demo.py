@@ -108,6 +108,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, A
     return weights, summary
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_saved_weights_load_in_the_inference_build_path_with_the_trainers_accuracy(
         trained: tuple[Path, dict[str, Any]]) -> None:

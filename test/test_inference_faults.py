@@ -154,6 +154,7 @@ def test_malformed_images_are_counted_and_the_coordinator_keeps_running(graph):
     assert not g.dead_children()
 
 
+@pytest.mark.slow
 def test_compute_process_killed_mid_run_loses_no_frame(tmp_path):
     """kill -9 one of three compute nodes while frames flow (input paced so requests are in
     flight): every request still yields exactly one complete, exact FusedOutput, re-dispatched

@@ -121,6 +121,7 @@ def test_slowed_node_gets_a_smaller_share_and_latency_recovers(tmp_path):
                    interval_s=0.1)
 
 
+@pytest.mark.slow
 def test_killed_node_leaves_the_plan_and_a_restarted_node_rejoins(tmp_path):
     """3 compute nodes, scheduler ``adaptive``: SIGKILL compute_2 while two requests are in flight
     -> no request id missing or incomplete, compute_2 out of the executed plan within

@@ -451,6 +451,7 @@ def test_cli_tools_need_the_certificate(secure_graph, cert_dir: Path) -> None:
 
 # --- a secure hetero_inference graph ------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_secure_hetero_inference_delivers_fused_results(cert_dir: Path) -> None:
     """Every process presents its role (compute nodes ``compute``): chunks, telemetry and

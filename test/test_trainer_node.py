@@ -45,6 +45,7 @@ def _wait(pred: Any, timeout: float, what: str, proc: subprocess.Popen, out: lis
         raise AssertionError(f"{exc}:\n" + "".join(out[-40:])) from None
 
 
+@pytest.mark.slow
 def test_two_trainer_nodes_via_kaitian_launch(tmp_path: Path) -> None:
     from kaitian_ros import cli
     from kaitian_ros.runtime.graph_client import GraphClient, GraphError

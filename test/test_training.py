@@ -74,6 +74,7 @@ def _children(pid: int) -> dict[int, int]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_killed_rank_is_named_and_others_fail_then_resume(tmp_path: Path) -> None:
     ck = tmp_path / "ck"

@@ -151,6 +151,7 @@ def _summary(lines: Sequence[str]) -> dict:
     return json.loads(next(ln for ln in reversed(lines) if ln.startswith("{")))
 
 
+@pytest.mark.slow
 def test_training_across_two_hosts_equals_one_host(hosts: netns.Links, tmp_path: Path) -> None:
     """One rank per host, gloo between the hosts: the same weights as both ranks on one host."""
     master = hosts.device_ip(0)

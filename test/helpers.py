@@ -82,6 +82,19 @@ def wait_until(predicate: Callable[[], Any], what: str, timeout_s: float = DEADL
         time.sleep(interval_s)
 
 
+def wait_routed(pub: Any, what: str = "", timeout_s: float = DEADLINE_S) -> None:
+    """Until a subscriber in another session matches ``pub`` (an EmbeddedPublisher): what is
+    published from then on is routed to it. Instead of sleeping "to let a route settle"; a
+    subscriber in the publisher's own session (a test's collector) does not count."""
+    import zenoh
+
+    check = pub._rt.session.declare_publisher(pub.key, allowed_destination=zenoh.Locality.REMOTE)
+    try:
+        wait_until(lambda: check.matching_status.matching, what or f"a remote subscriber of {pub.topic}", timeout_s)
+    finally:
+        check.undeclare()
+
+
 # --- child processes ----------------------------------------------------------------------
 
 class Proc:
@@ -404,14 +417,16 @@ def _role_fused_pub(count: int, wait_for: list[str]) -> None:
 
     send("plan", plan(1), 1)
     _ready(topics=FUSED_PUB_TOPICS)
-    deadline = time.monotonic() + DEADLINE_S
-    while not all(pubs[name]._pub.matching_status.matching for name in wait_for):
-        if time.monotonic() > deadline:
-            print(json.dumps({"error": f"no subscriber on {wait_for}"}), flush=True)
-            rt.close()
-            return
-        time.sleep(0.05)
-    time.sleep(0.5)  # let a late joiner's query for the cached plan 1 be answered first
+    try:
+        wait_until(lambda: all(pubs[name]._pub.matching_status.matching for name in wait_for),
+                   f"a subscriber on each of {wait_for}", interval_s=0.05)
+    except AssertionError:
+        print(json.dumps({"error": f"no subscriber on {wait_for}"}), flush=True)
+        rt.close()
+        return
+    # a late joiner (the recorder) queries the cached plan 1 when it subscribes; that query is
+    # answered by zenoh inside this process, with nothing here to wait on: a grace period
+    time.sleep(0.5)
     send("plan", plan(2), 2)
     for i in range(count):
         fields = fused_output_fields(i)

@@ -30,6 +30,8 @@ from helpers import (
     spawn_helper,
 )
 
+pytestmark = pytest.mark.e2e
+
 mcap_reader = pytest.importorskip("mcap.reader", reason="the test extra installs mcap (pip install -e '.[test]')")
 mcap_ros2_decoder = pytest.importorskip("mcap_ros2.decoder", reason="the test extra installs mcap-ros2-support")
 
@@ -70,7 +72,9 @@ def recording(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recording]:
         recorder.wait_for(rf"^recording {LATE_TOPIC} too")
         sent = json.loads(publisher.wait_for(r'^\{"sent"')[0].string)
         # the publisher sent only once every topic had a subscriber (the recorder's) and its
-        # messages are reliable: give delivery a moment on a busy machine, then Ctrl-C
+        # messages are reliable: give delivery a moment on a busy machine, then Ctrl-C. A grace
+        # period, not a condition: the recorder (another process) reports nothing until it stops,
+        # and a subscriber of the test's own would change when the publisher starts sending
         time.sleep(1.5)
         recorder.p.send_signal(signal.SIGINT)
         assert recorder.wait() == 0, recorder.output()

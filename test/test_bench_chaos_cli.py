@@ -4,6 +4,7 @@ options, a wrong option is one line with exit code 2; and the attacker's fuzz cl
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from helpers import run_cli
 
 from kaitian_ros.bench.chaos_attack import FUZZ_CLASSES, WRONG_TYPE, decodable, fuzz_payloads, mutate_fields
@@ -18,6 +19,7 @@ def _one_line(result) -> str:
     return lines[0]
 
 
+@pytest.mark.e2e
 def test_help_shows_the_chaos_options():
     result = run_cli("bench", "chaos", "--help")
     assert result.returncode == 0, result.stderr
@@ -25,6 +27,7 @@ def test_help_shows_the_chaos_options():
         assert option in result.stdout, result.stdout
 
 
+@pytest.mark.e2e
 def test_wrong_options_are_one_line():
     assert "unknown faults ['nope']" in _one_line(run_cli("bench", "chaos", "--faults", "kill_compute,nope"))
     assert "--settle must be at least" in _one_line(run_cli("bench", "chaos", "--settle", "3"))

@@ -26,6 +26,8 @@ from helpers import (
 
 from kaitian_ros.runtime.api import QoS
 
+pytestmark = pytest.mark.e2e
+
 STARTED = r"\[launch\] started (\S+) \((\S+)\) pid (\d+)"
 
 

@@ -28,6 +28,8 @@ from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime.api import QoS
 from kaitian_ros.runtime.graph_client import GraphClient
 
+pytestmark = pytest.mark.e2e
+
 MODEL = dict(model="resnet18", height=64, width=64, slab_rows=8)
 
 
@@ -43,6 +45,7 @@ def _values(g: InferenceGraph, node: str, predicate, what: str, timeout_s: float
         raise AssertionError(f"{exc}; last: {last[0]}\n--- launcher output ---\n{g.out.text(last=80)}") from None
 
 
+@pytest.mark.slow
 def test_coordinator_killed_is_respawned_and_the_graph_serves_again(tmp_path):
     with InferenceGraph(tmp_path, **MODEL, slowdowns=[1.0, 1.0], shares=[1.0, 1.0], supervise=True,
                         coordinator={"strategy": "stripes"}) as g:

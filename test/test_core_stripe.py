@@ -164,5 +164,5 @@ def test_emit_hands_on_each_emission_as_its_rows_exist() -> None:
     assert handed[0][1] < total  # the first HALO left while the feed still had rows to compute
     # time spent in the callback is not the node's compute
     slow = StripeRunner(g, plan, "a", min_run_rows=1)
-    slow.feed(0, lo, x[:, :, lo:hi], emit=lambda e: time.sleep(0.05))
+    slow.feed(0, lo, x[:, :, lo:hi], emit=lambda e: time.sleep(0.05))  # a slow callback is the case under test
     assert slow.stats()["compute_s"] < 0.05 * len(handed)

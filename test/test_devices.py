@@ -39,7 +39,7 @@ def test_cpu_busy_clock_counts_work_not_waiting() -> None:
 
     clock = ic.busy_clock(torch.device("cpu"))
     t0 = clock()
-    time.sleep(0.3)
+    time.sleep(0.3)  # the behaviour under test: sleeping is not compute time
     slept = clock() - t0
     t0 = clock()
     x = torch.randn(256, 256)
@@ -114,6 +114,7 @@ def test_split_across_a_cuda_node_and_a_cpu_node_equals_cpu_trunk() -> None:
     assert float((out - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
 
 
+@pytest.mark.e2e
 def test_compute_node_refuses_an_unusable_device_with_one_line(router) -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here: cuda:0 is usable")

@@ -108,6 +108,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, A
     return weights, summary
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_saved_weights_load_in_the_inference_build_path_with_the_trainers_accuracy(
         trained: tuple[Path, dict[str, Any]]) -> None:
     weights, summary = trained
@@ -121,6 +123,7 @@ def test_saved_weights_load_in_the_inference_build_path_with_the_trainers_accura
     assert accuracy >= 0.95, summary
 
 
+@pytest.mark.e2e
 def test_bench_digits_fused_accuracy_equals_single_device(trained: tuple[Path, dict[str, Any]],
                                                           tmp_path: Path) -> None:
     weights, _ = trained
@@ -139,6 +142,7 @@ def test_bench_digits_fused_accuracy_equals_single_device(trained: tuple[Path, d
     assert "fused (/kaitian/fused)" in done.stdout
 
 
+@pytest.mark.e2e
 def test_launch_without_the_weights_file_is_one_line(tmp_path: Path) -> None:
     """digits_demo reads digits_cnn.pt from the current directory: missing, nothing starts."""
     done = subprocess.run([sys.executable, "-m", "kaitian_ros.cli", "launch", "digits_demo", "--no-view"],
@@ -149,6 +153,7 @@ def test_launch_without_the_weights_file_is_one_line(tmp_path: Path) -> None:
     assert "compute_0" in lines[0] and "[launch] started" not in done.stdout
 
 
+@pytest.mark.e2e
 def test_bench_digits_help_and_mistakes() -> None:
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "kaitian_ros.cli", "bench", "digits", *args], cwd=REPO,

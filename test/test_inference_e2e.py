@@ -12,6 +12,8 @@ import pytest
 import torch
 from inference_helpers import InferenceGraph, wait_until
 
+pytestmark = pytest.mark.e2e
+
 FRAMES = 6
 
 
@@ -91,6 +93,7 @@ def test_first_output_slab_leaves_before_last_input_slab_arrives(tmp_path):
         assert {rid for _, rid in overlapped} == ids, overlapped
 
 
+@pytest.mark.slow
 def test_node_whose_share_rounds_to_zero_rows(tmp_path):
     """resnet18 at 64x64 has a 2-row trunk output: of three compute nodes at least one owns zero
     trunk-output rows whatever the shares. Depending on the plan it is then either not active at

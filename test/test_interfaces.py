@@ -186,6 +186,7 @@ def test_decode_raises_only_decode_error(payload):
 
 # --- between two real processes -------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_every_type_round_trips_byte_exact_between_processes(router):
     """Child decodes each message and publishes it re-encoded: the bytes that return are ours."""
     child = spawn_helper("echo", *ALL_TYPES, router=router.endpoint)

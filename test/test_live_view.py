@@ -223,6 +223,7 @@ def test_view_summary_takes_the_coordinators_and_nodes_drop_counts():
     assert (s.frames, s.complete, s.incomplete) == (2, 1, (("timeout", 1),))
 
 
+@pytest.mark.e2e
 def test_launch_prints_the_summary_at_exit_also_without_the_view():
     """A whole graph for a few seconds: the summary block comes at the --duration end, with
     --no-view no [view] lines, and nothing on stdout has escape codes (not a terminal)."""

@@ -10,7 +10,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from helpers import FUSED_LABELS, REPO, Probe, Proc, child_env, spawn_helper, spawn_node, wait_until
+
+pytestmark = pytest.mark.e2e
 
 COUNT = 10
 

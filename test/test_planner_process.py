@@ -8,12 +8,15 @@ import time
 
 import pytest
 import torch
+from helpers import wait_until
 
 from kaitian_ros.core.costs import Costs, DeviceProfile, LinkEstimate, OpCost
 from kaitian_ros.core.plan import PlanSpec
 from kaitian_ros.core.planner import MeasuredPlan, spec_key
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.nodes.planner_process import PlannerProcess, PlanRequest, plan_round
+
+pytestmark = pytest.mark.e2e
 
 SPEC = ic.ModelSpec(name="digits_cnn", input_shape=(1, 32, 32), num_classes=10, seed=0, weights="")
 
@@ -38,13 +41,7 @@ def _request(costs: Costs, **over) -> PlanRequest:
 
 
 def _wait(proc: PlannerProcess, timeout_s: float = 120.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = proc.result()
-        if got is not None:
-            return got
-        time.sleep(0.02)
-    raise AssertionError("the planner process answered nothing")
+    return wait_until(proc.result, "the planner process's answer", timeout_s)
 
 
 def test_the_planner_process_chooses_what_a_round_in_process_chooses() -> None:

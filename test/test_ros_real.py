@@ -21,6 +21,10 @@ import pytest
 import torch
 import yaml
 
+# the first test's ros_env fixture may build .ros2/ (wheels, CMake: up to its own 900 s limit):
+# more than the suite's default per-test timeout
+pytestmark = [pytest.mark.e2e, pytest.mark.ros, pytest.mark.timeout(1200)]
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "ros2_from_pypi.sh"
 VENV_PYTHON = str(ROOT / ".ros2" / "venv" / "bin" / "python")  # the ROS 2 environment's interpreter
@@ -78,6 +82,7 @@ def test_module_imports_without_rclpy() -> None:
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.slow
 def test_rclpy_adapter_checks_on_real_rclpy(ros_env: dict[str, str]) -> None:
     """The adapter's own checks (test/ros2/check_runtime_ros.py: bytes on the wire, QoS and
     descriptor mapping, garbage counted, refusal wording equal to the embedded runtime's),
@@ -272,6 +277,7 @@ def _ros_params_file(tmp_path: Path, scenario: str, overrides: list[str]) -> tup
     return path, data, {n.name: n.executable for n in resolved.nodes}
 
 
+@pytest.mark.slow
 def test_hetero_inference_graph_on_rclpy_equals_the_single_device_result(ros_env: dict[str, str],
                                                                           tmp_path: Path) -> None:
     """The hetero_inference graph (image source, coordinator, scheduler, two compute nodes),

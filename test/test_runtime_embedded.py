@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 import numpy as np
 import pytest
+import zenoh
 from helpers import Probe, raw_session, spawn_helper, spawn_node, wait_until
 
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime import zenoh_session as zs
 from kaitian_ros.runtime.api import QoS
+
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
@@ -273,17 +277,26 @@ def test_a_node_leaving_is_reported_and_a_copied_token_withdrawn_is_not(router):
     watcher = Probe(router.endpoint, "watcher")
     leaver = Probe(router.endpoint, "leaver")
     forger = raw_session(router.endpoint)
+    observer = raw_session(router.endpoint)
     gone: list[str] = []
     try:
         watcher.rt.on_node_gone(gone.append)
         stayer_key = zs.node_token(0, watcher.rt.zid, watcher.rt._node_entity, "/", "watcher")
+        # a third session sees the copy appear once the router has it (and so the watcher too);
+        # withdrawn before that, the copy would never have been seen at all
+        appeared: list[Any] = []
+        observer.liveliness().declare_subscriber(
+            stayer_key, lambda s: appeared.append(s) if s.kind == zenoh.SampleKind.PUT else None)
         copy = forger.liveliness().declare_token(stayer_key)
-        time.sleep(0.5)
+        wait_until(lambda: appeared, "the copied token declared at the router")
         copy.undeclare()
         leaver.close()
         wait_until(lambda: "/leaver" in gone, "the leaver's departure")
-        time.sleep(1.5)  # the copy's confirmation (a liveliness query, 1 s timeout) is long done
+        # the absence under test: the copy's confirmation (a liveliness query, 1 s timeout) is long
+        # done by now and reported nothing; no event marks "nothing was reported"
+        time.sleep(1.5)
         assert gone == ["/leaver"], gone
     finally:
+        observer.close()
         forger.close()
         watcher.close()

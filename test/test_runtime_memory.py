@@ -11,6 +11,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from kaitian_ros.runtime import memory
 
 BURST = r"""
@@ -32,6 +34,7 @@ def test_rss_of_this_process_is_read():
     assert memory.rss_bytes(2**22 + 12345) == 0  # no such process: 0, no exception
 
 
+@pytest.mark.e2e
 def test_trim_after_a_burst_returns_the_freed_heap():
     out = subprocess.run([sys.executable, "-c", BURST], capture_output=True, text=True, timeout=120, check=True)
     r = json.loads(out.stdout)

@@ -97,6 +97,7 @@ def other_ca_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # --- certificates -------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_certs_create_makes_a_ca_and_one_certificate_per_role(cert_dir: Path) -> None:
     names = {p.name for p in cert_dir.iterdir()}
     assert names == {"ca.pem", "ca.key"} | {f"{r}.{e}" for r in security.ROLES for e in ("pem", "key")}
@@ -118,6 +119,7 @@ def test_certs_create_makes_a_ca_and_one_certificate_per_role(cert_dir: Path) ->
         assert _openssl("x509", "-in", pem, "-noout", "-pubkey") == key_pub
 
 
+@pytest.mark.e2e
 def test_certs_create_refuses_to_overwrite_and_bad_arguments(tmp_path: Path) -> None:
     directory = tmp_path / "c"
     assert run_cli("certs", "create", str(directory)).returncode == 0
@@ -137,6 +139,7 @@ def test_certs_create_refuses_to_overwrite_and_bad_arguments(tmp_path: Path) -> 
 
 # --- settings (no processes) ------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_cert_dir_check_names_what_is_missing(cert_dir: Path, tmp_path: Path) -> None:
     assert security.check_cert_dir(cert_dir) == cert_dir.resolve()
     (tmp_path / "ca.pem").write_bytes((cert_dir / "ca.pem").read_bytes())
@@ -153,6 +156,7 @@ def test_cert_dir_check_names_what_is_missing(cert_dir: Path, tmp_path: Path) ->
         security.check_cert_dir(tmp_path / "nowhere")
 
 
+@pytest.mark.e2e
 def test_environment_and_endpoints(cert_dir: Path) -> None:
     assert security.from_env({}) is None
     assert security.from_env({security.ENV_DIR: str(cert_dir)}) == security.Security(cert_dir.resolve(), "node")
@@ -252,6 +256,7 @@ def test_sros2_policy_denies_the_same_topics_as_the_embedded_rules() -> None:
     assert denied == expected
 
 
+@pytest.mark.e2e
 def test_scenario_security_key_and_launch_argument(tmp_path: Path, cert_dir: Path) -> None:
     base = REPO / "config" / "camera_demo.yaml"
     assert load_scenario(str(base)).security == ""
@@ -265,6 +270,7 @@ def test_scenario_security_key_and_launch_argument(tmp_path: Path, cert_dir: Pat
         load_scenario(str(base), ["security:=[1,2]"])
 
 
+@pytest.mark.e2e
 def test_launch_with_an_unusable_cert_dir_stops_before_any_process(tmp_path: Path, cert_dir: Path) -> None:
     (tmp_path / "ca.pem").write_bytes((cert_dir / "ca.pem").read_bytes())
     for args in (["--secure", str(tmp_path / "missing")], [f"security:={tmp_path}"]):
@@ -276,6 +282,7 @@ def test_launch_with_an_unusable_cert_dir_stops_before_any_process(tmp_path: Pat
     assert "coordinator.key" in lines[0] and "kaitian certs create" in lines[0]
 
 
+@pytest.mark.e2e
 def test_launch_with_a_cert_dir_from_before_the_compute_role_names_the_missing_files(
         tmp_path: Path, cert_dir: Path) -> None:
     """A directory made when there were three roles lacks compute.*: one line naming them and
@@ -368,6 +375,7 @@ def _roles_of(labels: list[str]) -> set[str]:
     return {label.split(":")[0] for label in labels}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("topic", [t.name for t in PROTECTED])
 def test_only_the_owner_roles_publish_a_protected_topic(secure_graph, topic: str) -> None:
     """E.g. telemetry and chunks of a ``node`` holder (camera, tools) never arrive while a
@@ -386,6 +394,7 @@ def test_only_the_owner_roles_publish_a_protected_topic(secure_graph, topic: str
         assert publishers[role].alive(), publishers[role].output()
 
 
+@pytest.mark.e2e
 def test_a_publisher_of_a_topic_its_role_may_not_publish_is_warned(secure_graph) -> None:
     """The graph drops a non-owner's messages silently, so a node started by hand with the wrong
     KAITIAN_SECURITY_ROLE says so in its log (one warning per protected publisher it creates)."""
@@ -396,6 +405,7 @@ def test_a_publisher_of_a_topic_its_role_may_not_publish_is_warned(secure_graph)
         assert warned == expected, proc.output()
 
 
+@pytest.mark.e2e
 def test_latched_caches_answer_only_from_the_owner(secure_graph) -> None:
     """Every publisher has a latched cache (a queryable) on plan, assignment and profiles holding
     its sample 0; asked after all publishers' links are up, only the owners' caches answer: the
@@ -410,6 +420,7 @@ def test_latched_caches_answer_only_from_the_owner(secure_graph) -> None:
                f"the owners' latched samples\n{sub.output()}")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("variant", OUTSIDERS)
 def test_outsiders_can_neither_join_nor_receive_nor_inject(secure_graph, variant: str) -> None:
     _, _, outsiders, sub = secure_graph
@@ -425,6 +436,7 @@ def test_outsiders_can_neither_join_nor_receive_nor_inject(secure_graph, variant
     assert not [r for r in _received(sub) if r["label"].startswith("outsider")]  # no data out
 
 
+@pytest.mark.e2e
 def test_cli_tools_need_the_certificate(secure_graph, cert_dir: Path) -> None:
     endpoint, _, _, _ = secure_graph
     listed = _cli("--router", endpoint, "node", "list", env=_secure_env(endpoint, cert_dir, "node"))
@@ -439,6 +451,8 @@ def test_cli_tools_need_the_certificate(secure_graph, cert_dir: Path) -> None:
 
 # --- a secure hetero_inference graph ------------------------------------------------------------
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_secure_hetero_inference_delivers_fused_results(cert_dir: Path) -> None:
     """Every process presents its role (compute nodes ``compute``): chunks, telemetry and
     profiles get through, so complete results arrive, and no process is told it publishes a
@@ -638,7 +652,7 @@ def _child_outsider(variant: str, cert_dir: str, other_ca_dir: str) -> None:
         print(json.dumps({"tried": {"puts": i, "received": received["n"],
                                     "routers": len(list(session.info.routers_zid())),
                                     "peers": len(list(session.info.peers_zid()))}}), flush=True)
-        time.sleep(0.1)
+        time.sleep(0.1)  # the outsider's pace of attempts (it runs until stopped), not a wait
     subscriber.undeclare()
     session.close()
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from helpers import child_env, free_port
+from helpers import child_env, free_port, wait_until
+
+pytestmark = pytest.mark.e2e
 
 pytest.importorskip("sklearn")
 
@@ -31,16 +32,20 @@ def _scenario(tmp: Path, master_port: int, epochs: int) -> Path:
 
 
 def _wait(pred: Any, timeout: float, what: str, proc: subprocess.Popen, out: list[str]) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
+    def done() -> bool:
+        if pred():
+            return True
         if proc.poll() is not None and not pred():
-            raise AssertionError(f"launch ended (code {proc.returncode}) before {what}:\n"
-                                 + "".join(out[-40:]))
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}:\n" + "".join(out[-40:]))
-        time.sleep(0.05)
+            raise AssertionError(f"launch ended (code {proc.returncode}) before {what}:\n" + "".join(out[-40:]))
+        return False
+
+    try:
+        wait_until(done, what, timeout, interval_s=0.05)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}:\n" + "".join(out[-40:])) from None
 
 
+@pytest.mark.slow
 def test_two_trainer_nodes_via_kaitian_launch(tmp_path: Path) -> None:
     from kaitian_ros import cli
     from kaitian_ros.runtime.graph_client import GraphClient, GraphError
@@ -61,13 +66,14 @@ def test_two_trainer_nodes_via_kaitian_launch(tmp_path: Path) -> None:
     lock = threading.Lock()
     client = None
     try:
-        deadline = time.monotonic() + 20
-        while client is None:
+        def connected() -> GraphClient | None:
             try:
-                client = GraphClient(router)
+                return GraphClient(router)
             except GraphError:
-                assert time.monotonic() < deadline and proc.poll() is None, "".join(out)
-                time.sleep(0.2)
+                assert proc.poll() is None, "".join(out)
+                return None
+
+        client = wait_until(connected, f"a GraphClient on {router}", interval_s=0.2)
 
         def on_tel(msg: Any, size: int) -> None:
             if msg is not None:

@@ -27,6 +27,8 @@ from helpers import Proc
 
 from kaitian_ros.bench import netns
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[1]
 DOMAIN = "42"  # both hosts use the same ROS_DOMAIN_ID, as ROS 2 hosts of one graph must
 ROUTER_PORT = 7447  # each namespace has its own ports: the default one is free in there
@@ -149,6 +151,7 @@ def _summary(lines: Sequence[str]) -> dict:
     return json.loads(next(ln for ln in reversed(lines) if ln.startswith("{")))
 
 
+@pytest.mark.slow
 def test_training_across_two_hosts_equals_one_host(hosts: netns.Links, tmp_path: Path) -> None:
     """One rank per host, gloo between the hosts: the same weights as both ranks on one host."""
     master = hosts.device_ip(0)

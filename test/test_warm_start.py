@@ -24,6 +24,7 @@ def test_an_order_survives_its_line_and_bad_lines_are_refused() -> None:
             Order.from_line(line)
 
 
+@pytest.mark.e2e
 def test_a_warm_interpreter_becomes_the_node_it_is_told_and_exits_with_its_code(tmp_path, router) -> None:
     """A real interpreter: told to become a scheduler with a bad parameter, it runs the node's
     own main, which refuses to start (exit code 2, the reason on its output); told nothing (the
@@ -70,6 +71,7 @@ def test_prepared_costs_are_the_measured_ones_scaled_and_a_bad_preparation_is_re
             parse_prepare(bad)
 
 
+@pytest.mark.e2e
 def test_a_compute_node_respawned_from_a_warm_interpreter_takes_the_model_and_costs_it_prepared(
         tmp_path, router) -> None:
     params = tmp_path / "p.yaml"

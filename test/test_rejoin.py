@@ -7,8 +7,11 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
 from helpers import wait_until
 from inference_helpers import InferenceGraph
+
+pytestmark = pytest.mark.e2e
 
 MODEL = dict(model="resnet18", height=128, width=128, slab_rows=16)
 

@@ -18,15 +18,12 @@ from kaitian_ros.bench.chaos_forgeries import forgery_variants, fuzz_seeds
 from kaitian_ros.bench.chaos_graph import incarnation_hex
 from kaitian_ros.bench.chaos_report import plan_lines, plan_text, rounded, skipped
 from kaitian_ros.bench.chaos_run import Injected, Run
-from kaitian_ros.bench.chaos_settings import (
-    COMPUTE_CERT,
-    LINK_NODE,
-    RETIRED,
-)
+from kaitian_ros.bench.chaos_settings import COMPUTE_CERT, LINK_NODE, RETIRED
 
 
 class FaultRun(Run):
-    """A run that injects each fault."""
+    """A :class:`Run` with one method per fault: each injects its fault into the graph and says
+    what it did (:class:`Injected`); :func:`run_fault` picks the method by the fault's name."""
 
     # --- kills -------------------------------------------------------------------------
     def kill_compute(self) -> Injected:

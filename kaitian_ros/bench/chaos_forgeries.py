@@ -17,9 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kaitian_ros.bench.chaos_graph import ChaosGraph, diag_float, incarnation_hex
-from kaitian_ros.bench.chaos_settings import (
-    CAMERA_TOPIC,
-)
+from kaitian_ros.bench.chaos_settings import CAMERA_TOPIC
 
 
 # =========================================================================== the attacker

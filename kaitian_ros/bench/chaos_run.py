@@ -13,14 +13,7 @@ from kaitian_ros.bench import chaos_metrics as cm
 from kaitian_ros.bench.chaos_forgeries import Attacker, fuzz_topics
 from kaitian_ros.bench.chaos_graph import ChaosGraph
 from kaitian_ros.bench.chaos_report import rounded
-from kaitian_ros.bench.chaos_settings import (
-    ANSWER_S,
-    COMPUTE_CERT,
-    INSTANT_S,
-    LEAD_S,
-    LIFTED,
-    Settings,
-)
+from kaitian_ros.bench.chaos_settings import ANSWER_S, COMPUTE_CERT, INSTANT_S, LEAD_S, LIFTED, Settings
 
 
 @dataclass

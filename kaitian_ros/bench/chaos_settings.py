@@ -20,10 +20,10 @@ RSS_PERIOD_S = 0.25
 MEM_FLOOR_MB = 2048  # the flood is stopped if the machine's available memory falls below this
 LINK_NODE = "compute_0"
 LINK_NAMES: dict[str, Any] = {"netns_prefix": "kaitian_chaos", "veth_prefix": "kc", "subnet": "10.232"}
-# the line each node logs once its subscriptions exist (the end of its constructor)
 INSTANT_S = 5.0  # the latency "during" a fault without duration: its first seconds
 LIFTED = ("adaptation", "variants")  # details that targets read: kept beside the metrics
 COMPUTE_CERT = "compute certificate (reported apart)"
+# the line each node logs once its subscriptions exist (the end of its constructor)
 READY_MARK = {"coordinator": " -> trunk ", "compute": ", slowdown ", "scheduler": ": policy "}
 
 

@@ -21,9 +21,7 @@ import numpy as np
 from kaitian_ros.bench.inference_driver import Driver, ProductConfig
 from kaitian_ros.bench.inference_graph import Graph
 from kaitian_ros.bench.inference_report import VARIANTS
-from kaitian_ros.bench.inference_scenarios import (
-    BenchScenario,
-)
+from kaitian_ros.bench.inference_scenarios import BenchScenario
 
 WHOLE = 4096  # slab_rows / min_run_rows meaning "whole stripe" / "one run per op"
 OURS_WARMUP = 3  # frames after switching to ours before measuring: the plan and shares settle

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import signal
 import sys
 import time
@@ -180,6 +181,10 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    if importlib.util.find_spec("matplotlib") is None and not {"-h", "--help"} & set(rest):
+        # checked first: a benchmark runs for minutes before it draws its plot
+        raise CliError("kaitian bench: the benchmarks draw their plots with matplotlib, which is not installed: "
+                       "pip install 'kaitian_ros[bench]'")
     module = importlib.import_module(f"kaitian_ros.bench.{args.bench}")
     return int(module.main(rest) or 0)
 

@@ -24,8 +24,12 @@ class DataSplit:
 
 
 def _digits(seed_split: int = 0) -> DataSplit:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    try:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError:
+        raise ValueError("the digits dataset comes with scikit-learn, which is not installed: "
+                         "pip install 'kaitian_ros[digits]'") from None
 
     d = load_digits()
     x = (d.images / 16.0).astype(np.float32)[:, None, :, :]  # (N, 1, 8, 8) in [0, 1]

@@ -21,7 +21,6 @@ import collections
 import dataclasses
 import math
 import queue
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from kaitian_ros.core import planner
 from kaitian_ros.core.authority import AuthorityTracker, ImpersonationGuard, new_incarnation
 from kaitian_ros.core.costs import COORDINATOR, Costs, DeviceProfile, LinkEstimate, LinkMeter, profile_problem
 from kaitian_ros.core.plan import CostModel, Plan, PlanSpec
+from kaitian_ros.core.plan_memory import MEASURED_MIN, PlanMemory, same_speed
 from kaitian_ros.core.policy import Assignment
 from kaitian_ros.core.tensors import ImageFormatError, image_to_array, resize_pixels
 from kaitian_ros.nodes import inference_common as ic
@@ -115,7 +115,6 @@ class Coordinator:
         self.assignment: Assignment | None = None  # scheduler's latest proposal
         self.assignment_s = time.monotonic()  # of the latest accepted proposal (start: none yet)
         self.departed: dict[str, float] = {}  # compute node -> monotonic time its session ended
-        self.left_from: dict[str, Departure] = {}  # compute node -> the measured plan that ran when it left
         self.current: Assignment | None = None
         self.pending: Assignment | None = None  # adopted, effective from a later request
         self.plans: dict[int, Plan] = {}
@@ -125,7 +124,7 @@ class Coordinator:
         self.post_ms = 0.0  # last OUTPUT chunk -> result published (EWMA)
         self.send_ms_per_mb = 0.0  # publishing cost of chunk payload (EWMA)
         self.choice: planner.Choice | None = None  # the planner's newest choice
-        self.observed: dict[tuple, ObservedPlan] = {}  # what plans really took lately
+        self.memory = PlanMemory()  # what plans really took lately, the plans nodes left
         self.unmeasured_version: int | None = None  # the newest plan version until its first request completes
         self.predicted_ms = 0.0  # the newest plan's latency as last predicted
         self.planner = PlannerProcess(self.spec)  # planning rounds off the executor
@@ -174,7 +173,7 @@ class Coordinator:
         self.params = self.params | changes
         if {"static_shares", "use_scheduler", "strategy", "slab_rows", "share_search"} & set(changes):
             # self.params already holds the new values; the runtime applies them after we return
-            self.left_from.clear()  # plans chosen under the old values
+            self.memory.left_from.clear()  # plans chosen under the old values
             self._replan(f"{', '.join(sorted(changes))} set", force=True)
         return SetParametersResult(True)
 
@@ -198,17 +197,12 @@ class Coordinator:
         with everything it knew, while a search at the rejoin first tried untried plans the
         model over-rated (kill_compute took 3-5 s back to the pre-fault latency so). The
         periodic rounds refine it from there."""
-        d = self.left_from.pop(node, None)
-        if d is None or time.monotonic() - d.left_s > OBSERVED_TTL_S or \
-                self.params["strategy"] not in ("auto", d.spec.strategy) or \
-                any(n not in self.alive for n in d.spec.node_ids):
+        d, why_not = self.memory.take_departure(node, time.monotonic(), self.params["strategy"], self.alive,
+                                                self.profiles)
+        if why_not:
+            self.rt.logger.info(why_not)
+        if d is None:
             return False
-        for n, trunk in d.trunks.items():
-            now = self.profiles.get(n)  # (the rejoined node's is its last one until it publishes anew)
-            if now is None or not trunk / SPEED_CHANGE <= now.trunk_ms <= trunk * SPEED_CHANGE:
-                self.rt.logger.info(f"{node} joined again, {n} at another speed (trunk {trunk:.1f} -> "
-                                    f"{now.trunk_ms if now else float('nan'):.1f} ms): planning anew")
-                return False
         request = self._plan_request(f"{node} joined again", 0, True)
         if request is None or not set(d.spec.node_ids) <= set(request.nodes):
             return False  # fixed shares that leave a node of it out now: plan by them
@@ -235,8 +229,7 @@ class Coordinator:
         self.profiles[profile.node_id] = profile
         # a device that changed speed is planned for at once; smaller refinements wait for the
         # periodic round (every full search costs the coordinator's host CPU time)
-        if profile.node_id in self.alive and (old is None or not old.trunk_ms / SPEED_CHANGE <= profile.trunk_ms
-                                              <= old.trunk_ms * SPEED_CHANGE):
+        if profile.node_id in self.alive and (old is None or not same_speed(old.trunk_ms, profile.trunk_ms)):
             running = self._running_plan()
             self._replan_soon(f"{profile.node_id} profile v{profile.version}: trunk "
                               f"{old.trunk_ms if old else 0.0:.1f} -> {profile.trunk_ms:.1f} ms",
@@ -281,24 +274,12 @@ class Coordinator:
         """Remember what a plan really took (requests that ran alone only: two requests in
         flight share the nodes, and the planner predicts one request), and what it was
         predicted to take then."""
-        spec, slab_rows = plan.spec, plan.slab_rows
-        trunks = {n: self.profiles[n].trunk_ms for n in spec.node_ids if n in self.profiles}
-        key = planner.spec_key(spec, slab_rows)
         running = self._running_plan()
-        is_running = running is not None and planner.spec_key(running.spec, running.slab_rows) == key
+        is_running = running is not None and \
+            planner.spec_key(running.spec, running.slab_rows) == planner.spec_key(plan.spec, plan.slab_rows)
         # the newest prediction of the running plan (re-predicted every round), else its own
         predicted = self.predicted_ms if is_running else plan.estimated_ms
-        seen = self.observed.get(key)
-        if seen is None or not self._still_valid(seen):
-            self.observed[key] = ObservedPlan(spec, slab_rows, (ms,), 1, time.monotonic(), trunks, predicted,
-                                              frozenset(plan.active_nodes()))
-        else:
-            self.observed[key] = ObservedPlan(spec, slab_rows, (*seen.samples, ms)[-MEASURED_WINDOW:], seen.n + 1,
-                                              time.monotonic(), seen.trunks, predicted, seen.active)
-        if len(self.observed) > 64:  # bounded: the oldest go
-            for k, _ in sorted(self.observed.items(), key=lambda kv: kv[1].last_s)[:len(self.observed) - 64]:
-                del self.observed[k]
-        now = self.observed.get(key)
+        now = self.memory.observe(plan, ms, predicted, time.monotonic(), self.profiles, self.alive)
         if now is not None and now.n == MEASURED_MIN and is_running and \
                 now.ms > self.predicted_ms * (1.0 + self.params["min_plan_gain"]):
             # the model was wrong about the running plan: choose again with what it measured
@@ -307,34 +288,6 @@ class Coordinator:
     def _running_plan(self) -> Plan | None:
         """The plan of the version in effect (None before the first)."""
         return self.plans.get(self.current.version) if self.current is not None else None
-
-    def _still_valid(self, seen: ObservedPlan) -> bool:
-        """A measurement stays valid while it is recent and no node of the plan changed speed
-        (its profile's trunk time within SPEED_CHANGE of what it was then)."""
-        if time.monotonic() - seen.last_s > OBSERVED_TTL_S or any(n not in self.alive for n in seen.spec.node_ids):
-            return False
-        for n, trunk in seen.trunks.items():
-            now = self.profiles.get(n)
-            if now is None or not trunk / SPEED_CHANGE <= now.trunk_ms <= trunk * SPEED_CHANGE:
-                return False
-        return True
-
-    def _measured(self) -> dict[tuple, planner.MeasuredPlan]:
-        return {k: planner.MeasuredPlan(o.spec, o.slab_rows, o.ms) for k, o in self.observed.items()
-                if o.n >= MEASURED_MIN and self._still_valid(o)}
-
-    def _earlier_errors(self) -> dict[frozenset, float]:
-        """measured / predicted of the plan that ran last on each set of nodes, also when a node
-        of it changed speed since (then its latency no longer counts, but how far the model was
-        off on those nodes still does: without it, every speed change let the planner try the
-        same over-optimistic split again)."""
-        now = time.monotonic()
-        latest: dict[frozenset, ObservedPlan] = {}
-        for o in self.observed.values():
-            if o.n >= MEASURED_MIN and o.predicted_ms > 0 and now - o.last_s <= OBSERVED_TTL_S and \
-                    (o.active not in latest or o.last_s > latest[o.active].last_s):
-                latest[o.active] = o
-        return {nodes: o.ms / o.predicted_ms for nodes, o in latest.items()}
 
     def _costs(self, nodes: tuple[str, ...], shares: tuple[float, ...]) -> tuple[Costs, list[str]]:
         """What the planner prices plans with: the measured profiles and links; a node without
@@ -445,14 +398,14 @@ class Coordinator:
         latest = self.pending or self.current
         old = self.plans.get(latest.version) if latest is not None else None
         search = policy == "adaptive" and self.params["share_search"]
-        measured = self._measured()
+        measured = self.memory.measured(time.monotonic(), self.profiles, self.alive)
         return PlanRequest(reason, effective, force, alive, nodes, shares, policy, search,
                            self.params["min_plan_gain"], measured, costs, tuple(missing),
                            self.params["slab_rows"], self.params["strategy"],
                            latest.version if latest else 0, old.spec if old is not None else None,
                            old.slab_rows if old is not None else 0,
                            # input pacing emulates a slow link per slab: one slab would skip it
-                           self.params["input_pacing_ms"] <= 0, self._earlier_errors())
+                           self.params["input_pacing_ms"] <= 0, self.memory.earlier_errors(time.monotonic()))
 
     def _apply_plan(self, request: PlanRequest, choice: planner.Choice | None, was: Any) -> None:
         if choice is None:
@@ -690,14 +643,8 @@ class Coordinator:
 
     def _drop(self, dead: list[str], why: str) -> None:
         running = self._running_plan()
-        if running is not None and all(n in self.profiles for n in running.spec.node_ids):
-            seen = self.observed.get(planner.spec_key(running.spec, running.slab_rows))
-            measured = seen.ms if seen is not None and seen.n >= MEASURED_MIN else None
-            trunks = {n: self.profiles[n].trunk_ms for n in running.spec.node_ids}
-            for n in dead:
-                if n in running.active_nodes():
-                    self.left_from[n] = Departure(running.spec, running.slab_rows, self.predicted_ms, measured,
-                                                  trunks, time.monotonic())
+        if running is not None:
+            self.memory.record_departure(running, dead, self.predicted_ms, time.monotonic(), self.profiles)
         self.alive = tuple(n for n in self.alive if n not in dead)
         for n in dead:
             self.last_seen.pop(n, None)
@@ -834,43 +781,6 @@ class Coordinator:
 DEPARTED_QUIET_S = 1.0
 IMPOSTOR_REPORT_S = 30.0  # ERROR on /diagnostics this long after a forged plan was seen
 NO_ASSIGNMENT_S = 15.0  # use_scheduler without any accepted assignment this long: WARN
-SPEED_CHANGE = 1.3  # a profile whose trunk time moved this much is a device that changed speed
-OBSERVED_TTL_S = 60.0  # a plan's measured latency is forgotten this long after it last ran
-# Requests that ran alone before a plan's measured latency counts, and how many of the latest
-# its median is over. A median of three ignores one request that a busy moment slowed down;
-# an average seeded by the first ones let one such request make a good plan look worse than
-# the one before it for the rest of OBSERVED_TTL_S (robot_two_edges lost its layer-wise plan so)
-MEASURED_MIN = 3
-MEASURED_WINDOW = 5
-
-
-@dataclass(frozen=True)
-class ObservedPlan:
-    spec: PlanSpec
-    slab_rows: int
-    samples: tuple[float, ...]  # latencies of the latest requests that ran alone under it (ms)
-    n: int  # requests that ran alone under it since the measurement started
-    last_s: float  # monotonic time of the last one
-    trunks: dict  # node -> profile trunk_ms when the measurement started
-    predicted_ms: float  # the plan's predicted latency at the latest request
-    active: frozenset  # the nodes it keeps busy
-
-    @property
-    def ms(self) -> float:
-        """The plan's measured latency: the median of the latest samples."""
-        return statistics.median(self.samples)
-
-
-@dataclass(frozen=True)
-class Departure:
-    """The plan that ran when a node of it left (restored if the node comes back)."""
-
-    spec: PlanSpec
-    slab_rows: int
-    predicted_ms: float  # its latest prediction
-    measured_ms: float | None  # what it measured, if it ran long enough alone
-    trunks: dict  # node -> profile trunk_ms then
-    left_s: float  # monotonic
 
 
 def _members(a: Assignment) -> frozenset:

@@ -13,6 +13,9 @@ proposes shares, when a node joins or leaves, when a profile changes and every
 ``replan_period_s``, switching only for a predicted gain of ``min_plan_gain``. A compute node
 that stops sending heartbeats leaves the plan; its in-flight requests are re-dispatched to the
 survivors under a new version so no frame is lost.
+
+Requests run in `coordinator_requests`, /diagnostics in `coordinator_report`, the parameters
+are `coordinator_params`, and what it remembers of plans that ran is `core.plan_memory`.
 """
 
 from __future__ import annotations
@@ -21,12 +24,9 @@ import collections
 import dataclasses
 import math
 import queue
-import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from kaitian_ros.core import planner
@@ -35,69 +35,20 @@ from kaitian_ros.core.costs import COORDINATOR, Costs, DeviceProfile, LinkEstima
 from kaitian_ros.core.plan import CostModel, Plan, PlanSpec
 from kaitian_ros.core.plan_memory import MEASURED_MIN, PlanMemory, same_speed
 from kaitian_ros.core.policy import Assignment
-from kaitian_ros.core.tensors import ImageFormatError, image_to_array, resize_pixels
 from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.nodes.coordinator_params import PARAMETERS
+from kaitian_ros.nodes.coordinator_report import report
+from kaitian_ros.nodes.coordinator_requests import Request, RequestFlow
 from kaitian_ros.nodes.planner_process import PlannerProcess, PlanRequest, plan_round
-from kaitian_ros.runtime import interfaces, run_node
-from kaitian_ros.runtime.api import MessageInfo, QoS, Runtime, SetParametersResult
-from kaitian_ros.runtime.api import ParameterDescriptor as P
-from kaitian_ros.runtime.api import ParameterType as T
-from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher, Level
-
-PARAMETERS = ic.MODEL_PARAMETERS + (
-    P("input_topic", T.STRING, "/camera/image_raw", "camera topic (sensor_msgs/Image)", read_only=True),
-    P("compute_nodes", T.STRING_ARRAY, ["compute_0", "compute_1"], "compute node ids in row order",
-      read_only=True),
-    P("static_shares", T.DOUBLE_ARRAY, [1.0, 1.0], "shares used until/unless a scheduler assigns (one per node)",
-      0.0, 1e6),
-    P("use_scheduler", T.BOOL, True, "adopt LoadAssignment from /kaitian/assignment when one is published"),
-    P("max_in_flight", T.INTEGER, 2, "requests dispatched but not finished", 1, 64),
-    P("request_timeout_s", T.DOUBLE, 5.0, "publish complete=false after this long", 0.05, 600.0),
-    P("dead_after_s", T.DOUBLE, 1.5, "a compute node silent this long leaves the plan (>= 2 heartbeats)",
-      ic.MIN_DEAD_AFTER_S, 600.0),
-    P("input_pacing_ms", T.DOUBLE, 0.0,
-      "EMULATED slow input link: pause between input slabs (0 = send at once)", 0.0, 10000.0),
-    P("threads", T.INTEGER, 1, "torch CPU threads for preprocessing and the head", 1, 256),
-    P("strategy", T.STRING, "auto", "plan strategy: auto (fastest predicted) | single | layerwise | stripes",
-      choices=planner.STRATEGY_CHOICES),
-    P("share_search", T.BOOL, True,
-      "with the scheduler's adaptive policy, also try stripes by measured speed over every subset of "
-      "nodes (false: stripes use the scheduler's shares as proposed)"),
-    P("min_plan_gain", T.DOUBLE, 0.1,
-      "switch plans, or prefer a more complex strategy (single < layerwise < stripes), only for a predicted "
-      "latency gain of at least this fraction", 0.0, 1.0),
-    P("replan_period_s", T.DOUBLE, 5.0, "re-predict the candidates this often with the newest measurements",
-      0.1, 3600.0),
-    P("labels", T.STRING_ARRAY, [], "class names by class index, num_classes of them (FusedOutput.top_label)",
-      read_only=True),
-    P("labels_file", T.STRING, "", "a UTF-8 file with one class name per line, instead of labels", read_only=True),
-    P("plan_link_mbit", T.DOUBLE, 1000.0,
-      "prior rate of a link nobody has measured yet (Mbit/s); measured rates replace it", 1.0, 1e6,
-      read_only=True),
-)
+from kaitian_ros.runtime import run_node
+from kaitian_ros.runtime.api import QoS, Runtime, SetParametersResult
+from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher
 
 # Prior latency of an unmeasured link: the cost model's per-exchange latency (CostModel).
 LINK_PRIOR_LATENCY_MS = CostModel().exchange_ms
 
 
-@dataclass
-class Request:
-    request_id: int
-    version: int
-    plan: Plan
-    image_stamp: Any
-    frame_id: str
-    received_s: float
-    dispatched_s: float
-    x: torch.Tensor
-    out: torch.Tensor
-    got: np.ndarray  # bool per trunk-output row
-    redispatches: int = 0
-    alone: bool = True  # no other request in flight during its whole life (its latency is the plan's)
-    sources: dict = field(default_factory=dict)  # node -> rows received
-
-
-class Coordinator:
+class Coordinator(RequestFlow):
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.params = rt.declare_parameters(PARAMETERS)
@@ -156,7 +107,7 @@ class Coordinator:
         rt.create_subscription(self.params["input_topic"], "Image", self._on_image, QoS.BEST_EFFORT)
         rt.add_on_set_parameters_callback(self._on_set)
         rt.create_timer(0.05, self._check)
-        rt.create_timer(1.0, self._report)
+        rt.create_timer(1.0, lambda: report(self))
         rt.logger.info(f"{self.spec.name} {self.spec.input_shape} -> trunk {self.out_shape}, "
                        f"compute nodes {list(self.nodes)}")
 
@@ -230,7 +181,7 @@ class Coordinator:
         # a device that changed speed is planned for at once; smaller refinements wait for the
         # periodic round (every full search costs the coordinator's host CPU time)
         if profile.node_id in self.alive and (old is None or not same_speed(old.trunk_ms, profile.trunk_ms)):
-            running = self._running_plan()
+            running = self.running_plan()
             self._replan_soon(f"{profile.node_id} profile v{profile.version}: trunk "
                               f"{old.trunk_ms if old else 0.0:.1f} -> {profile.trunk_ms:.1f} ms",
                               quick=running is not None and profile.node_id in running.active_nodes())
@@ -274,7 +225,7 @@ class Coordinator:
         """Remember what a plan really took (requests that ran alone only: two requests in
         flight share the nodes, and the planner predicts one request), and what it was
         predicted to take then."""
-        running = self._running_plan()
+        running = self.running_plan()
         is_running = running is not None and \
             planner.spec_key(running.spec, running.slab_rows) == planner.spec_key(plan.spec, plan.slab_rows)
         # the newest prediction of the running plan (re-predicted every round), else its own
@@ -285,7 +236,7 @@ class Coordinator:
             # the model was wrong about the running plan: choose again with what it measured
             self._replan_soon(f"measured {now.ms:.1f} ms, predicted {self.predicted_ms:.1f} ms")
 
-    def _running_plan(self) -> Plan | None:
+    def running_plan(self) -> Plan | None:
         """The plan of the version in effect (None before the first)."""
         return self.plans.get(self.current.version) if self.current is not None else None
 
@@ -467,169 +418,6 @@ class Coordinator:
             {self.pending.version} if self.pending else set())
         self.plans = {v: p for v, p in self.plans.items() if v in in_use}
 
-    # --- requests -----------------------------------------------------------------------
-    def _on_image(self, msg: Any) -> None:
-        received = time.time()
-        try:
-            pixels = image_to_array(msg.data, int(msg.height), int(msg.width), msg.encoding, int(msg.step))
-            # uint8 rows on the wire; the compute nodes normalise them (4x fewer input bytes)
-            x = resize_pixels(pixels, self.spec.input_shape[1], self.spec.input_shape[2], self.spec.input_shape[0])
-        except ImageFormatError as exc:
-            self.rt.rejected.count(f"bad image: {exc}")
-            return
-        self.pre_ms += 0.1 * ((time.time() - received) * 1e3 - self.pre_ms)
-        if self.current is None:
-            self.counts["dropped_no_plan"] += 1
-            return
-        if len(self.requests) >= self.params["max_in_flight"]:
-            if self.waiting is not None:
-                self.counts["dropped_busy"] += 1  # camera frames: the newest wins
-            self.waiting = (msg, x, received)
-            return
-        self._dispatch_new(msg, x, received)
-
-    def _dispatch_new(self, msg: Any, x: torch.Tensor, received: float) -> None:
-        rid = self.next_request
-        if self.pending is not None and rid >= self.pending.effective_from_request:
-            self._activate(self.pending)
-        assert self.current is not None  # callers dispatch only while a plan is in effect
-        self.next_request += 1
-        c, h, w = self.out_shape
-        req = Request(rid, self.current.version, self.plans[self.current.version], msg.header.stamp,
-                      msg.header.frame_id, received, time.time(), x,
-                      torch.empty((1, c, h, w)), np.zeros(h, dtype=bool))
-        if self.requests:
-            req.alone = False
-            for other in self.requests.values():
-                other.alone = False
-        self.requests[rid] = req
-        self._send_inputs(req)
-
-    def _send_inputs(self, req: Request) -> None:
-        t0 = time.perf_counter()
-        sent = self._send_input_slabs(req)
-        if sent:
-            mb = sent / 1e6
-            self.send_ms_per_mb += 0.1 * ((time.perf_counter() - t0) * 1e3 / mb - self.send_ms_per_mb)
-
-    def _send_input_slabs(self, req: Request) -> int:
-        """Publish (or queue, when paced) every active node's input slabs; the bytes published."""
-        plan, slab = req.plan, req.plan.slab_rows  # the plan's own: the planner may send the whole image
-        total = self.spec.input_shape[1]
-        batches = []
-        for node in plan.active_nodes():
-            lo, hi = plan.input_rows_for(node)
-            batches.append([(node, a, min(a + slab, hi), (a + slab) >= hi) for a in range(lo, hi, slab)])
-        messages = []
-        for i in range(max((len(b) for b in batches), default=0)):  # interleave: all nodes start at once
-            for b in batches:
-                if i < len(b):
-                    node, a, z, last = b[i]
-                    messages.append((node, ic.chunk_message(
-                        request_id=req.request_id, plan_version=req.version, producer=ic.COORDINATOR,
-                        consumer=node, segment=0, role=ic.ROLE_INPUT, row_offset=a, total_rows=total,
-                        rows=req.x[:, :, a:z], slab_index=i, last_slab=last, frame_id=req.frame_id)))
-        pacing = self.params["input_pacing_ms"] / 1e3
-        if pacing <= 0:
-            for node, m in messages:
-                self.chunk_pubs[node].publish(m)
-            return sum(len(m.data) for _, m in messages)
-        if self._sendq is None:  # emulated slow link: pace on a sender thread, keep the executor free
-            self._sendq = queue.SimpleQueue()
-            threading.Thread(target=self._paced_sender, daemon=True).start()
-        for item in messages:
-            self._sendq.put(item)
-        return 0
-
-    def _paced_sender(self) -> None:
-        sendq = self._sendq
-        assert sendq is not None  # started right after the queue is made
-        while self.rt.ok():
-            node, m = sendq.get()
-            self.chunk_pubs[node].publish(m)
-            time.sleep(self.params["input_pacing_ms"] / 1e3)
-
-    def _on_chunk(self, msg: Any, info: MessageInfo | None = None) -> None:
-        if info is not None and info.source_timestamp_s and msg.producer in self.nodes:
-            meter = self.meters.setdefault(msg.producer, LinkMeter())
-            meter.observe(len(msg.data), info.source_timestamp_s, info.received_s)
-        if msg.role != ic.ROLE_OUTPUT or msg.consumer != ic.COORDINATOR:
-            self.rt.rejected.count(f"bad role: coordinator only takes OUTPUT chunks, got role {msg.role}")
-            return
-        req = self.requests.get(int(msg.request_id))
-        if req is None:
-            self.rt.rejected.count(f"stale chunk: request {msg.request_id} not in flight")
-            return
-        if int(msg.plan_version) != req.version:
-            self.rt.rejected.count(
-                f"stale plan: request {msg.request_id} runs v{req.version}, chunk v{msg.plan_version}")
-            return
-        try:
-            rows = ic.chunk_rows(msg)
-            if rows.dtype != req.out.dtype:
-                raise ValueError(f"OUTPUT rows are {rows.dtype}, the trunk output is {req.out.dtype}")
-            a = int(msg.row_offset)
-            z = a + rows.shape[2]
-            if rows.shape[:2] != req.out.shape[:2] or rows.shape[3] != req.out.shape[3] or z > req.out.shape[2]:
-                raise ValueError(f"rows {tuple(rows.shape)} at {a} do not fit trunk output {tuple(req.out.shape)}")
-            lo, hi = req.plan.output_rows_for(msg.producer)
-            if not (lo <= a and z <= hi):
-                raise ValueError(f"{msg.producer} does not own rows [{a},{z}) in v{req.version}")
-            if req.got[a:z].any():
-                raise ValueError(f"rows [{a},{z}) received twice")
-        except (ValueError, interfaces.DecodeError) as exc:
-            self.rt.rejected.count(f"bad chunk: {exc}")
-            return
-        req.out[:, :, a:z] = rows
-        req.got[a:z] = True
-        req.sources[msg.producer] = req.sources.get(msg.producer, 0) + (z - a)
-        if req.got.all():
-            self._complete(req)
-
-    def _complete(self, req: Request) -> None:
-        t0 = time.perf_counter()
-        del self.requests[req.request_id]
-        with torch.no_grad():
-            result = self.graph.run_head(req.out)
-        self._publish_fused(req, result, True, "ok")
-        self.post_ms += 0.1 * ((time.perf_counter() - t0) * 1e3 - self.post_ms)
-        if req.version == self.unmeasured_version:
-            # a plan version's first request pays one-off costs on its new row shapes (kernel
-            # selection, weight packing: 2-5x its steady latency here); folded into the plan's
-            # measured latency it made a good plan look slow for the next ~8 requests
-            self.unmeasured_version = None
-        elif req.alone and req.redispatches == 0:
-            self._observe_latency(req.plan, (time.time() - req.received_s) * 1e3)
-        self.counts["completed"] += 1
-        self._start_waiting()
-
-    def _publish_fused(self, req: Request, result: torch.Tensor | None, complete: bool, status: str) -> None:
-        latency_ms = (time.time() - req.received_s) * 1e3
-        top_class, top_score = -1, 0.0
-        fields: dict[str, Any] = {}
-        if result is not None:
-            flat = result.reshape(result.shape[0], -1)
-            if result.dim() == 2 and flat.shape[1] > 1:
-                probs = torch.softmax(flat[0], dim=0)
-                top_class, top_score = int(probs.argmax()), float(probs.max())
-            fields = interfaces.tensor_fields(result.contiguous())
-        nodes = req.plan.active_nodes()
-        rows = [int(np.diff(req.plan.output_rows_for(n))[0]) for n in nodes]
-        self.fused_pub.publish(interfaces.make(
-            "FusedOutput", header=interfaces.header(req.frame_id, req.image_stamp), request_id=req.request_id,
-            plan_version=req.version, complete=complete, top_class=top_class, top_score=top_score,
-            top_label=self.labels[top_class] if 0 <= top_class < len(self.labels) else "",
-            latency_ms=latency_ms, node_ids=list(nodes), node_rows=np.asarray(rows, np.uint32),
-            status=status, **fields))
-        if complete:
-            self.latencies.append(latency_ms)
-
-    def _start_waiting(self) -> None:
-        if self.waiting is not None and len(self.requests) < self.params["max_in_flight"] and self.current:
-            msg, x, received = self.waiting
-            self.waiting = None
-            self._dispatch_new(msg, x, received)
-
     # --- supervision --------------------------------------------------------------------
     def _on_node_gone(self, fqn: str) -> None:
         """A compute node's process ended (its session with it): out of the plan now, its
@@ -642,7 +430,7 @@ class Coordinator:
             self._drop([name], "left the graph")
 
     def _drop(self, dead: list[str], why: str) -> None:
-        running = self._running_plan()
+        running = self.running_plan()
         if running is not None:
             self.memory.record_departure(running, dead, self.predicted_ms, time.monotonic(), self.profiles)
         self.alive = tuple(n for n in self.alive if n not in dead)
@@ -663,17 +451,7 @@ class Coordinator:
         elif self.alive and time.monotonic() - self.last_replan >= self.params["replan_period_s"]:
             self._replan_soon("periodic re-prediction", periodic=True)
         self._collect_plan()
-        now = time.time()
-        for req in [r for r in self.requests.values() if now - r.dispatched_s > self.params["request_timeout_s"]]:
-            missing = np.flatnonzero(~req.got)
-            owners = [n for n in req.plan.active_nodes()
-                      if any(req.plan.output_rows_for(n)[0] <= m < req.plan.output_rows_for(n)[1] for m in missing)]
-            del self.requests[req.request_id]
-            self.counts["timeouts"] += 1
-            self._publish_fused(req, None, False, f"timeout: missing rows {missing[0]}-{missing[-1]} from "
-                                                  f"{', '.join(owners)}")
-            self._start_waiting()
-        self._start_waiting()
+        self._time_out_requests()
 
     def _on_plan_topic(self, msg: Any) -> None:
         """Our own topic: a plan we did not publish is forged (or a second coordinator runs)."""
@@ -701,86 +479,11 @@ class Coordinator:
         for req in list(self.requests.values()):
             self._send_inputs(req)
 
-    def _redispatch(self, dead: set[str]) -> None:
-        """Restart the lost nodes' in-flight requests on the survivors under the new plan."""
-        if self.current is None or not self.current.node_ids:
-            return
-        for req in list(self.requests.values()):
-            if req.version == self.current.version or not (dead & set(req.plan.active_nodes())):
-                continue
-            self._restart(req, self.current.version, self.plans[self.current.version])
-            self._send_inputs(req)
-
-    def _restart(self, req: Request, version: int, plan: Plan) -> None:
-        """Start ``req`` over under ``version`` (its rows are sent again by the caller)."""
-        req.version, req.plan = version, plan
-        req.got[:] = False
-        req.sources.clear()
-        req.redispatches += 1
-        req.dispatched_s = time.time()
-        self.counts["redispatched"] += 1
-
-    def _plan_text(self, plan: Plan) -> str:
-        h = self.graph.input_shape[1]
-        return plan.spec.describe(self.graph) + (", whole image" if plan.slab_rows >= h
-                                                 else f", slabs of {plan.slab_rows} rows")
-
-    def _planner_state(self) -> str:
-        """`starting` (planning rounds run on the executor until the planner process has built
-        its graph), `ready`, or `lost` (it died: every round on the executor)."""
-        if self.planner_lost or not self.planner.alive():
-            return "lost"
-        return "ready" if self.planner.is_ready() else "starting"
-
-    def _report(self) -> None:
-        lat = sorted(self.latencies)
-        p50 = lat[len(lat) // 2] if lat else 0.0
-        p95 = lat[min(len(lat) - 1, int(len(lat) * 0.95))] if lat else 0.0
-        level = Level.OK if self.current and self.alive else Level.WARN
-        text = (f"{self.counts['completed']} frames, p50 {p50:.1f} ms" if self.current
-                else "waiting for compute nodes")
-        plan = self._running_plan()
-        if plan is not None:
-            text += f", {self._plan_text(plan)} (predicted {self.predicted_ms:.1f} ms)"
-        if self.counts["timeouts"]:
-            level, text = Level.WARN, text + f", {self.counts['timeouts']} timed out"
-        if self.guard.impostor_within(time.monotonic(), IMPOSTOR_REPORT_S):
-            level, text = Level.ERROR, text + (f", forged plans on {ic.PLAN_TOPIC} ({self.guard.impostors}): "
-                                               f"re-announced as a new incarnation")
-        silent_s = time.monotonic() - self.assignment_s
-        if self.params["use_scheduler"] and self.assignment is None and self.alive and silent_s > NO_ASSIGNMENT_S:
-            # a latched topic: a running scheduler's assignment reaches a new coordinator at once
-            level, text = Level.WARN, (text + f", no assignment from the scheduler in {silent_s:.0f} s "
-                                              "although compute nodes report (scheduler down or refused?)")
-        ru = self.choice.runner_up if self.choice is not None else None
-        self.diagnostics.publish(level, text, {
-            "plan_version": self.current.version if self.current else 0,
-            "incarnation": f"{self.incarnation:016x}", "scheduler_restarts": self.scheduler_authority.restarts,
-            # which scheduler run and version it follows (a forged or replayed proposal shows here)
-            "scheduler_incarnation": f"{self.scheduler_authority.incarnation:016x}",
-            "scheduler_version": self.scheduler_authority.version,
-            "strategy": plan.strategy if plan is not None else "",
-            "plan": self._plan_text(plan) if plan is not None else "",
-            "predicted_ms": f"{self.predicted_ms:.1f}",
-            "runner_up": ru.label if ru is not None else "",
-            "runner_up_ms": f"{ru.predicted_ms:.1f}" if ru is not None else "",
-            "profiles": ",".join(f"{n}:v{p.version}" for n, p in sorted(self.profiles.items())),
-            "pre_ms": f"{self.pre_ms:.2f}", "post_ms": f"{self.post_ms:.2f}",
-            "send_ms_per_mb": f"{self.send_ms_per_mb:.2f}",
-            "links_in": ",".join(f"{n}:{e.bytes_per_ms * 8e-3:.0f}Mbit/{e.latency_ms:.2f}ms" for n, m in
-                                 sorted(self.meters.items()) if (e := m.estimate()) is not None),
-            "planner": self._planner_state(), "plan_round_ms": f"{self.planner.last_round_ms:.0f}",
-            "alive": ",".join(self.alive), "in_flight": len(self.requests),
-            "latency_p50_ms": f"{p50:.1f}", "latency_p95_ms": f"{p95:.1f}"}
-            | dict(self.counts))
-
 
 # telemetry of a node whose session just ended is ignored this long: a sample it sent before it
 # died but handled after its departure would make it rejoin the plan and take requests it never
 # answers (a respawned node needs its respawn delay plus seconds of start-up to send its first)
 DEPARTED_QUIET_S = 1.0
-IMPOSTOR_REPORT_S = 30.0  # ERROR on /diagnostics this long after a forged plan was seen
-NO_ASSIGNMENT_S = 15.0  # use_scheduler without any accepted assignment this long: WARN
 
 
 def _members(a: Assignment) -> frozenset:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import queue
 import time
 from typing import Any
@@ -31,8 +30,9 @@ import torch
 
 from kaitian_ros.core import planner
 from kaitian_ros.core.authority import AuthorityTracker, ImpersonationGuard, new_incarnation
+from kaitian_ros.core.cost_model import CostModel, prior_op_cost
 from kaitian_ros.core.costs import COORDINATOR, Costs, DeviceProfile, LinkEstimate, LinkMeter, profile_problem
-from kaitian_ros.core.plan import CostModel, Plan, PlanSpec
+from kaitian_ros.core.plan import Plan, same_spec
 from kaitian_ros.core.plan_memory import MEASURED_MIN, PlanMemory, same_speed
 from kaitian_ros.core.policy import Assignment
 from kaitian_ros.nodes import inference_common as ic
@@ -252,7 +252,7 @@ class Coordinator(RequestFlow):
             for n, share in zip(nodes, shares):
                 if n in missing:
                     scale = mean / share if share > 0 else 10.0
-                    ops = tuple(planner_prior_op(op, prior, scale) for op in self.graph.ops)
+                    ops = tuple(prior_op_cost(op, prior, scale) for op in self.graph.ops)
                     profiles[n] = DeviceProfile(n, 0, self.spec.key, "?", 1.0, ops,
                                                 sum(c.ms(op.out_shape[1]) for c, op in zip(ops, self.graph.ops)),
                                                 0.05)
@@ -372,7 +372,7 @@ class Coordinator(RequestFlow):
         latest = self.pending or self.current
         spec = choice.best.spec
         old = self.plans.get(latest.version) if latest is not None else None
-        if old is not None and _same_spec(old.spec, spec) and old.slab_rows == choice.best.slab_rows:
+        if old is not None and same_spec(old.spec, spec) and old.slab_rows == choice.best.slab_rows:
             self.predicted_ms = choice.best.predicted_ms
             return
         if old is not None and request.strategy != "auto" and old.spec.strategy != request.strategy:
@@ -489,20 +489,6 @@ DEPARTED_QUIET_S = 1.0
 def _members(a: Assignment) -> frozenset:
     """The nodes an assignment gives rows."""
     return frozenset(n for n, x in zip(a.node_ids, a.shares) if x > 0)
-
-
-def _same_spec(a: PlanSpec, b: PlanSpec) -> bool:
-    return (a.strategy == b.strategy and a.node_ids == b.node_ids and a.cuts == b.cuts
-            and all(math.isclose(x, y, abs_tol=1e-9) for ra, rb in zip(a.segment_shares, b.segment_shares)
-                    for x, y in zip(ra, rb)))
-
-
-def planner_prior_op(op: Any, prior: CostModel, scale: float) -> Any:
-    """An op's prior cost before its node measured it: flops at the prior speed, plus the prior
-    per-call cost; `scale` > 1 for a slower node."""
-    from kaitian_ros.core.costs import OpCost
-
-    return OpCost(prior.call_ms * scale, op.flops_per_row / prior.flops_per_ms * scale)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ starts the next warm interpreter.
 A compute node costs more than its imports: building and tracing its model and timing every op
 for its cost profile took another 2 s. The launcher names the compute nodes that may respawn
 (`--prepare-compute`, their command lines as JSON); after the imports the interpreter does
-that work for them (`compute.prepare`: model built, costs measured at slowdown 1), and a compute
+that work for them (`compute_prepare.prepare`: model built, costs measured at slowdown 1), and a compute
 node it becomes takes the result instead of doing it again.
 
 The imports and preparations run on a thread of their own at a low CPU priority (``nice`` 10; on Linux a
@@ -73,9 +73,9 @@ def _preload(modules: Sequence[str], compute_argvs: Sequence[Sequence[str]] = ()
             importlib.import_module(name)
     for argv in compute_argvs:
         try:
-            from kaitian_ros.nodes import compute
+            from kaitian_ros.nodes import compute_prepare
 
-            print(f"warm interpreter: {compute.prepare(list(argv))}", file=sys.stderr, flush=True)
+            print(f"warm interpreter: {compute_prepare.prepare(list(argv))}", file=sys.stderr, flush=True)
         except Exception as exc:  # noqa: BLE001 - a node that cannot be prepared starts the slow way
             print(f"warm interpreter: not prepared: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
@@ -117,10 +117,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(OSError, AttributeError):  # lowering a nice value needs CAP_SYS_NICE or RLIMIT_NICE
             os.setpriority(os.PRIO_PROCESS, loader.native_id or 0, 0)
         loader.join()
-    if order.module != "kaitian_ros.nodes.compute" and "kaitian_ros.nodes.compute" in sys.modules:
+    if order.module != "kaitian_ros.nodes.compute" and "kaitian_ros.nodes.compute_prepare" in sys.modules:
         # a scheduler or coordinator becoming this interpreter must not carry a compute node's
         # prepared model (ResNet-18 at 224x224: about 200 MB)
-        sys.modules["kaitian_ros.nodes.compute"].drop_prepared()
+        sys.modules["kaitian_ros.nodes.compute_prepare"].drop_prepared()
     os.environ.update(order.env)
     sys.argv = [order.module, *order.argv]
     node: Any = importlib.import_module(order.module)

@@ -9,8 +9,9 @@ import pytest
 import torch
 from plan_checks import assert_plan_invariants
 
+from kaitian_ros.core.cost_model import CostModel
 from kaitian_ros.core.models import build_model
-from kaitian_ros.core.plan import CostModel, make_plan, split_rows
+from kaitian_ros.core.plan import make_plan, split_rows
 from kaitian_ros.core.split import split_model
 
 torch.set_num_threads(1)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kaitian_ros.core.cost_model import CostModel
 from kaitian_ros.core.models import build_model
-from kaitian_ros.core.plan import CostModel, make_plan
+from kaitian_ros.core.plan import make_plan
 from kaitian_ros.core.split import split_model
 from kaitian_ros.core.stripe import run_plan_locally
 

@@ -105,7 +105,7 @@ def test_inputs_that_moved_less_than_their_noise_plan_the_same_round_and_real_ch
 def test_a_plans_measured_latency_is_the_median_of_its_latest_requests() -> None:
     """One request slowed by a busy moment does not make a plan look slow (the planner compares
     plans by this), and the window forgets the oldest requests."""
-    from kaitian_ros.nodes.coordinator import MEASURED_WINDOW, ObservedPlan
+    from kaitian_ros.core.plan_memory import MEASURED_WINDOW, ObservedPlan
 
     spec = PlanSpec.single("a")
 

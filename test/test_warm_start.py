@@ -45,26 +45,27 @@ def test_a_warm_interpreter_becomes_the_node_it_is_told_and_exits_with_its_code(
 
 
 def test_prepared_costs_are_the_measured_ones_scaled_and_a_bad_preparation_is_refused() -> None:
-    """`compute.prepare` resolves a compute node's parameters as the node does, builds its model
-    and measures its costs at slowdown 1; a node's costs at slowdown s are those scaled."""
-    from kaitian_ros.nodes import compute
+    """`compute_prepare.prepare` resolves a compute node's parameters as the node does, builds its
+    model and measures its costs at slowdown 1; a node's costs at slowdown s are those scaled."""
+    from kaitian_ros.nodes import compute_prepare
     from kaitian_ros.warm_start import parse_prepare
 
     argv = ["--ros-args", "-r", "__node:=compute_7", "-p", "model:=digits_cnn", "-p", "input_height:=32",
             "-p", "input_width:=32", "-p", "input_channels:=1", "-p", "profile_budget_s:=0.5"]
-    compute.drop_prepared()
+    compute_prepare.drop_prepared()
     try:
-        assert "built, costs measured" in compute.prepare(argv)
-        assert "already prepared" in compute.prepare(argv + ["-p", "emulated_slowdown:=3.0"])  # speed: scaled
-        (prepared,) = compute._PREPARED.values()
+        assert "built, costs measured" in compute_prepare.prepare(argv)
+        assert "already prepared" in compute_prepare.prepare(argv + ["-p", "emulated_slowdown:=3.0"])  # speed: scaled
+        (prepared,) = compute_prepare.PREPARED.values()
         slow = prepared.costs.scaled(3.0)
         assert slow.trunk_ms == pytest.approx(3 * prepared.costs.trunk_ms)
         assert slow.probe_base_ms == pytest.approx(3 * prepared.costs.probe_base_ms)
         assert [c.row_ms for c in slow.op_costs] == pytest.approx([3 * c.row_ms for c in prepared.costs.op_costs])
         assert slow.probe_ops == prepared.costs.probe_ops
-        assert compute.prepare(argv + ["-p", "threads:=0"]).startswith("not prepared")  # the node would refuse it
+        # the node would refuse it
+        assert compute_prepare.prepare(argv + ["-p", "threads:=0"]).startswith("not prepared")
     finally:
-        compute.drop_prepared()
+        compute_prepare.drop_prepared()
     assert parse_prepare('[["--ros-args"]]') == [["--ros-args"]]
     for bad in ("{", '{"a": 1}', "[[1]]"):
         with pytest.raises(ValueError, match="prepare-compute"):

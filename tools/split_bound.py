@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from kaitian_ros.core.plan import CostModel, Plan, make_plan
+from kaitian_ros.core.cost_model import CostModel
+from kaitian_ros.core.plan import Plan, make_plan
 from kaitian_ros.core.stripe import run_plan_locally
 from kaitian_ros.nodes import inference_common as ic
 

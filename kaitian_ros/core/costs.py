@@ -8,7 +8,7 @@ Pure values and estimators (time comes in as arguments; nothing here reads a clo
 * `CostRefiner` - folds the times of live runs (and idle probes) into a profile: per op and for
   the device as a whole, the ratio of measured to predicted time;
 * `LinkMeter` / `LinkEstimate` - a link's rate and latency from the chunks it really delivered;
-* `Costs` - the planner's view of all of it (`plan.PlanCosts` for a node order).
+* `Costs` - the planner's view of all of it (`cost_model.PlanCosts` for a node order).
 """
 
 from __future__ import annotations
@@ -386,7 +386,7 @@ class Costs:
 
 @dataclass(frozen=True)
 class NodeCosts:
-    """`plan.PlanCosts` over a fixed node order."""
+    """`cost_model.PlanCosts` over a fixed node order."""
 
     costs: Costs
     node_ids: tuple[str, ...]

@@ -12,7 +12,8 @@ spec the coordinator publishes. The three strategies are one shape:
   up to a cut, streams the activation rows to device Y, which runs the rest).
 
 `make_plan(graph, node_ids, shares, ...)` chooses a stripes plan's cuts and solo tail with a
-cost model (`CostModel`, flop-based priors; `PlanCosts` for measured per-node costs).
+cost model (`cost_model.CostModel`, flop-based priors; `cost_model.PlanCosts` for measured
+per-node costs).
 
 * Stripes. Per segment, the segment-output rows are split by cumulative share boundaries
   (round(H * cumsum(shares))), so every row is owned exactly once, stripes are contiguous in
@@ -31,8 +32,8 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
 
+from .cost_model import CostModel, PlanCosts
 from .graph import EMPTY, Interval, ModelGraph, intersect, iv_sub
 
 STRATEGIES = ("stripes", "single", "layerwise")
@@ -100,68 +101,11 @@ class PlanSpec:
         return text
 
 
-class PlanCosts(Protocol):
-    """Per-node costs a planner prices plans with (node = index into the plan's node ids)."""
-
-    def op_ms(self, node: int, op: int, rows: int) -> float:
-        """Time node `node` takes for `rows` rows of trunk op `op`, in executor-sized runs."""
-
-    def transfer_ms(self, src: int, dst: int, nbytes: float) -> float:
-        """Time `nbytes` take from node `src` to node `dst` (latency included)."""
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Flop-based prior cost model, used until nodes have published measured costs.
-
-    Node i computes at `flops_per_ms * n_active * share_i` (the scheduler sets shares in
-    proportion to speed, so the mean node runs at `flops_per_ms`). Each cut adds `exchange_ms`
-    plus the halo bytes at `link_bytes_per_ms`. `bind(shares)` gives the `PlanCosts` view.
-    Every constant is a prior, replaced by measurements as soon as they exist; where each came
-    from is said next to it.
-    """
-
-    # one CPU thread of the development VM: ResNet-18 trunk, 3.6 GFLOP, in ~80 ms
-    flops_per_ms: float = 4.5e7
-    # per cut: message latency + synchronisation with neighbours; 0.5 ms let the planner cut the
-    # adaptivity benchmark's 128x128 ResNet-18 at every block instead of not at all (docs)
-    exchange_ms: float = 0.5
-    link_bytes_per_ms: float = 1.0e5  # 100 MB/s, a gigabit link
-    bytes_per_element: int = 4  # float32
-    # Per-call costs the flop count misses, measured on the development VM (ResNet-18, one
-    # thread): every conv call reads its whole (prepacked) weight tensor at memory speed, and
-    # every call has a fixed Python/dispatch cost; runs are about `run_rows` rows.
-    call_ms: float = 0.05
-    weight_bytes_per_ms: float = 2.0e7  # ~20 GB/s
-    run_rows: int = 8
-
-    def bind(self, graph: ModelGraph, shares: Sequence[float]) -> PlanCosts:
-        return _PriorCosts(self, graph, tuple(shares))
-
-
-@dataclass(frozen=True)
-class _PriorCosts:
-    model: CostModel
-    graph: ModelGraph
-    shares: tuple[float, ...]
-
-    def op_ms(self, node: int, op: int, rows: int) -> float:
-        m, o = self.model, self.graph.ops[op]
-        share = self.shares[node]
-        if rows <= 0 or share <= 0:
-            return 0.0 if rows <= 0 else math.inf
-        n_active = sum(1 for s in self.shares if s > 0)
-        flops_ms = rows * o.flops_per_row / m.flops_per_ms
-        calls = -(-rows // max(1, m.run_rows))
-        extra = calls * m.call_ms
-        if o.window is not None and m.weight_bytes_per_ms > 0:
-            # conv weights ~ flops_per_row / (2 * W_out) elements (tiny for pools)
-            wbytes = o.flops_per_row / (2.0 * o.out_shape[2]) * m.bytes_per_element
-            extra += max(0.0, calls * wbytes / m.weight_bytes_per_ms - flops_ms)
-        return (flops_ms + extra) / (n_active * share)
-
-    def transfer_ms(self, src: int, dst: int, nbytes: float) -> float:
-        return self.model.exchange_ms + nbytes / self.model.link_bytes_per_ms
+def same_spec(a: PlanSpec, b: PlanSpec) -> bool:
+    """The same plan, up to float noise in its shares."""
+    return (a.strategy == b.strategy and a.node_ids == b.node_ids and a.cuts == b.cuts
+            and all(math.isclose(x, y, abs_tol=1e-9) for ra, rb in zip(a.segment_shares, b.segment_shares)
+                    for x, y in zip(ra, rb)))
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ keeps refining it from the runs it really computes (per op and row count, wall t
 emulated slowdown applied) and, while it has nothing to compute, from a short timed probe every
 ``probe_period_s``; it measures its incoming links from the chunks it receives. A new profile
 version goes out when the costs moved by ``profile_change`` or more.
+
+Its parameters are `compute_params`; a warm interpreter prepares one in `compute_prepare`.
 """
 
 from __future__ import annotations
@@ -34,39 +36,16 @@ from kaitian_ros.core.plan import Plan
 from kaitian_ros.core.stripe import StripeRunner
 from kaitian_ros.core.tensors import normalise_input
 from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.nodes.compute_params import PARAMETERS
+from kaitian_ros.nodes.compute_prepare import PREPARED, PreparedKey
 from kaitian_ros.runtime import interfaces, memory, run_node
 from kaitian_ros.runtime.api import MessageInfo, QoS, Runtime, SetParametersResult
-from kaitian_ros.runtime.api import ParameterDescriptor as P
-from kaitian_ros.runtime.api import ParameterType as T
 from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher, Level
 
 # chunks of a plan version not announced yet, held for pending_timeout_s: bounded, since anyone
 # can send chunks naming a future version
 MAX_PENDING = 256
 MAX_PENDING_BYTES = 64 * 1024 * 1024
-
-PARAMETERS = ic.MODEL_PARAMETERS + (
-    P("device", T.STRING, "cpu", "torch device this node computes on (cpu, cuda:0, ...; checked at start)",
-      read_only=True),
-    P("threads", T.INTEGER, 1, "torch CPU threads for this node", 1, 256),
-    P("emulated_slowdown", T.DOUBLE, 1.0,
-      "emulate a slower device: rows are released at s x their compute time (1.0 = real speed)", 1.0, 100.0),
-    P("min_run_rows", T.INTEGER, 16, "defer conv runs shorter than this while more rows are coming", 1, 4096),
-    P("heartbeat_hz", T.DOUBLE, 4.0, "heartbeat telemetry rate", ic.MIN_HEARTBEAT_HZ, 100.0),
-    P("request_timeout_s", T.DOUBLE, 10.0, "forget an unfinished request after this long", 0.1, 3600.0),
-    P("max_plans", T.INTEGER, 8, "plan versions kept for requests still in flight", 2, 1000),
-    # default: the coordinator's largest max_in_flight, so a real graph never evicts its own
-    P("max_requests", T.INTEGER, 64,
-      "requests held at once; a new one beyond this evicts the one fed least recently", 1, 1024),
-    P("pending_timeout_s", T.DOUBLE, 2.0, "hold chunks of a not-yet-known plan this long", 0.0, 60.0),
-    P("profile_budget_s", T.DOUBLE, 10.0, "time limit of the start-up cost measurement", 0.5, 120.0,
-      read_only=True),
-    P("probe_period_s", T.DOUBLE, 0.1, "while idle, time a probe (about 1 ms of ops) this often (0 = never)",
-      0.0, 60.0),
-    P("profile_change", T.DOUBLE, 0.1,
-      "publish a new cost profile when the costs moved by this fraction (trunk time or a link)", 0.01, 10.0),
-)
-
 
 @dataclass
 class RequestState:
@@ -101,7 +80,7 @@ class ComputeNode:
         self.device = ic.check_device(self.params["device"])
         self.spec = ic.ModelSpec.from_params(self.params)
         # a node respawned from a warm interpreter finds its model built and its costs measured
-        self.prepared = _PREPARED.pop(PreparedKey.of(self.params), None)
+        self.prepared = PREPARED.pop(PreparedKey.of(self.params), None)
         self.graph = self.prepared.graph if self.prepared else ic.build_graph(self.spec, self.params["device"])
         self._trunk_flops = self.graph.trunk_flops()
         self.busy_clock = ic.busy_clock(self.device)
@@ -485,68 +464,6 @@ def _sleep_until(deadline: float) -> None:
     left = deadline - time.perf_counter()
     if left > 0:
         time.sleep(left)
-
-
-@dataclass(frozen=True)
-class PreparedKey:
-    """What a compute node's model and start-up costs depend on (not its name, speed or links:
-    costs are measured at slowdown 1 and scaled)."""
-
-    spec: ic.ModelSpec
-    device: str
-    threads: int
-    profile_budget_s: float
-
-    @staticmethod
-    def of(params: dict[str, Any]) -> PreparedKey:
-        return PreparedKey(ic.ModelSpec.from_params(params), params["device"], params["threads"],
-                           params["profile_budget_s"])
-
-
-@dataclass(frozen=True)
-class Prepared:
-    graph: Any  # core.graph.ModelGraph
-    costs: profiling.MeasuredCosts  # at slowdown 1
-    probe_inputs: list
-
-
-_PREPARED: dict[PreparedKey, Prepared] = {}  # this process's, by `prepare`; a node takes its own
-
-
-def prepare(argv: list[str]) -> str:
-    """In a warm interpreter, before it is told which node to become: build the model and
-    measure the start-up costs a compute node started with `argv` would (the same parameter
-    resolution, at slowdown 1), so a compute node respawned here starts in a fraction of a
-    second instead of ~2 s. Returns what was done, for the interpreter's log; a parameter a node
-    would refuse prepares nothing (the node then refuses it itself)."""
-    from kaitian_ros.runtime.api import coerce_parameter
-    from kaitian_ros.runtime.node_args import parse_node_args
-
-    args = parse_node_args(argv, "compute")
-    params = {}
-    for d in PARAMETERS:
-        value = args.parameters.get(d.name, d.default)
-        if d.check(value):
-            return f"not prepared: {d.check(value)}"
-        params[d.name] = coerce_parameter(d.type, value)
-    key = PreparedKey.of(params)
-    if key in _PREPARED:
-        return f"{key.spec.name} on {key.device}: already prepared"
-    device = ic.check_device(key.device)
-    torch.set_num_threads(key.threads)
-    graph = ic.build_graph(key.spec, key.device)
-    costs, inputs = profiling.measure_profile(graph, ic.busy_clock(device), slowdown=1.0,
-                                              budget_s=key.profile_budget_s)
-    _PREPARED[key] = Prepared(graph, costs, inputs)
-    memory.trim_heap()  # the measurement's activations are freed: give their pages back while it waits
-    return f"{key.spec.name} {key.spec.input_shape} on {key.device}: built, costs measured ({costs.trunk_ms:.1f} ms)"
-
-
-def drop_prepared() -> None:
-    """Forget what `prepare` built (an interpreter that becomes another kind of node must not
-    carry a compute node's model) and give its pages back."""
-    _PREPARED.clear()
-    memory.trim_heap()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,91 +13,42 @@ proposes shares, when a node joins or leaves, when a profile changes and every
 ``replan_period_s``, switching only for a predicted gain of ``min_plan_gain``. A compute node
 that stops sending heartbeats leaves the plan; its in-flight requests are re-dispatched to the
 survivors under a new version so no frame is lost.
+
+Requests run in `coordinator_requests`, /diagnostics in `coordinator_report`, the parameters
+are `coordinator_params`, and what it remembers of plans that ran is `core.plan_memory`.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import queue
-import statistics
-import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from kaitian_ros.core import planner
 from kaitian_ros.core.authority import AuthorityTracker, ImpersonationGuard, new_incarnation
+from kaitian_ros.core.cost_model import CostModel, prior_op_cost
 from kaitian_ros.core.costs import COORDINATOR, Costs, DeviceProfile, LinkEstimate, LinkMeter, profile_problem
-from kaitian_ros.core.plan import CostModel, Plan, PlanSpec
+from kaitian_ros.core.plan import Plan, same_spec
+from kaitian_ros.core.plan_memory import MEASURED_MIN, PlanMemory, same_speed
 from kaitian_ros.core.policy import Assignment
-from kaitian_ros.core.tensors import ImageFormatError, image_to_array, resize_pixels
 from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.nodes.coordinator_params import PARAMETERS
+from kaitian_ros.nodes.coordinator_report import report
+from kaitian_ros.nodes.coordinator_requests import Request, RequestFlow
 from kaitian_ros.nodes.planner_process import PlannerProcess, PlanRequest, plan_round
-from kaitian_ros.runtime import interfaces, run_node
-from kaitian_ros.runtime.api import MessageInfo, QoS, Runtime, SetParametersResult
-from kaitian_ros.runtime.api import ParameterDescriptor as P
-from kaitian_ros.runtime.api import ParameterType as T
-from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher, Level
-
-PARAMETERS = ic.MODEL_PARAMETERS + (
-    P("input_topic", T.STRING, "/camera/image_raw", "camera topic (sensor_msgs/Image)", read_only=True),
-    P("compute_nodes", T.STRING_ARRAY, ["compute_0", "compute_1"], "compute node ids in row order",
-      read_only=True),
-    P("static_shares", T.DOUBLE_ARRAY, [1.0, 1.0], "shares used until/unless a scheduler assigns (one per node)",
-      0.0, 1e6),
-    P("use_scheduler", T.BOOL, True, "adopt LoadAssignment from /kaitian/assignment when one is published"),
-    P("max_in_flight", T.INTEGER, 2, "requests dispatched but not finished", 1, 64),
-    P("request_timeout_s", T.DOUBLE, 5.0, "publish complete=false after this long", 0.05, 600.0),
-    P("dead_after_s", T.DOUBLE, 1.5, "a compute node silent this long leaves the plan (>= 2 heartbeats)",
-      ic.MIN_DEAD_AFTER_S, 600.0),
-    P("input_pacing_ms", T.DOUBLE, 0.0,
-      "EMULATED slow input link: pause between input slabs (0 = send at once)", 0.0, 10000.0),
-    P("threads", T.INTEGER, 1, "torch CPU threads for preprocessing and the head", 1, 256),
-    P("strategy", T.STRING, "auto", "plan strategy: auto (fastest predicted) | single | layerwise | stripes",
-      choices=planner.STRATEGY_CHOICES),
-    P("share_search", T.BOOL, True,
-      "with the scheduler's adaptive policy, also try stripes by measured speed over every subset of "
-      "nodes (false: stripes use the scheduler's shares as proposed)"),
-    P("min_plan_gain", T.DOUBLE, 0.1,
-      "switch plans, or prefer a more complex strategy (single < layerwise < stripes), only for a predicted "
-      "latency gain of at least this fraction", 0.0, 1.0),
-    P("replan_period_s", T.DOUBLE, 5.0, "re-predict the candidates this often with the newest measurements",
-      0.1, 3600.0),
-    P("labels", T.STRING_ARRAY, [], "class names by class index, num_classes of them (FusedOutput.top_label)",
-      read_only=True),
-    P("labels_file", T.STRING, "", "a UTF-8 file with one class name per line, instead of labels", read_only=True),
-    P("plan_link_mbit", T.DOUBLE, 1000.0,
-      "prior rate of a link nobody has measured yet (Mbit/s); measured rates replace it", 1.0, 1e6,
-      read_only=True),
-)
+from kaitian_ros.runtime import run_node
+from kaitian_ros.runtime.api import QoS, Runtime, SetParametersResult
+from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher
 
 # Prior latency of an unmeasured link: the cost model's per-exchange latency (CostModel).
 LINK_PRIOR_LATENCY_MS = CostModel().exchange_ms
 
 
-@dataclass
-class Request:
-    request_id: int
-    version: int
-    plan: Plan
-    image_stamp: Any
-    frame_id: str
-    received_s: float
-    dispatched_s: float
-    x: torch.Tensor
-    out: torch.Tensor
-    got: np.ndarray  # bool per trunk-output row
-    redispatches: int = 0
-    alone: bool = True  # no other request in flight during its whole life (its latency is the plan's)
-    sources: dict = field(default_factory=dict)  # node -> rows received
-
-
-class Coordinator:
+class Coordinator(RequestFlow):
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.params = rt.declare_parameters(PARAMETERS)
@@ -115,7 +66,6 @@ class Coordinator:
         self.assignment: Assignment | None = None  # scheduler's latest proposal
         self.assignment_s = time.monotonic()  # of the latest accepted proposal (start: none yet)
         self.departed: dict[str, float] = {}  # compute node -> monotonic time its session ended
-        self.left_from: dict[str, Departure] = {}  # compute node -> the measured plan that ran when it left
         self.current: Assignment | None = None
         self.pending: Assignment | None = None  # adopted, effective from a later request
         self.plans: dict[int, Plan] = {}
@@ -125,7 +75,7 @@ class Coordinator:
         self.post_ms = 0.0  # last OUTPUT chunk -> result published (EWMA)
         self.send_ms_per_mb = 0.0  # publishing cost of chunk payload (EWMA)
         self.choice: planner.Choice | None = None  # the planner's newest choice
-        self.observed: dict[tuple, ObservedPlan] = {}  # what plans really took lately
+        self.memory = PlanMemory()  # what plans really took lately, the plans nodes left
         self.unmeasured_version: int | None = None  # the newest plan version until its first request completes
         self.predicted_ms = 0.0  # the newest plan's latency as last predicted
         self.planner = PlannerProcess(self.spec)  # planning rounds off the executor
@@ -157,7 +107,7 @@ class Coordinator:
         rt.create_subscription(self.params["input_topic"], "Image", self._on_image, QoS.BEST_EFFORT)
         rt.add_on_set_parameters_callback(self._on_set)
         rt.create_timer(0.05, self._check)
-        rt.create_timer(1.0, self._report)
+        rt.create_timer(1.0, lambda: report(self))
         rt.logger.info(f"{self.spec.name} {self.spec.input_shape} -> trunk {self.out_shape}, "
                        f"compute nodes {list(self.nodes)}")
 
@@ -174,7 +124,7 @@ class Coordinator:
         self.params = self.params | changes
         if {"static_shares", "use_scheduler", "strategy", "slab_rows", "share_search"} & set(changes):
             # self.params already holds the new values; the runtime applies them after we return
-            self.left_from.clear()  # plans chosen under the old values
+            self.memory.left_from.clear()  # plans chosen under the old values
             self._replan(f"{', '.join(sorted(changes))} set", force=True)
         return SetParametersResult(True)
 
@@ -198,17 +148,12 @@ class Coordinator:
         with everything it knew, while a search at the rejoin first tried untried plans the
         model over-rated (kill_compute took 3-5 s back to the pre-fault latency so). The
         periodic rounds refine it from there."""
-        d = self.left_from.pop(node, None)
-        if d is None or time.monotonic() - d.left_s > OBSERVED_TTL_S or \
-                self.params["strategy"] not in ("auto", d.spec.strategy) or \
-                any(n not in self.alive for n in d.spec.node_ids):
+        d, why_not = self.memory.take_departure(node, time.monotonic(), self.params["strategy"], self.alive,
+                                                self.profiles)
+        if why_not:
+            self.rt.logger.info(why_not)
+        if d is None:
             return False
-        for n, trunk in d.trunks.items():
-            now = self.profiles.get(n)  # (the rejoined node's is its last one until it publishes anew)
-            if now is None or not trunk / SPEED_CHANGE <= now.trunk_ms <= trunk * SPEED_CHANGE:
-                self.rt.logger.info(f"{node} joined again, {n} at another speed (trunk {trunk:.1f} -> "
-                                    f"{now.trunk_ms if now else float('nan'):.1f} ms): planning anew")
-                return False
         request = self._plan_request(f"{node} joined again", 0, True)
         if request is None or not set(d.spec.node_ids) <= set(request.nodes):
             return False  # fixed shares that leave a node of it out now: plan by them
@@ -235,9 +180,8 @@ class Coordinator:
         self.profiles[profile.node_id] = profile
         # a device that changed speed is planned for at once; smaller refinements wait for the
         # periodic round (every full search costs the coordinator's host CPU time)
-        if profile.node_id in self.alive and (old is None or not old.trunk_ms / SPEED_CHANGE <= profile.trunk_ms
-                                              <= old.trunk_ms * SPEED_CHANGE):
-            running = self._running_plan()
+        if profile.node_id in self.alive and (old is None or not same_speed(old.trunk_ms, profile.trunk_ms)):
+            running = self.running_plan()
             self._replan_soon(f"{profile.node_id} profile v{profile.version}: trunk "
                               f"{old.trunk_ms if old else 0.0:.1f} -> {profile.trunk_ms:.1f} ms",
                               quick=running is not None and profile.node_id in running.active_nodes())
@@ -281,60 +225,20 @@ class Coordinator:
         """Remember what a plan really took (requests that ran alone only: two requests in
         flight share the nodes, and the planner predicts one request), and what it was
         predicted to take then."""
-        spec, slab_rows = plan.spec, plan.slab_rows
-        trunks = {n: self.profiles[n].trunk_ms for n in spec.node_ids if n in self.profiles}
-        key = planner.spec_key(spec, slab_rows)
-        running = self._running_plan()
-        is_running = running is not None and planner.spec_key(running.spec, running.slab_rows) == key
+        running = self.running_plan()
+        is_running = running is not None and \
+            planner.spec_key(running.spec, running.slab_rows) == planner.spec_key(plan.spec, plan.slab_rows)
         # the newest prediction of the running plan (re-predicted every round), else its own
         predicted = self.predicted_ms if is_running else plan.estimated_ms
-        seen = self.observed.get(key)
-        if seen is None or not self._still_valid(seen):
-            self.observed[key] = ObservedPlan(spec, slab_rows, (ms,), 1, time.monotonic(), trunks, predicted,
-                                              frozenset(plan.active_nodes()))
-        else:
-            self.observed[key] = ObservedPlan(spec, slab_rows, (*seen.samples, ms)[-MEASURED_WINDOW:], seen.n + 1,
-                                              time.monotonic(), seen.trunks, predicted, seen.active)
-        if len(self.observed) > 64:  # bounded: the oldest go
-            for k, _ in sorted(self.observed.items(), key=lambda kv: kv[1].last_s)[:len(self.observed) - 64]:
-                del self.observed[k]
-        now = self.observed.get(key)
+        now = self.memory.observe(plan, ms, predicted, time.monotonic(), self.profiles, self.alive)
         if now is not None and now.n == MEASURED_MIN and is_running and \
                 now.ms > self.predicted_ms * (1.0 + self.params["min_plan_gain"]):
             # the model was wrong about the running plan: choose again with what it measured
             self._replan_soon(f"measured {now.ms:.1f} ms, predicted {self.predicted_ms:.1f} ms")
 
-    def _running_plan(self) -> Plan | None:
+    def running_plan(self) -> Plan | None:
         """The plan of the version in effect (None before the first)."""
         return self.plans.get(self.current.version) if self.current is not None else None
-
-    def _still_valid(self, seen: ObservedPlan) -> bool:
-        """A measurement stays valid while it is recent and no node of the plan changed speed
-        (its profile's trunk time within SPEED_CHANGE of what it was then)."""
-        if time.monotonic() - seen.last_s > OBSERVED_TTL_S or any(n not in self.alive for n in seen.spec.node_ids):
-            return False
-        for n, trunk in seen.trunks.items():
-            now = self.profiles.get(n)
-            if now is None or not trunk / SPEED_CHANGE <= now.trunk_ms <= trunk * SPEED_CHANGE:
-                return False
-        return True
-
-    def _measured(self) -> dict[tuple, planner.MeasuredPlan]:
-        return {k: planner.MeasuredPlan(o.spec, o.slab_rows, o.ms) for k, o in self.observed.items()
-                if o.n >= MEASURED_MIN and self._still_valid(o)}
-
-    def _earlier_errors(self) -> dict[frozenset, float]:
-        """measured / predicted of the plan that ran last on each set of nodes, also when a node
-        of it changed speed since (then its latency no longer counts, but how far the model was
-        off on those nodes still does: without it, every speed change let the planner try the
-        same over-optimistic split again)."""
-        now = time.monotonic()
-        latest: dict[frozenset, ObservedPlan] = {}
-        for o in self.observed.values():
-            if o.n >= MEASURED_MIN and o.predicted_ms > 0 and now - o.last_s <= OBSERVED_TTL_S and \
-                    (o.active not in latest or o.last_s > latest[o.active].last_s):
-                latest[o.active] = o
-        return {nodes: o.ms / o.predicted_ms for nodes, o in latest.items()}
 
     def _costs(self, nodes: tuple[str, ...], shares: tuple[float, ...]) -> tuple[Costs, list[str]]:
         """What the planner prices plans with: the measured profiles and links; a node without
@@ -348,7 +252,7 @@ class Coordinator:
             for n, share in zip(nodes, shares):
                 if n in missing:
                     scale = mean / share if share > 0 else 10.0
-                    ops = tuple(planner_prior_op(op, prior, scale) for op in self.graph.ops)
+                    ops = tuple(prior_op_cost(op, prior, scale) for op in self.graph.ops)
                     profiles[n] = DeviceProfile(n, 0, self.spec.key, "?", 1.0, ops,
                                                 sum(c.ms(op.out_shape[1]) for c, op in zip(ops, self.graph.ops)),
                                                 0.05)
@@ -445,14 +349,14 @@ class Coordinator:
         latest = self.pending or self.current
         old = self.plans.get(latest.version) if latest is not None else None
         search = policy == "adaptive" and self.params["share_search"]
-        measured = self._measured()
+        measured = self.memory.measured(time.monotonic(), self.profiles, self.alive)
         return PlanRequest(reason, effective, force, alive, nodes, shares, policy, search,
                            self.params["min_plan_gain"], measured, costs, tuple(missing),
                            self.params["slab_rows"], self.params["strategy"],
                            latest.version if latest else 0, old.spec if old is not None else None,
                            old.slab_rows if old is not None else 0,
                            # input pacing emulates a slow link per slab: one slab would skip it
-                           self.params["input_pacing_ms"] <= 0, self._earlier_errors())
+                           self.params["input_pacing_ms"] <= 0, self.memory.earlier_errors(time.monotonic()))
 
     def _apply_plan(self, request: PlanRequest, choice: planner.Choice | None, was: Any) -> None:
         if choice is None:
@@ -468,7 +372,7 @@ class Coordinator:
         latest = self.pending or self.current
         spec = choice.best.spec
         old = self.plans.get(latest.version) if latest is not None else None
-        if old is not None and _same_spec(old.spec, spec) and old.slab_rows == choice.best.slab_rows:
+        if old is not None and same_spec(old.spec, spec) and old.slab_rows == choice.best.slab_rows:
             self.predicted_ms = choice.best.predicted_ms
             return
         if old is not None and request.strategy != "auto" and old.spec.strategy != request.strategy:
@@ -514,169 +418,6 @@ class Coordinator:
             {self.pending.version} if self.pending else set())
         self.plans = {v: p for v, p in self.plans.items() if v in in_use}
 
-    # --- requests -----------------------------------------------------------------------
-    def _on_image(self, msg: Any) -> None:
-        received = time.time()
-        try:
-            pixels = image_to_array(msg.data, int(msg.height), int(msg.width), msg.encoding, int(msg.step))
-            # uint8 rows on the wire; the compute nodes normalise them (4x fewer input bytes)
-            x = resize_pixels(pixels, self.spec.input_shape[1], self.spec.input_shape[2], self.spec.input_shape[0])
-        except ImageFormatError as exc:
-            self.rt.rejected.count(f"bad image: {exc}")
-            return
-        self.pre_ms += 0.1 * ((time.time() - received) * 1e3 - self.pre_ms)
-        if self.current is None:
-            self.counts["dropped_no_plan"] += 1
-            return
-        if len(self.requests) >= self.params["max_in_flight"]:
-            if self.waiting is not None:
-                self.counts["dropped_busy"] += 1  # camera frames: the newest wins
-            self.waiting = (msg, x, received)
-            return
-        self._dispatch_new(msg, x, received)
-
-    def _dispatch_new(self, msg: Any, x: torch.Tensor, received: float) -> None:
-        rid = self.next_request
-        if self.pending is not None and rid >= self.pending.effective_from_request:
-            self._activate(self.pending)
-        assert self.current is not None  # callers dispatch only while a plan is in effect
-        self.next_request += 1
-        c, h, w = self.out_shape
-        req = Request(rid, self.current.version, self.plans[self.current.version], msg.header.stamp,
-                      msg.header.frame_id, received, time.time(), x,
-                      torch.empty((1, c, h, w)), np.zeros(h, dtype=bool))
-        if self.requests:
-            req.alone = False
-            for other in self.requests.values():
-                other.alone = False
-        self.requests[rid] = req
-        self._send_inputs(req)
-
-    def _send_inputs(self, req: Request) -> None:
-        t0 = time.perf_counter()
-        sent = self._send_input_slabs(req)
-        if sent:
-            mb = sent / 1e6
-            self.send_ms_per_mb += 0.1 * ((time.perf_counter() - t0) * 1e3 / mb - self.send_ms_per_mb)
-
-    def _send_input_slabs(self, req: Request) -> int:
-        """Publish (or queue, when paced) every active node's input slabs; the bytes published."""
-        plan, slab = req.plan, req.plan.slab_rows  # the plan's own: the planner may send the whole image
-        total = self.spec.input_shape[1]
-        batches = []
-        for node in plan.active_nodes():
-            lo, hi = plan.input_rows_for(node)
-            batches.append([(node, a, min(a + slab, hi), (a + slab) >= hi) for a in range(lo, hi, slab)])
-        messages = []
-        for i in range(max((len(b) for b in batches), default=0)):  # interleave: all nodes start at once
-            for b in batches:
-                if i < len(b):
-                    node, a, z, last = b[i]
-                    messages.append((node, ic.chunk_message(
-                        request_id=req.request_id, plan_version=req.version, producer=ic.COORDINATOR,
-                        consumer=node, segment=0, role=ic.ROLE_INPUT, row_offset=a, total_rows=total,
-                        rows=req.x[:, :, a:z], slab_index=i, last_slab=last, frame_id=req.frame_id)))
-        pacing = self.params["input_pacing_ms"] / 1e3
-        if pacing <= 0:
-            for node, m in messages:
-                self.chunk_pubs[node].publish(m)
-            return sum(len(m.data) for _, m in messages)
-        if self._sendq is None:  # emulated slow link: pace on a sender thread, keep the executor free
-            self._sendq = queue.SimpleQueue()
-            threading.Thread(target=self._paced_sender, daemon=True).start()
-        for item in messages:
-            self._sendq.put(item)
-        return 0
-
-    def _paced_sender(self) -> None:
-        sendq = self._sendq
-        assert sendq is not None  # started right after the queue is made
-        while self.rt.ok():
-            node, m = sendq.get()
-            self.chunk_pubs[node].publish(m)
-            time.sleep(self.params["input_pacing_ms"] / 1e3)
-
-    def _on_chunk(self, msg: Any, info: MessageInfo | None = None) -> None:
-        if info is not None and info.source_timestamp_s and msg.producer in self.nodes:
-            meter = self.meters.setdefault(msg.producer, LinkMeter())
-            meter.observe(len(msg.data), info.source_timestamp_s, info.received_s)
-        if msg.role != ic.ROLE_OUTPUT or msg.consumer != ic.COORDINATOR:
-            self.rt.rejected.count(f"bad role: coordinator only takes OUTPUT chunks, got role {msg.role}")
-            return
-        req = self.requests.get(int(msg.request_id))
-        if req is None:
-            self.rt.rejected.count(f"stale chunk: request {msg.request_id} not in flight")
-            return
-        if int(msg.plan_version) != req.version:
-            self.rt.rejected.count(
-                f"stale plan: request {msg.request_id} runs v{req.version}, chunk v{msg.plan_version}")
-            return
-        try:
-            rows = ic.chunk_rows(msg)
-            if rows.dtype != req.out.dtype:
-                raise ValueError(f"OUTPUT rows are {rows.dtype}, the trunk output is {req.out.dtype}")
-            a = int(msg.row_offset)
-            z = a + rows.shape[2]
-            if rows.shape[:2] != req.out.shape[:2] or rows.shape[3] != req.out.shape[3] or z > req.out.shape[2]:
-                raise ValueError(f"rows {tuple(rows.shape)} at {a} do not fit trunk output {tuple(req.out.shape)}")
-            lo, hi = req.plan.output_rows_for(msg.producer)
-            if not (lo <= a and z <= hi):
-                raise ValueError(f"{msg.producer} does not own rows [{a},{z}) in v{req.version}")
-            if req.got[a:z].any():
-                raise ValueError(f"rows [{a},{z}) received twice")
-        except (ValueError, interfaces.DecodeError) as exc:
-            self.rt.rejected.count(f"bad chunk: {exc}")
-            return
-        req.out[:, :, a:z] = rows
-        req.got[a:z] = True
-        req.sources[msg.producer] = req.sources.get(msg.producer, 0) + (z - a)
-        if req.got.all():
-            self._complete(req)
-
-    def _complete(self, req: Request) -> None:
-        t0 = time.perf_counter()
-        del self.requests[req.request_id]
-        with torch.no_grad():
-            result = self.graph.run_head(req.out)
-        self._publish_fused(req, result, True, "ok")
-        self.post_ms += 0.1 * ((time.perf_counter() - t0) * 1e3 - self.post_ms)
-        if req.version == self.unmeasured_version:
-            # a plan version's first request pays one-off costs on its new row shapes (kernel
-            # selection, weight packing: 2-5x its steady latency here); folded into the plan's
-            # measured latency it made a good plan look slow for the next ~8 requests
-            self.unmeasured_version = None
-        elif req.alone and req.redispatches == 0:
-            self._observe_latency(req.plan, (time.time() - req.received_s) * 1e3)
-        self.counts["completed"] += 1
-        self._start_waiting()
-
-    def _publish_fused(self, req: Request, result: torch.Tensor | None, complete: bool, status: str) -> None:
-        latency_ms = (time.time() - req.received_s) * 1e3
-        top_class, top_score = -1, 0.0
-        fields: dict[str, Any] = {}
-        if result is not None:
-            flat = result.reshape(result.shape[0], -1)
-            if result.dim() == 2 and flat.shape[1] > 1:
-                probs = torch.softmax(flat[0], dim=0)
-                top_class, top_score = int(probs.argmax()), float(probs.max())
-            fields = interfaces.tensor_fields(result.contiguous())
-        nodes = req.plan.active_nodes()
-        rows = [int(np.diff(req.plan.output_rows_for(n))[0]) for n in nodes]
-        self.fused_pub.publish(interfaces.make(
-            "FusedOutput", header=interfaces.header(req.frame_id, req.image_stamp), request_id=req.request_id,
-            plan_version=req.version, complete=complete, top_class=top_class, top_score=top_score,
-            top_label=self.labels[top_class] if 0 <= top_class < len(self.labels) else "",
-            latency_ms=latency_ms, node_ids=list(nodes), node_rows=np.asarray(rows, np.uint32),
-            status=status, **fields))
-        if complete:
-            self.latencies.append(latency_ms)
-
-    def _start_waiting(self) -> None:
-        if self.waiting is not None and len(self.requests) < self.params["max_in_flight"] and self.current:
-            msg, x, received = self.waiting
-            self.waiting = None
-            self._dispatch_new(msg, x, received)
-
     # --- supervision --------------------------------------------------------------------
     def _on_node_gone(self, fqn: str) -> None:
         """A compute node's process ended (its session with it): out of the plan now, its
@@ -689,15 +430,9 @@ class Coordinator:
             self._drop([name], "left the graph")
 
     def _drop(self, dead: list[str], why: str) -> None:
-        running = self._running_plan()
-        if running is not None and all(n in self.profiles for n in running.spec.node_ids):
-            seen = self.observed.get(planner.spec_key(running.spec, running.slab_rows))
-            measured = seen.ms if seen is not None and seen.n >= MEASURED_MIN else None
-            trunks = {n: self.profiles[n].trunk_ms for n in running.spec.node_ids}
-            for n in dead:
-                if n in running.active_nodes():
-                    self.left_from[n] = Departure(running.spec, running.slab_rows, self.predicted_ms, measured,
-                                                  trunks, time.monotonic())
+        running = self.running_plan()
+        if running is not None:
+            self.memory.record_departure(running, dead, self.predicted_ms, time.monotonic(), self.profiles)
         self.alive = tuple(n for n in self.alive if n not in dead)
         for n in dead:
             self.last_seen.pop(n, None)
@@ -716,17 +451,7 @@ class Coordinator:
         elif self.alive and time.monotonic() - self.last_replan >= self.params["replan_period_s"]:
             self._replan_soon("periodic re-prediction", periodic=True)
         self._collect_plan()
-        now = time.time()
-        for req in [r for r in self.requests.values() if now - r.dispatched_s > self.params["request_timeout_s"]]:
-            missing = np.flatnonzero(~req.got)
-            owners = [n for n in req.plan.active_nodes()
-                      if any(req.plan.output_rows_for(n)[0] <= m < req.plan.output_rows_for(n)[1] for m in missing)]
-            del self.requests[req.request_id]
-            self.counts["timeouts"] += 1
-            self._publish_fused(req, None, False, f"timeout: missing rows {missing[0]}-{missing[-1]} from "
-                                                  f"{', '.join(owners)}")
-            self._start_waiting()
-        self._start_waiting()
+        self._time_out_requests()
 
     def _on_plan_topic(self, msg: Any) -> None:
         """Our own topic: a plan we did not publish is forged (or a second coordinator runs)."""
@@ -754,142 +479,16 @@ class Coordinator:
         for req in list(self.requests.values()):
             self._send_inputs(req)
 
-    def _redispatch(self, dead: set[str]) -> None:
-        """Restart the lost nodes' in-flight requests on the survivors under the new plan."""
-        if self.current is None or not self.current.node_ids:
-            return
-        for req in list(self.requests.values()):
-            if req.version == self.current.version or not (dead & set(req.plan.active_nodes())):
-                continue
-            self._restart(req, self.current.version, self.plans[self.current.version])
-            self._send_inputs(req)
-
-    def _restart(self, req: Request, version: int, plan: Plan) -> None:
-        """Start ``req`` over under ``version`` (its rows are sent again by the caller)."""
-        req.version, req.plan = version, plan
-        req.got[:] = False
-        req.sources.clear()
-        req.redispatches += 1
-        req.dispatched_s = time.time()
-        self.counts["redispatched"] += 1
-
-    def _plan_text(self, plan: Plan) -> str:
-        h = self.graph.input_shape[1]
-        return plan.spec.describe(self.graph) + (", whole image" if plan.slab_rows >= h
-                                                 else f", slabs of {plan.slab_rows} rows")
-
-    def _planner_state(self) -> str:
-        """`starting` (planning rounds run on the executor until the planner process has built
-        its graph), `ready`, or `lost` (it died: every round on the executor)."""
-        if self.planner_lost or not self.planner.alive():
-            return "lost"
-        return "ready" if self.planner.is_ready() else "starting"
-
-    def _report(self) -> None:
-        lat = sorted(self.latencies)
-        p50 = lat[len(lat) // 2] if lat else 0.0
-        p95 = lat[min(len(lat) - 1, int(len(lat) * 0.95))] if lat else 0.0
-        level = Level.OK if self.current and self.alive else Level.WARN
-        text = (f"{self.counts['completed']} frames, p50 {p50:.1f} ms" if self.current
-                else "waiting for compute nodes")
-        plan = self._running_plan()
-        if plan is not None:
-            text += f", {self._plan_text(plan)} (predicted {self.predicted_ms:.1f} ms)"
-        if self.counts["timeouts"]:
-            level, text = Level.WARN, text + f", {self.counts['timeouts']} timed out"
-        if self.guard.impostor_within(time.monotonic(), IMPOSTOR_REPORT_S):
-            level, text = Level.ERROR, text + (f", forged plans on {ic.PLAN_TOPIC} ({self.guard.impostors}): "
-                                               f"re-announced as a new incarnation")
-        silent_s = time.monotonic() - self.assignment_s
-        if self.params["use_scheduler"] and self.assignment is None and self.alive and silent_s > NO_ASSIGNMENT_S:
-            # a latched topic: a running scheduler's assignment reaches a new coordinator at once
-            level, text = Level.WARN, (text + f", no assignment from the scheduler in {silent_s:.0f} s "
-                                              "although compute nodes report (scheduler down or refused?)")
-        ru = self.choice.runner_up if self.choice is not None else None
-        self.diagnostics.publish(level, text, {
-            "plan_version": self.current.version if self.current else 0,
-            "incarnation": f"{self.incarnation:016x}", "scheduler_restarts": self.scheduler_authority.restarts,
-            # which scheduler run and version it follows (a forged or replayed proposal shows here)
-            "scheduler_incarnation": f"{self.scheduler_authority.incarnation:016x}",
-            "scheduler_version": self.scheduler_authority.version,
-            "strategy": plan.strategy if plan is not None else "",
-            "plan": self._plan_text(plan) if plan is not None else "",
-            "predicted_ms": f"{self.predicted_ms:.1f}",
-            "runner_up": ru.label if ru is not None else "",
-            "runner_up_ms": f"{ru.predicted_ms:.1f}" if ru is not None else "",
-            "profiles": ",".join(f"{n}:v{p.version}" for n, p in sorted(self.profiles.items())),
-            "pre_ms": f"{self.pre_ms:.2f}", "post_ms": f"{self.post_ms:.2f}",
-            "send_ms_per_mb": f"{self.send_ms_per_mb:.2f}",
-            "links_in": ",".join(f"{n}:{e.bytes_per_ms * 8e-3:.0f}Mbit/{e.latency_ms:.2f}ms" for n, m in
-                                 sorted(self.meters.items()) if (e := m.estimate()) is not None),
-            "planner": self._planner_state(), "plan_round_ms": f"{self.planner.last_round_ms:.0f}",
-            "alive": ",".join(self.alive), "in_flight": len(self.requests),
-            "latency_p50_ms": f"{p50:.1f}", "latency_p95_ms": f"{p95:.1f}"}
-            | dict(self.counts))
-
 
 # telemetry of a node whose session just ended is ignored this long: a sample it sent before it
 # died but handled after its departure would make it rejoin the plan and take requests it never
 # answers (a respawned node needs its respawn delay plus seconds of start-up to send its first)
 DEPARTED_QUIET_S = 1.0
-IMPOSTOR_REPORT_S = 30.0  # ERROR on /diagnostics this long after a forged plan was seen
-NO_ASSIGNMENT_S = 15.0  # use_scheduler without any accepted assignment this long: WARN
-SPEED_CHANGE = 1.3  # a profile whose trunk time moved this much is a device that changed speed
-OBSERVED_TTL_S = 60.0  # a plan's measured latency is forgotten this long after it last ran
-# Requests that ran alone before a plan's measured latency counts, and how many of the latest
-# its median is over. A median of three ignores one request that a busy moment slowed down;
-# an average seeded by the first ones let one such request make a good plan look worse than
-# the one before it for the rest of OBSERVED_TTL_S (robot_two_edges lost its layer-wise plan so)
-MEASURED_MIN = 3
-MEASURED_WINDOW = 5
-
-
-@dataclass(frozen=True)
-class ObservedPlan:
-    spec: PlanSpec
-    slab_rows: int
-    samples: tuple[float, ...]  # latencies of the latest requests that ran alone under it (ms)
-    n: int  # requests that ran alone under it since the measurement started
-    last_s: float  # monotonic time of the last one
-    trunks: dict  # node -> profile trunk_ms when the measurement started
-    predicted_ms: float  # the plan's predicted latency at the latest request
-    active: frozenset  # the nodes it keeps busy
-
-    @property
-    def ms(self) -> float:
-        """The plan's measured latency: the median of the latest samples."""
-        return statistics.median(self.samples)
-
-
-@dataclass(frozen=True)
-class Departure:
-    """The plan that ran when a node of it left (restored if the node comes back)."""
-
-    spec: PlanSpec
-    slab_rows: int
-    predicted_ms: float  # its latest prediction
-    measured_ms: float | None  # what it measured, if it ran long enough alone
-    trunks: dict  # node -> profile trunk_ms then
-    left_s: float  # monotonic
 
 
 def _members(a: Assignment) -> frozenset:
     """The nodes an assignment gives rows."""
     return frozenset(n for n, x in zip(a.node_ids, a.shares) if x > 0)
-
-
-def _same_spec(a: PlanSpec, b: PlanSpec) -> bool:
-    return (a.strategy == b.strategy and a.node_ids == b.node_ids and a.cuts == b.cuts
-            and all(math.isclose(x, y, abs_tol=1e-9) for ra, rb in zip(a.segment_shares, b.segment_shares)
-                    for x, y in zip(ra, rb)))
-
-
-def planner_prior_op(op: Any, prior: CostModel, scale: float) -> Any:
-    """An op's prior cost before its node measured it: flops at the prior speed, plus the prior
-    per-call cost; `scale` > 1 for a slower node."""
-    from kaitian_ros.core.costs import OpCost
-
-    return OpCost(prior.call_ms * scale, op.flops_per_row / prior.flops_per_ms * scale)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,276 @@
+"""The coordinator's requests: image -> input slabs -> OUTPUT chunks -> head -> FusedOutput.
+
+`RequestFlow` is the part of `kaitian_ros.nodes.coordinator.Coordinator` that runs requests
+under the plan in effect: it preprocesses a camera frame, streams each active compute node its
+input rows in slabs, gathers the OUTPUT rows, runs the head and publishes FusedOutput; it times
+out and re-dispatches requests. The coordinator sets its state up and chooses the plans.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kaitian_ros.core.costs import LinkMeter
+from kaitian_ros.core.graph import ModelGraph
+from kaitian_ros.core.plan import Plan
+from kaitian_ros.core.policy import Assignment
+from kaitian_ros.core.tensors import ImageFormatError, image_to_array, resize_pixels
+from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.runtime import interfaces
+from kaitian_ros.runtime.api import MessageInfo, Publisher, Runtime
+
+
+@dataclass
+class Request:
+    request_id: int
+    version: int
+    plan: Plan
+    image_stamp: Any
+    frame_id: str
+    received_s: float
+    dispatched_s: float
+    x: torch.Tensor
+    out: torch.Tensor
+    got: np.ndarray  # bool per trunk-output row
+    redispatches: int = 0
+    alone: bool = True  # no other request in flight during its whole life (its latency is the plan's)
+    sources: dict = field(default_factory=dict)  # node -> rows received
+
+
+class RequestFlow:
+    """Requests in flight under the coordinator's plans (its state, set by `Coordinator`)."""
+
+    rt: Runtime
+    params: dict[str, Any]
+    spec: ic.ModelSpec
+    graph: ModelGraph
+    labels: tuple[str, ...]
+    nodes: tuple[str, ...]
+    out_shape: tuple[int, int, int]
+    current: Assignment | None  # the plan version in effect
+    pending: Assignment | None  # adopted, effective from a later request
+    plans: dict[int, Plan]
+    unmeasured_version: int | None
+    requests: dict[int, Request]
+    waiting: Any  # newest image waiting for an in-flight slot
+    next_request: int
+    meters: dict[str, LinkMeter]
+    pre_ms: float
+    post_ms: float
+    send_ms_per_mb: float
+    counts: collections.Counter[str]
+    latencies: collections.deque
+    chunk_pubs: dict[str, Publisher]
+    fused_pub: Publisher
+    _sendq: queue.SimpleQueue | None
+
+    def _activate(self, pv: Assignment) -> None:
+        """Put plan version `pv` in effect (the coordinator's: it publishes the plan)."""
+        raise NotImplementedError
+
+    def _observe_latency(self, plan: Plan, ms: float) -> None:
+        """Remember what a request that ran alone took under `plan` (the coordinator's)."""
+        raise NotImplementedError
+
+    def _on_image(self, msg: Any) -> None:
+        received = time.time()
+        try:
+            pixels = image_to_array(msg.data, int(msg.height), int(msg.width), msg.encoding, int(msg.step))
+            # uint8 rows on the wire; the compute nodes normalise them (4x fewer input bytes)
+            x = resize_pixels(pixels, self.spec.input_shape[1], self.spec.input_shape[2], self.spec.input_shape[0])
+        except ImageFormatError as exc:
+            self.rt.rejected.count(f"bad image: {exc}")
+            return
+        self.pre_ms += 0.1 * ((time.time() - received) * 1e3 - self.pre_ms)
+        if self.current is None:
+            self.counts["dropped_no_plan"] += 1
+            return
+        if len(self.requests) >= self.params["max_in_flight"]:
+            if self.waiting is not None:
+                self.counts["dropped_busy"] += 1  # camera frames: the newest wins
+            self.waiting = (msg, x, received)
+            return
+        self._dispatch_new(msg, x, received)
+
+    def _dispatch_new(self, msg: Any, x: torch.Tensor, received: float) -> None:
+        rid = self.next_request
+        if self.pending is not None and rid >= self.pending.effective_from_request:
+            self._activate(self.pending)
+        assert self.current is not None  # callers dispatch only while a plan is in effect
+        self.next_request += 1
+        c, h, w = self.out_shape
+        req = Request(rid, self.current.version, self.plans[self.current.version], msg.header.stamp,
+                      msg.header.frame_id, received, time.time(), x,
+                      torch.empty((1, c, h, w)), np.zeros(h, dtype=bool))
+        if self.requests:
+            req.alone = False
+            for other in self.requests.values():
+                other.alone = False
+        self.requests[rid] = req
+        self._send_inputs(req)
+
+    def _send_inputs(self, req: Request) -> None:
+        t0 = time.perf_counter()
+        sent = self._send_input_slabs(req)
+        if sent:
+            mb = sent / 1e6
+            self.send_ms_per_mb += 0.1 * ((time.perf_counter() - t0) * 1e3 / mb - self.send_ms_per_mb)
+
+    def _send_input_slabs(self, req: Request) -> int:
+        """Publish (or queue, when paced) every active node's input slabs; the bytes published."""
+        plan, slab = req.plan, req.plan.slab_rows  # the plan's own: the planner may send the whole image
+        total = self.spec.input_shape[1]
+        batches = []
+        for node in plan.active_nodes():
+            lo, hi = plan.input_rows_for(node)
+            batches.append([(node, a, min(a + slab, hi), (a + slab) >= hi) for a in range(lo, hi, slab)])
+        messages = []
+        for i in range(max((len(b) for b in batches), default=0)):  # interleave: all nodes start at once
+            for b in batches:
+                if i < len(b):
+                    node, a, z, last = b[i]
+                    messages.append((node, ic.chunk_message(
+                        request_id=req.request_id, plan_version=req.version, producer=ic.COORDINATOR,
+                        consumer=node, segment=0, role=ic.ROLE_INPUT, row_offset=a, total_rows=total,
+                        rows=req.x[:, :, a:z], slab_index=i, last_slab=last, frame_id=req.frame_id)))
+        pacing = self.params["input_pacing_ms"] / 1e3
+        if pacing <= 0:
+            for node, m in messages:
+                self.chunk_pubs[node].publish(m)
+            return sum(len(m.data) for _, m in messages)
+        if self._sendq is None:  # emulated slow link: pace on a sender thread, keep the executor free
+            self._sendq = queue.SimpleQueue()
+            threading.Thread(target=self._paced_sender, daemon=True).start()
+        for item in messages:
+            self._sendq.put(item)
+        return 0
+
+    def _paced_sender(self) -> None:
+        sendq = self._sendq
+        assert sendq is not None  # started right after the queue is made
+        while self.rt.ok():
+            node, m = sendq.get()
+            self.chunk_pubs[node].publish(m)
+            time.sleep(self.params["input_pacing_ms"] / 1e3)
+
+    def _on_chunk(self, msg: Any, info: MessageInfo | None = None) -> None:
+        if info is not None and info.source_timestamp_s and msg.producer in self.nodes:
+            meter = self.meters.setdefault(msg.producer, LinkMeter())
+            meter.observe(len(msg.data), info.source_timestamp_s, info.received_s)
+        if msg.role != ic.ROLE_OUTPUT or msg.consumer != ic.COORDINATOR:
+            self.rt.rejected.count(f"bad role: coordinator only takes OUTPUT chunks, got role {msg.role}")
+            return
+        req = self.requests.get(int(msg.request_id))
+        if req is None:
+            self.rt.rejected.count(f"stale chunk: request {msg.request_id} not in flight")
+            return
+        if int(msg.plan_version) != req.version:
+            self.rt.rejected.count(
+                f"stale plan: request {msg.request_id} runs v{req.version}, chunk v{msg.plan_version}")
+            return
+        try:
+            rows = ic.chunk_rows(msg)
+            if rows.dtype != req.out.dtype:
+                raise ValueError(f"OUTPUT rows are {rows.dtype}, the trunk output is {req.out.dtype}")
+            a = int(msg.row_offset)
+            z = a + rows.shape[2]
+            if rows.shape[:2] != req.out.shape[:2] or rows.shape[3] != req.out.shape[3] or z > req.out.shape[2]:
+                raise ValueError(f"rows {tuple(rows.shape)} at {a} do not fit trunk output {tuple(req.out.shape)}")
+            lo, hi = req.plan.output_rows_for(msg.producer)
+            if not (lo <= a and z <= hi):
+                raise ValueError(f"{msg.producer} does not own rows [{a},{z}) in v{req.version}")
+            if req.got[a:z].any():
+                raise ValueError(f"rows [{a},{z}) received twice")
+        except (ValueError, interfaces.DecodeError) as exc:
+            self.rt.rejected.count(f"bad chunk: {exc}")
+            return
+        req.out[:, :, a:z] = rows
+        req.got[a:z] = True
+        req.sources[msg.producer] = req.sources.get(msg.producer, 0) + (z - a)
+        if req.got.all():
+            self._complete(req)
+
+    def _complete(self, req: Request) -> None:
+        t0 = time.perf_counter()
+        del self.requests[req.request_id]
+        with torch.no_grad():
+            result = self.graph.run_head(req.out)
+        self._publish_fused(req, result, True, "ok")
+        self.post_ms += 0.1 * ((time.perf_counter() - t0) * 1e3 - self.post_ms)
+        if req.version == self.unmeasured_version:
+            # a plan version's first request pays one-off costs on its new row shapes (kernel
+            # selection, weight packing: 2-5x its steady latency here); folded into the plan's
+            # measured latency it made a good plan look slow for the next ~8 requests
+            self.unmeasured_version = None
+        elif req.alone and req.redispatches == 0:
+            self._observe_latency(req.plan, (time.time() - req.received_s) * 1e3)
+        self.counts["completed"] += 1
+        self._start_waiting()
+
+    def _publish_fused(self, req: Request, result: torch.Tensor | None, complete: bool, status: str) -> None:
+        latency_ms = (time.time() - req.received_s) * 1e3
+        top_class, top_score = -1, 0.0
+        fields: dict[str, Any] = {}
+        if result is not None:
+            flat = result.reshape(result.shape[0], -1)
+            if result.dim() == 2 and flat.shape[1] > 1:
+                probs = torch.softmax(flat[0], dim=0)
+                top_class, top_score = int(probs.argmax()), float(probs.max())
+            fields = interfaces.tensor_fields(result.contiguous())
+        nodes = req.plan.active_nodes()
+        rows = [int(np.diff(req.plan.output_rows_for(n))[0]) for n in nodes]
+        self.fused_pub.publish(interfaces.make(
+            "FusedOutput", header=interfaces.header(req.frame_id, req.image_stamp), request_id=req.request_id,
+            plan_version=req.version, complete=complete, top_class=top_class, top_score=top_score,
+            top_label=self.labels[top_class] if 0 <= top_class < len(self.labels) else "",
+            latency_ms=latency_ms, node_ids=list(nodes), node_rows=np.asarray(rows, np.uint32),
+            status=status, **fields))
+        if complete:
+            self.latencies.append(latency_ms)
+
+    def _start_waiting(self) -> None:
+        if self.waiting is not None and len(self.requests) < self.params["max_in_flight"] and self.current:
+            msg, x, received = self.waiting
+            self.waiting = None
+            self._dispatch_new(msg, x, received)
+
+    def _time_out_requests(self) -> None:
+        """Publish complete=false for every request in flight longer than request_timeout_s."""
+        now = time.time()
+        for req in [r for r in self.requests.values() if now - r.dispatched_s > self.params["request_timeout_s"]]:
+            missing = np.flatnonzero(~req.got)
+            owners = [n for n in req.plan.active_nodes()
+                      if any(req.plan.output_rows_for(n)[0] <= m < req.plan.output_rows_for(n)[1] for m in missing)]
+            del self.requests[req.request_id]
+            self.counts["timeouts"] += 1
+            self._publish_fused(req, None, False, f"timeout: missing rows {missing[0]}-{missing[-1]} from "
+                                                  f"{', '.join(owners)}")
+            self._start_waiting()
+        self._start_waiting()
+
+    def _redispatch(self, dead: set[str]) -> None:
+        """Restart the lost nodes' in-flight requests on the survivors under the new plan."""
+        if self.current is None or not self.current.node_ids:
+            return
+        for req in list(self.requests.values()):
+            if req.version == self.current.version or not (dead & set(req.plan.active_nodes())):
+                continue
+            self._restart(req, self.current.version, self.plans[self.current.version])
+            self._send_inputs(req)
+
+    def _restart(self, req: Request, version: int, plan: Plan) -> None:
+        """Start ``req`` over under ``version`` (its rows are sent again by the caller)."""
+        req.version, req.plan = version, plan
+        req.got[:] = False
+        req.sources.clear()
+        req.redispatches += 1
+        req.dispatched_s = time.time()
+        self.counts["redispatched"] += 1

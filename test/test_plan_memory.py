@@ -1,0 +1,93 @@
+"""core.plan_memory: what the coordinator remembers about plans that ran (pure, no graph)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kaitian_ros.core.plan import PlanSpec
+from kaitian_ros.core.plan_memory import (
+    MEASURED_MIN,
+    OBSERVED_TTL_S,
+    SPEED_CHANGE,
+    PlanMemory,
+    same_speed,
+)
+from kaitian_ros.core.planner import spec_key
+
+
+@dataclass
+class _Plan:  # what PlanMemory reads of a Plan
+    spec: PlanSpec
+    slab_rows: int = 8
+    estimated_ms: float = 50.0
+
+    def active_nodes(self) -> tuple[str, ...]:
+        return tuple(self.spec.node_ids)
+
+
+@dataclass
+class _Profile:  # what PlanMemory reads of a DeviceProfile
+    trunk_ms: float
+
+
+def _run(memory: PlanMemory, plan: _Plan, samples: list[float], t0: float = 0.0, profiles=None,
+         alive=("a", "b")):
+    profiles = profiles or {"a": _Profile(10.0), "b": _Profile(20.0)}
+    seen = None
+    for i, ms in enumerate(samples):
+        seen = memory.observe(plan, ms, 40.0, t0 + i, profiles, alive)
+    return seen
+
+
+def test_a_plan_counts_as_measured_after_measured_min_requests_and_while_valid() -> None:
+    memory, plan = PlanMemory(), _Plan(PlanSpec.single("a"))
+    profiles = {"a": _Profile(10.0)}
+    _run(memory, plan, [50.0] * (MEASURED_MIN - 1), profiles=profiles)
+    assert memory.measured(MEASURED_MIN, profiles, ("a",)) == {}
+    seen = _run(memory, plan, [80.0, 52.0, 90.0], t0=2.0, profiles=profiles)
+    assert seen is not None and seen.n == MEASURED_MIN + 2 and seen.ms == 52.0  # median of the window
+    key = spec_key(plan.spec, plan.slab_rows)
+    assert memory.measured(4.0, profiles, ("a",))[key].ms == 52.0
+    # forgotten once it is old, once a node of it is gone, once its node changed speed
+    assert memory.measured(4.0 + OBSERVED_TTL_S + 1, profiles, ("a",)) == {}
+    assert memory.measured(4.0, profiles, ()) == {}
+    assert memory.measured(4.0, {"a": _Profile(10.0 * SPEED_CHANGE * 1.01)}, ("a",)) == {}
+    # a new measurement starts when the old one is no longer valid
+    seen = memory.observe(plan, 70.0, 40.0, 5.0, {"a": _Profile(30.0)}, ("a",))
+    assert seen is not None and seen.n == 1 and seen.trunks == {"a": 30.0}
+
+
+def test_earlier_errors_keep_the_models_error_on_a_set_of_nodes_across_a_speed_change() -> None:
+    memory, plan = PlanMemory(), _Plan(PlanSpec.stripes(("a", "b"), (1.0, 1.0)))
+    _run(memory, plan, [80.0] * MEASURED_MIN)
+    errors = memory.earlier_errors(float(MEASURED_MIN))
+    assert errors == {frozenset(("a", "b")): 2.0}  # 80 ms measured, 40 ms predicted
+    assert memory.earlier_errors(OBSERVED_TTL_S + MEASURED_MIN) == {}
+
+
+def test_a_node_that_left_gets_back_the_plan_it_left_only_at_the_speed_it_had() -> None:
+    profiles = {"a": _Profile(10.0), "b": _Profile(20.0)}
+    plan = _Plan(PlanSpec.stripes(("a", "b"), (1.0, 1.0)))
+    memory = PlanMemory()
+    _run(memory, plan, [60.0] * MEASURED_MIN, profiles=profiles)
+    memory.record_departure(plan, ["b"], 45.0, 10.0, profiles)
+    d, why = memory.take_departure("b", 11.0, "auto", ("a", "b"), profiles)
+    assert d is not None and why == "" and d.measured_ms == 60.0 and d.predicted_ms == 45.0
+    assert memory.take_departure("b", 11.0, "auto", ("a", "b"), profiles) == (None, "")  # taken once
+
+    memory.record_departure(plan, ["b"], 45.0, 10.0, profiles)
+    d, why = memory.take_departure("b", 11.0, "auto", ("a", "b"), {"a": _Profile(10.0), "b": _Profile(40.0)})
+    assert d is None and why == "b joined again, b at another speed (trunk 20.0 -> 40.0 ms): planning anew"
+
+    memory.record_departure(plan, ["b"], 45.0, 10.0, profiles)
+    assert memory.take_departure("b", 11.0, "single", ("a", "b"), profiles) == (None, "")  # another strategy
+    memory.record_departure(plan, ["b"], 45.0, 10.0, profiles)
+    assert memory.take_departure("b", 11.0 + OBSERVED_TTL_S, "auto", ("a", "b"), profiles) == (None, "")
+    # no departure is remembered without every node's profile
+    memory.record_departure(plan, ["b"], 45.0, 10.0, {"a": _Profile(10.0)})
+    assert memory.left_from == {}
+
+
+def test_same_speed_is_within_speed_change_either_way() -> None:
+    assert same_speed(10.0, 10.0 * SPEED_CHANGE) and same_speed(10.0, 10.0 / SPEED_CHANGE)
+    assert not same_speed(10.0, 10.0 * SPEED_CHANGE * 1.01)

@@ -2,7 +2,7 @@
 
 How long each plan really took (requests that ran alone only), how far the cost model was off
 on each set of nodes, and the plan that ran when a node left (restored when the node comes
-back at the speed it had). Pure: every method is given the current time, the nodes' cost
+back and the plan's other nodes kept their speed). Pure: every method is given the current time, the nodes' cost
 profiles and the alive nodes; nothing here reads a clock or talks to the middleware.
 """
 
@@ -30,6 +30,17 @@ OBSERVED_MAX = 64  # plans remembered at most: the oldest go
 def same_speed(before_ms: float, after_ms: float) -> bool:
     """A trunk time within SPEED_CHANGE of an earlier one: the device did not change speed."""
     return before_ms / SPEED_CHANGE <= after_ms <= before_ms * SPEED_CHANGE
+
+
+def changed_speed(trunks: Mapping[str, float], profiles: Mapping[str, DeviceProfile],
+                  ignore: str = "") -> str | None:
+    """The first node of `trunks` (node -> trunk_ms then) whose profile is gone or whose trunk
+    time moved beyond SPEED_CHANGE since, other than `ignore`; None if none did."""
+    for n, trunk in trunks.items():
+        profile = profiles.get(n)
+        if n != ignore and (profile is None or not same_speed(trunk, profile.trunk_ms)):
+            return n
+    return None
 
 
 @dataclass(frozen=True)
@@ -67,7 +78,7 @@ class PlanMemory:
 
     def __init__(self) -> None:
         self.observed: dict[tuple, ObservedPlan] = {}  # what plans really took lately
-        self.left_from: dict[str, Departure] = {}  # compute node -> the measured plan that ran when it left
+        self.left_from: dict[str, Departure] = {}  # compute node -> the plan that ran when it left
 
     def observe(self, plan: Plan, ms: float, predicted_ms: float, now: float,
                 profiles: Mapping[str, DeviceProfile], alive: Collection[str]) -> ObservedPlan | None:
@@ -93,13 +104,8 @@ class PlanMemory:
                     alive: Collection[str]) -> bool:
         """A measurement stays valid while it is recent and no node of the plan changed speed
         (its profile's trunk time within SPEED_CHANGE of what it was then)."""
-        if now - seen.last_s > OBSERVED_TTL_S or any(n not in alive for n in seen.spec.node_ids):
-            return False
-        for n, trunk in seen.trunks.items():
-            profile = profiles.get(n)
-            if profile is None or not same_speed(trunk, profile.trunk_ms):
-                return False
-        return True
+        return now - seen.last_s <= OBSERVED_TTL_S and all(n in alive for n in seen.spec.node_ids) and \
+            changed_speed(seen.trunks, profiles) is None
 
     def measured(self, now: float, profiles: Mapping[str, DeviceProfile],
                  alive: Collection[str]) -> dict[tuple, planner.MeasuredPlan]:
@@ -146,9 +152,13 @@ class PlanMemory:
         if d is None or now - d.left_s > OBSERVED_TTL_S or strategy not in ("auto", d.spec.strategy) or \
                 any(n not in alive for n in d.spec.node_ids):
             return None, ""
-        for n, trunk in d.trunks.items():
+        n = changed_speed(d.trunks, profiles, ignore=node)
+        if n is not None:
             profile = profiles.get(n)
-            if n != node and (profile is None or not same_speed(trunk, profile.trunk_ms)):
-                return None, (f"{node} joined again, {n} at another speed (trunk {trunk:.1f} -> "
-                              f"{profile.trunk_ms if profile else float('nan'):.1f} ms): planning anew")
+            return None, (f"{node} joined again, {n} at another speed (trunk {d.trunks[n]:.1f} -> "
+                          f"{profile.trunk_ms if profile else float('nan'):.1f} ms): planning anew")
         return d, ""
+
+    def forget_departures(self) -> None:
+        """The plans nodes left were chosen under settings that changed: none is restored."""
+        self.left_from.clear()

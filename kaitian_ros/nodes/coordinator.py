@@ -124,7 +124,7 @@ class Coordinator(RequestFlow):
         self.params = self.params | changes
         if {"static_shares", "use_scheduler", "strategy", "slab_rows", "share_search"} & set(changes):
             # self.params already holds the new values; the runtime applies them after we return
-            self.memory.left_from.clear()  # plans chosen under the old values
+            self.memory.forget_departures()
             self._replan(f"{', '.join(sorted(changes))} set", force=True)
         return SetParametersResult(True)
 
@@ -143,10 +143,10 @@ class Coordinator(RequestFlow):
                 self._replan(f"{msg.node_id} joined", force=True)
 
     def _restore_plan_it_left(self, node: str) -> bool:
-        """A node that comes back (a respawned process) at the speed it had gets the plan that
-        ran when it left, at once and without a search: the planner had settled on that plan
-        with everything it knew, while a search at the rejoin first tried untried plans the
-        model over-rated (kill_compute took 3-5 s back to the pre-fault latency so). The
+        """A node that comes back (a respawned process), the other nodes of the plan it left at
+        the speed they had, gets that plan at once and without a search: the planner had
+        settled on it with everything it knew, while a search at the rejoin first tried plans
+        the model over-rated (kill_compute took 3-5 s back to the pre-fault latency so). The
         periodic rounds refine it from there."""
         d, why_not = self.memory.take_departure(node, time.monotonic(), self.params["strategy"], self.alive,
                                                 self.profiles)

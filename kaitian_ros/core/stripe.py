@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -282,13 +282,16 @@ def run_plan_locally(
     seed: int | None = None,
     min_run_rows: int = DEFAULT_MIN_RUN_ROWS,
     runners_out: dict[str, StripeRunner] | None = None,
+    graphs: Mapping[str, ModelGraph] | None = None,
 ) -> Tensor:
     """Simulate the whole collaborative trunk in-process and gather its output.
 
     The coordinator sends each active node its input rows in slabs of `slab_rows` (default
     `plan.slab_rows`); emissions are routed until every runner is done. With `seed`, slabs
     and messages are delivered in a random order (what a network may do). Pass a dict as
-    `runners_out` to get the runners (for their stats).
+    `runners_out` to get the runners (for their stats). `graphs` gives a node its own graph of
+    the same model, e.g. on another device (a heterogeneous split; rows move between devices
+    as the runners copy them in); the others use `graph`.
     """
     if image.dim() != 4 or tuple(image.shape[1:]) != tuple(plan.input_shape):
         raise ValueError(f"image must be (N,{','.join(map(str, plan.input_shape))}), "
@@ -297,7 +300,7 @@ def run_plan_locally(
     if slab < 1:
         raise ValueError("slab_rows must be >= 1")
     rng = random.Random(seed) if seed is not None else None
-    runners = {n: StripeRunner(graph, plan, n, min_run_rows=min_run_rows)
+    runners = {n: StripeRunner((graphs or {}).get(n, graph), plan, n, min_run_rows=min_run_rows)
                for n in plan.active_nodes()}
     if runners_out is not None:
         runners_out.update(runners)

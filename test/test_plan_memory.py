@@ -95,3 +95,18 @@ def test_a_node_that_left_gets_back_the_plan_it_left_only_while_the_others_keep_
 def test_same_speed_is_within_speed_change_either_way() -> None:
     assert same_speed(10.0, 10.0 * SPEED_CHANGE) and same_speed(10.0, 10.0 / SPEED_CHANGE)
     assert not same_speed(10.0, 10.0 * SPEED_CHANGE * 1.01)
+
+
+def test_beaten_means_another_valid_measurement_faster_by_more_than_the_gain() -> None:
+    memory = PlanMemory()
+    single, split = _Plan(PlanSpec.single("a")), _Plan(PlanSpec.stripes(("a", "b"), (1.0, 1.0)))
+    _run(memory, single, [60.0] * MEASURED_MIN)
+    _run(memory, split, [64.0] * MEASURED_MIN, t0=10.0)
+    profiles, now = {"a": _Profile(10.0), "b": _Profile(20.0)}, 20.0
+    assert memory.beaten(split, 64.0, 0.05, now, profiles, ("a", "b"))  # 60 * 1.05 < 64
+    assert not memory.beaten(split, 62.0, 0.05, now, profiles, ("a", "b"))  # within the gain
+    assert not memory.beaten(single, 60.0, 0.0, now, profiles, ("a", "b"))  # its own measurement is not another
+    # a measurement that no longer counts beats nothing: old, or its node changed speed
+    assert not memory.beaten(split, 64.0, 0.05, 3.0 + OBSERVED_TTL_S, profiles, ("a", "b"))
+    assert not memory.beaten(split, 64.0, 0.05, now, {"a": _Profile(10.0 * SPEED_CHANGE * 1.01),
+                                                      "b": _Profile(20.0)}, ("a", "b"))

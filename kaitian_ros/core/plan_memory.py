@@ -113,6 +113,12 @@ class PlanMemory:
         return {k: planner.MeasuredPlan(o.spec, o.slab_rows, o.ms) for k, o in self.observed.items()
                 if o.n >= MEASURED_MIN and self.still_valid(o, now, profiles, alive)}
 
+    def beaten(self, plan: Plan, ms: float, gain: float, now: float, profiles: Mapping[str, DeviceProfile],
+               alive: Collection[str]) -> bool:
+        """Whether another plan that ran lately measured faster than `ms` by more than `gain`."""
+        key = planner.spec_key(plan.spec, plan.slab_rows)
+        return any(m.ms * (1.0 + gain) < ms for k, m in self.measured(now, profiles, alive).items() if k != key)
+
     def earlier_errors(self, now: float) -> dict[frozenset, float]:
         """measured / predicted of the plan that ran last on each set of nodes, also when a node
         of it changed speed since (then its latency no longer counts, but how far the model was

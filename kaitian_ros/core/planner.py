@@ -90,6 +90,20 @@ class MeasuredPlan(NamedTuple):
     ms: float
 
 
+def worth_switching(running_ms: float, running_measured: bool, best: Candidate, min_gain: float) -> bool:
+    """Whether to leave the running plan, expected to take `running_ms`, for `best`.
+
+    For a gain of `min_gain`: a switch on a prediction's noise gains nothing and costs the
+    new plan's first requests, and near-equal plans would alternate. Between two measurements
+    - the running plan measured (`running_measured`) and `best` measured too - half of it: both
+    are what users got. A plan switched to on a prediction that then measured worse than the
+    measured plan it replaced goes back; with the full margin it stayed for being within the
+    tolerance given to predictions (the benchmark's default and robot_edge scenarios ran such a
+    plan for whole rounds)."""
+    gain = min_gain / 2 if running_measured and best.measured_ms is not None else min_gain
+    return running_ms > best.expected_ms * (1.0 + gain)
+
+
 def spec_key(spec: PlanSpec, slab_rows: int) -> tuple:
     """A plan's identity for remembering what it measured: strategy, nodes, cuts, shares to 0.05
     (the scheduler's shares move a little from proposal to proposal: still the same plan) and

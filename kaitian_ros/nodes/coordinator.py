@@ -46,6 +46,10 @@ from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher
 
 # Prior latency of an unmeasured link: the cost model's per-exchange latency (CostModel).
 LINK_PRIOR_LATENCY_MS = CostModel().exchange_ms
+# telemetry of a node whose session just ended is ignored this long: a sample it sent before it
+# died but handled after its departure would make it rejoin the plan and take requests it never
+# answers (a respawned node needs its respawn delay plus seconds of start-up to send its first)
+DEPARTED_QUIET_S = 1.0
 
 
 class Coordinator(RequestFlow):
@@ -231,9 +235,11 @@ class Coordinator(RequestFlow):
         # the newest prediction of the running plan (re-predicted every round), else its own
         predicted = self.predicted_ms if is_running else plan.estimated_ms
         now = self.memory.observe(plan, ms, predicted, time.monotonic(), self.profiles, self.alive)
-        if now is not None and now.n == MEASURED_MIN and is_running and \
-                now.ms > self.predicted_ms * (1.0 + self.params["min_plan_gain"]):
-            # the model was wrong about the running plan: choose again with what it measured
+        gain = self.params["min_plan_gain"]
+        if now is not None and now.n == MEASURED_MIN and is_running and (now.ms > self.predicted_ms * (1 + gain) or (
+                self.memory.beaten(plan, now.ms, gain / 2, time.monotonic(), self.profiles, self.alive))):
+            # the model was wrong about the running plan, or a plan that ran before measured
+            # better (`planner.worth_switching`): choose again with what it measured
             self._replan_soon(f"measured {now.ms:.1f} ms, predicted {self.predicted_ms:.1f} ms")
 
     def running_plan(self) -> Plan | None:
@@ -384,8 +390,9 @@ class Coordinator(RequestFlow):
         # (re)joined, which must get rows to be measured at all
         if (old is not None and not force and request.share_search and was is not None
                 and set(old.active_nodes()) <= set(request.nodes)
-                and was[1] <= choice.best.expected_ms * (1.0 + self.params["min_plan_gain"])):
-            self.predicted_ms = was[0]
+                and not planner.worth_switching(was.expected_ms, was.measured, choice.best,
+                                                self.params["min_plan_gain"])):
+            self.predicted_ms = was.predicted_ms
             return
         self.predicted_ms = choice.best.predicted_ms
         plan = choice.plan(self.graph)
@@ -478,12 +485,6 @@ class Coordinator(RequestFlow):
         self._activate(pv)
         for req in list(self.requests.values()):
             self._send_inputs(req)
-
-
-# telemetry of a node whose session just ended is ignored this long: a sample it sent before it
-# died but handled after its departure would make it rejoin the plan and take requests it never
-# answers (a respawned node needs its respawn delay plus seconds of start-up to send its first)
-DEPARTED_QUIET_S = 1.0
 
 
 def _members(a: Assignment) -> frozenset:

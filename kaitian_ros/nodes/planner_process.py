@@ -16,7 +16,7 @@ import math
 import multiprocessing
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from kaitian_ros.core import planner
 from kaitian_ros.core.costs import Costs
@@ -85,9 +85,16 @@ def _bucket(x: float, step: float = MEASURE_STEP) -> int:
     return round(math.log(x) / math.log1p(step))
 
 
+class RunningPlan(NamedTuple):
+    """The newest plan as a round sees it."""
+
+    predicted_ms: float  # its prediction now
+    expected_ms: float  # what it measured if it ran lately, else the prediction
+    measured: bool
+
+
 def plan_round(graph: ModelGraph, r: PlanRequest) -> tuple[planner.Choice | None, Any]:
-    """(choice, (predicted ms, expected ms: measured if it ran lately) of the newest plan now, or
-    None) - or (None, the error)."""
+    """(choice, the newest plan now as a `RunningPlan`, or None) - or (None, the error)."""
     try:
         strategy = "single" if r.quick else r.strategy
         choice = planner.choose_plan(graph, r.nodes, r.costs, slab_rows=r.slab_rows, strategy=strategy,
@@ -98,7 +105,7 @@ def plan_round(graph: ModelGraph, r: PlanRequest) -> tuple[planner.Choice | None
         if r.latest_spec is not None and set(r.latest_spec.node_ids) <= set(r.nodes):
             predicted = planner.predict(graph, r.latest_spec, r.costs, slab_rows=r.latest_slab_rows)
             seen = r.measured.get(planner.spec_key(r.latest_spec, r.latest_slab_rows))
-            was = (predicted, seen.ms if seen is not None else predicted)
+            was = RunningPlan(predicted, seen.ms if seen is not None else predicted, seen is not None)
         return choice, was
     except (ValueError, RuntimeError) as exc:
         return None, exc

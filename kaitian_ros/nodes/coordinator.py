@@ -279,8 +279,7 @@ class Coordinator(RequestFlow):
     def _replan_soon(self, reason: str, effective: int = 0, proposal: bool = False, quick: bool = False,
                      periodic: bool = False) -> None:
         """Re-predict with new measurements in the planner process (a full search takes up to a
-        few hundred ms for a deep model over three nodes: the executor goes on serving frames);
-        `_check` applies the result. Switches only for a predicted gain of `min_plan_gain`.
+        few hundred ms: the executor goes on serving frames); `_check` applies the result.
 
         Only the adaptive policy follows measurements: with fixed shares (no scheduler, or the
         scheduler's static/equal/profile_once policies) a plan is chosen when the nodes, the
@@ -311,6 +310,7 @@ class Coordinator(RequestFlow):
                 request = dataclasses.replace(request, quick=True)
                 self._replan_again = (reason, effective)
             self.planner.submit(request)
+            self.counts["plan_rounds"] += 1
             return
         if not self.planner.alive() and not self.planner_lost:  # killed, out of memory: plan here
             self.planner_lost = True

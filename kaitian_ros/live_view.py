@@ -144,7 +144,7 @@ class LiveView:
         renderable = vr.rich_view(self.snapshot())
         if self.live is None:
             # redrawn by tick() only (no refresh thread): at most 1/TTY_REFRESH_S redraws a second
-            self.live = Live(renderable, console=self._console(), auto_refresh=False, transient=False,
+            self.live = Live(renderable, console=self.rich_console(), auto_refresh=False, transient=False,
                              redirect_stdout=False, redirect_stderr=False)
             self.live.start(refresh=True)
         else:
@@ -155,7 +155,8 @@ class LiveView:
             live, self.live = self.live, None
             live.stop()
 
-    def _console(self) -> Any:
+    def rich_console(self) -> Any:
+        """The rich Console on this view's stream (the live table and the node lines share it)."""
         if self.console is None:
             from rich.console import Console
 
@@ -252,7 +253,7 @@ class _ConsoleLines(io.TextIOBase):
         self.partial += text
         *done, self.partial = self.partial.split("\n")
         for line in done:
-            self.view._console().print(Text(line), soft_wrap=True)
+            self.view.rich_console().print(Text(line), soft_wrap=True)
         return len(text)
 
 

@@ -257,7 +257,7 @@ def _segment_costs(graph: ModelGraph, cands: list[int], b: int, shares: tuple[fl
     return out
 
 
-def _choose_cuts(graph: ModelGraph, shares: tuple[float, ...], costs: PlanCosts,
+def choose_cuts(graph: ModelGraph, shares: tuple[float, ...], costs: PlanCosts,
                  max_segments: int | None) -> tuple[list[int], float]:
     cands = [0, *graph.cut_values, graph.output_value]
     nc = len(cands)
@@ -365,7 +365,7 @@ def make_plan(
         raise ValueError(f"max_segments must be >= 1, got {max_segments}")
     costs = cost.bind(graph, norm) if isinstance(cost, CostModel) else cost
     if cuts is None:
-        chosen, _ = _choose_cuts(graph, norm, costs, max_segments)
+        chosen, _ = choose_cuts(graph, norm, costs, max_segments)
     else:
         bad = [c for c in cuts if c not in graph.cut_values]
         if bad:

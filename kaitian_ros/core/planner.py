@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 from .costs import Costs
 from .graph import ModelGraph
-from .plan import STRATEGIES, Plan, PlanSpec, _choose_cuts, build_plan, normalise_shares, split_rows
+from .plan import STRATEGIES, Plan, PlanSpec, build_plan, choose_cuts, normalise_shares, split_rows
 from .simulate import simulate
 
 STRATEGY_CHOICES = ("auto", *STRATEGIES)
@@ -136,7 +136,7 @@ def stripe_specs(graph: ModelGraph, node_ids: Sequence[str], shares: Sequence[fl
         return []
     ids = tuple(n for n, _ in pairs)  # a node without a share is not part of the plan
     norm = tuple(x for _, x in pairs)
-    dp_cuts, _ = _choose_cuts(graph, norm, costs.for_nodes(ids), None)
+    dp_cuts, _ = choose_cuts(graph, norm, costs.for_nodes(ids), None)
     fastest = min(range(len(ids)), key=lambda i: (costs.profiles[ids[i]].trunk_ms, i))
     out = [PlanSpec.stripes(ids, norm, dp_cuts)]
     out += [PlanSpec.stripes(ids, norm, dp_cuts[:t], solo_from=t, solo_node=fastest)

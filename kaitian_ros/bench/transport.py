@@ -6,11 +6,18 @@ hosts on a free port). In the same run, between the same two processes, it measu
 - ``ours``: ``EmbeddedPublisher.publish(TensorChunk)`` (fast_cdr encode into a reused buffer, SHM
   buffer for large chunks, attachment, put) to an ``EmbeddedSubscription`` (cached key check + copy
   out of zenoh + fast_cdr decode + executor hand-off to the node callback),
-- ``raw``: plain zenoh ``put`` of a prebuilt bytes object of the same payload size to a plain zenoh
-  subscriber that copies the payload out (``to_bytes()``), the least any Python receiver does,
+- ``raw``: plain zenoh ``put`` of a prebuilt payload of the same size to a plain zenoh subscriber
+  that copies the payload out (``to_bytes()``), the least any Python receiver does. On the same
+  payload path as ours: a payload of ``zenoh_session.SHM_PUT_MIN_BYTES`` or more is copied into
+  a buffer of the same kind of shared-memory provider first, as ours does (a plain ``put`` of
+  bytes would make zenoh copy it into shared memory itself, a different path),
 
-for 4 MiB chunks (GB/s) and 256-byte chunks (messages/s). Rates are taken at the subscriber
-(first to last arrival of a trial); the reported figure is the median over repeats.
+for 4 MiB chunks (GB/s) and 256-byte chunks (messages/s). A second publisher/subscriber pair
+runs with ``KAITIAN_SHM=0`` (no shared memory: every byte crosses the loopback TCP link, as in
+the inference graph, whose chunks must cross the emulated links) for the 4 MiB rows
+``raw_4mib_tcp`` and ``ours_4mib_tcp``; 256-byte messages never use shared memory, so their one
+row is already that path. Rates are taken at the subscriber (first to last arrival of a trial);
+the reported figure is the median over repeats, with min and max.
 
 With ``--runtime ros`` a second pair of processes runs the same publish/subscribe on the rclpy
 runtime (``RosRuntime``: the same codec, raw CDR through rclpy and the RMW, Fast DDS here), in the
@@ -29,7 +36,6 @@ import contextlib
 import json
 import os
 import queue
-import statistics
 import subprocess
 import sys
 import threading
@@ -38,23 +44,27 @@ from pathlib import Path
 from typing import Any
 
 from kaitian_ros.bench import BenchArgumentParser
+from kaitian_ros.bench.transport_report import ROS_MODES, plot, summarise, table
 from kaitian_ros.ports import free_port
 
 BIG = 4 * 1024 * 1024
 SMALL = 256
-TARGET_RATIO = 0.75
-TARGET_MSGS = 50_000
 RAW_KEY = "bench/raw"
 OURS_TOPIC = "/bench/chunks"
 MODES = ("raw_4mib", "ours_4mib", "raw_256b", "ours_256b")
-ROS_MODES = ("ros_4mib", "ros_256b")
+TCP_MODES = ("raw_4mib_tcp", "ours_4mib_tcp")  # the pair without shared memory
 ROS_HINT = ("--runtime ros needs rclpy and this package's generated messages: source a ROS 2 workspace "
             "with kaitian_ros built, or run tools/ros2_from_pypi.sh and source .ros2/env.sh")
 SETTLE_S = 5.0  # after the publisher is done, how long a trial may still be arriving
 
 
 def _size(mode: str) -> int:
-    return BIG if mode.endswith("4mib") else SMALL
+    return BIG if "4mib" in mode else SMALL
+
+
+def _path_suffix() -> str:
+    """``_tcp`` in a child started with KAITIAN_SHM=0 (no shared memory), else ``""``."""
+    return "_tcp" if os.environ.get("KAITIAN_SHM", "1") == "0" else ""
 
 
 def _emit(obj: dict[str, Any]) -> None:
@@ -141,13 +151,14 @@ def _role_sub(kind: str) -> int:
     rt = _runtime("bench_sub", kind)
     trials = _Trials()
     prefix = "ros" if kind == "ros" else "ours"
+    suffix = _path_suffix()
 
     def on_raw(sample: Any) -> None:
         data = sample.payload.to_bytes()
-        trials.arrived(int.from_bytes(data[:8], "little"), "raw_4mib" if len(data) == BIG else "raw_256b")
+        trials.arrived(int.from_bytes(data[:8], "little"), f"raw_4mib{suffix}" if len(data) == BIG else "raw_256b")
 
     def on_ours(msg: Any) -> None:
-        trials.arrived(int(msg.request_id), f"{prefix}_4mib" if len(msg.data) == BIG else f"{prefix}_256b")
+        trials.arrived(int(msg.request_id), f"{prefix}_4mib{suffix}" if len(msg.data) == BIG else f"{prefix}_256b")
 
     raw_sub = rt.session.declare_subscriber(RAW_KEY, on_raw) if kind == "embedded" else None
     rt.create_subscription(OURS_TOPIC, "TensorChunk", on_ours, QoS.RELIABLE)
@@ -183,10 +194,10 @@ def _role_pub(kind: str) -> int:
 
     rt = _runtime("bench_pub", kind)
     ours = rt.create_publisher(OURS_TOPIC, "TensorChunk", QoS.RELIABLE)
+    from kaitian_ros.runtime import zenoh_session as zs
+
     raw = None
     if kind == "embedded":
-        from kaitian_ros.runtime import zenoh_session as zs
-
         raw = rt.session.declare_publisher(RAW_KEY, congestion_control=zs.CongestionControl.BLOCK)
     tensors = {size: np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8) for size in (BIG, SMALL)}
 
@@ -207,7 +218,10 @@ def _role_pub(kind: str) -> int:
             for _ in range(n):
                 if stop is not None and stop.is_set():
                     return
-                raw.put(payload)
+                # ours' payload path (EmbeddedPublisher): large payloads copied into our SHM
+                # provider's buffer, put as they are; None where shared memory is off
+                shm = zs.shm_payload(payload) if size >= zs.SHM_PUT_MIN_BYTES else None
+                raw.put(shm if shm is not None else payload)
                 if stop is not None:
                     time.sleep(0.02)
         else:
@@ -295,6 +309,10 @@ class _Child:
             self.p.wait()
 
 
+def _pair_of(mode: str) -> str:
+    return "ros" if mode in ROS_MODES else "tcp" if mode in TCP_MODES else "embedded"
+
+
 def measure(repeats: int, n_big: int, n_small: int, log: Any = print,
             runtimes: tuple[str, ...] = ("embedded",)) -> dict[str, list[dict[str, Any]]]:
     """Per mode, one result per repeat; the modes interleave so drift hits every path alike."""
@@ -305,16 +323,18 @@ def measure(repeats: int, n_big: int, n_small: int, log: Any = print,
     env = dict(os.environ, KAITIAN_ROUTER=endpoint, ROS_DOMAIN_ID=os.environ.get("ROS_DOMAIN_ID", "0"),
                PYTHONUNBUFFERED="1")
     pairs: dict[str, tuple[_Child, _Child]] = {}
-    modes = MODES + (ROS_MODES if "ros" in runtimes else ())
+    modes = MODES + TCP_MODES + (ROS_MODES if "ros" in runtimes else ())
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     try:
         for kind in runtimes:
             pairs[kind] = (_Child("sub", env, kind), _Child("pub", env, kind))
+        tcp = dict(env, KAITIAN_SHM="0")  # the pair whose every byte crosses the TCP link
+        pairs["tcp"] = (_Child("sub", tcp), _Child("pub", tcp))
         for sub, pub in pairs.values():
             sub.expect("ready")
             pub.expect("ready")
         for mode in modes:  # routes (peers' direct links, DDS discovery) exist before anything is timed
-            sub, pub = pairs["ros" if mode in ROS_MODES else "embedded"]
+            sub, pub = pairs[_pair_of(mode)]
             pub.send(cmd="warm", mode=mode)
             sub.expect("warm")
             time.sleep(0.3)
@@ -324,8 +344,8 @@ def measure(repeats: int, n_big: int, n_small: int, log: Any = print,
         for rep in range(repeats):
             for mode in modes:
                 trial += 1
-                sub, pub = pairs["ros" if mode in ROS_MODES else "embedded"]
-                n = n_big if mode.endswith("4mib") else n_small
+                sub, pub = pairs[_pair_of(mode)]
+                n = n_big if "4mib" in mode else n_small
                 sub.send(cmd="expect", trial=trial, n=n, mode=mode)
                 time.sleep(0.05)
                 pub.send(cmd="run", mode=mode, trial=trial, n=n)
@@ -348,89 +368,6 @@ def measure(repeats: int, n_big: int, n_small: int, log: Any = print,
             sub.close()
         router.close()
     return results
-
-
-def summarise(results: dict[str, list[dict[str, Any]]], config: dict[str, Any]) -> dict[str, Any]:
-    med = {m: {"gbytes_per_s": statistics.median(r["gbytes_per_s"] for r in rs),
-               "msgs_per_s": statistics.median(r["msgs_per_s"] for r in rs)} for m, rs in results.items()}
-    ours_big = med["ours_4mib"]["gbytes_per_s"]
-    raw_big = med["raw_4mib"]["gbytes_per_s"]
-    out = {
-        "gbytes_per_s_4mib": ours_big,
-        "msgs_per_s_256b": med["ours_256b"]["msgs_per_s"],
-        "raw_zenoh_gbytes_per_s_4mib": raw_big,
-        "ratio_to_raw": ours_big / raw_big if raw_big > 0 else 0.0,
-        "raw_zenoh_msgs_per_s_256b": med["raw_256b"]["msgs_per_s"],
-        "ratio_to_raw_256b": (med["ours_256b"]["msgs_per_s"] / med["raw_256b"]["msgs_per_s"]
-                              if med["raw_256b"]["msgs_per_s"] > 0 else 0.0),
-        "targets": {"ratio_to_raw": TARGET_RATIO, "msgs_per_s_256b": TARGET_MSGS},
-        "medians": med,
-        "repeats": {m: [{k: r[k] for k in ("gbytes_per_s", "msgs_per_s", "pub_msgs_per_s", "n", "lost", "seconds")}
-                         for r in rs]
-                    for m, rs in results.items()},
-        "config": config,
-    }
-    out["meets_targets"] = {"ratio_to_raw": out["ratio_to_raw"] >= TARGET_RATIO,
-                            "msgs_per_s_256b": out["msgs_per_s_256b"] >= TARGET_MSGS}
-    if "ros_4mib" in med:  # the rclpy path: no target, side by side with the embedded one
-        out["ros"] = {"gbytes_per_s_4mib": med["ros_4mib"]["gbytes_per_s"],
-                      "msgs_per_s_256b": med["ros_256b"]["msgs_per_s"],
-                      "lost": {m: sum(r["lost"] for r in results[m]) for m in ROS_MODES},
-                      "ratio_to_embedded_4mib": med["ros_4mib"]["gbytes_per_s"] / ours_big if ours_big > 0 else 0.0,
-                      "ratio_to_embedded_256b": (med["ros_256b"]["msgs_per_s"] / med["ours_256b"]["msgs_per_s"]
-                                                 if med["ours_256b"]["msgs_per_s"] > 0 else 0.0)}
-    return out
-
-
-def table(summary: dict[str, Any]) -> str:
-    med = summary["medians"]
-    lines = [f"{'path':22s} {'4 MiB GB/s':>11s} {'256 B msg/s':>12s}",
-             f"{'raw zenoh':22s} {med['raw_4mib']['gbytes_per_s']:11.3f} {med['raw_256b']['msgs_per_s']:12.0f}",
-             (f"{'embedded runtime':22s} {med['ours_4mib']['gbytes_per_s']:11.3f} "
-              f"{med['ours_256b']['msgs_per_s']:12.0f}"),
-             f"{'ours / raw':22s} {summary['ratio_to_raw']:11.2f} {summary['ratio_to_raw_256b']:12.2f}",
-             *([(f"{'rclpy runtime':22s} {med['ros_4mib']['gbytes_per_s']:11.3f} "
-                 f"{med['ros_256b']['msgs_per_s']:12.0f}"
-                 f"   (samples lost: {summary['ros']['lost']['ros_4mib']} x 4 MiB, "
-                 f"{summary['ros']['lost']['ros_256b']} x 256 B)")] if "ros" in summary else []),
-             (f"targets: ratio >= {TARGET_RATIO} ({'met' if summary['meets_targets']['ratio_to_raw'] else 'NOT met'}), "
-              f">= {TARGET_MSGS} msg/s at 256 B "
-              f"({'met' if summary['meets_targets']['msgs_per_s_256b'] else 'NOT met'})")]
-    return "\n".join(lines)
-
-
-def plot(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    med, reps = summary["medians"], summary["repeats"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.8))
-    with_ros = "ros_4mib" in med
-    for ax, paths, key, unit, target in (
-            (a, ("raw_4mib", "ours_4mib") + (("ros_4mib",) if with_ros else ()), "gbytes_per_s",
-             "GB/s (4 MiB chunks)", None),
-            (b, ("raw_256b", "ours_256b") + (("ros_256b",) if with_ros else ()), "msgs_per_s",
-             "messages/s (256 B chunks)", TARGET_MSGS)):
-        values = [med[m][key] for m in paths]
-        ax.bar(["raw zenoh", "embedded runtime", "rclpy runtime"][:len(paths)], values,
-               color=["#888888", "#2a7ab9", "#d9822b"][:len(paths)])
-        for x, mode in enumerate(paths):
-            ax.scatter([x] * len(reps[mode]), [r[key] for r in reps[mode]], color="k", s=10, zorder=3)
-        if target:
-            ax.axhline(target, color="r", ls="--", lw=1, label=f"target {target:,}")
-            ax.legend(loc="upper right")
-        else:
-            ax.axhline(TARGET_RATIO * values[0], color="r", ls="--", lw=1, label=f"{TARGET_RATIO} x raw")
-            ax.legend(loc="upper right")
-        ax.set_ylabel(unit)
-    a.set_title(f"4 MiB: ours/raw = {summary['ratio_to_raw']:.2f}")
-    b.set_title(f"256 B: {summary['msgs_per_s_256b']:,.0f} msg/s")
-    fig.suptitle("TensorChunk transport, two processes on loopback (median, dots = repeats)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str]) -> int:

@@ -255,12 +255,12 @@ class Graph:
             self._spawn(name, cmd, env)
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
-        from kaitian_ros.processes import die_with_parent
+        from kaitian_ros.processes import start_child
 
         log = self.tmp / f"{name}.log"
         with open(log, "w") as fh:
-            p = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 preexec_fn=die_with_parent)  # noqa: PLW1509 - see processes.die_with_parent
+            p = start_child(cmd, ignore_sigint=True, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL)
         self.procs.append(Proc(name, p, log))
 
     @staticmethod
@@ -274,9 +274,9 @@ class Graph:
                 raise RuntimeError(f"{p.name} exited with code {p.popen.returncode}:\n{tail}")
 
     def stop(self) -> None:
-        from kaitian_ros.processes import stop_process_groups
+        from kaitian_ros.processes import stop_children
 
-        stop_process_groups([p.popen for p in self.procs], ((signal.SIGINT, 4.0), (signal.SIGKILL, 2.0)))
+        stop_children([p.popen for p in self.procs], ((signal.SIGINT, 4.0), (signal.SIGKILL, 2.0)))
         for p in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.popen.wait(timeout=2.0)

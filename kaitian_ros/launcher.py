@@ -43,7 +43,7 @@ import yaml
 
 from kaitian_ros import warm_start
 from kaitian_ros.ports import free_port
-from kaitian_ros.processes import ROUTER, Child, LineOut, die_with_parent, node_command, stop_process_groups
+from kaitian_ros.processes import LineOut, start_child, stop_children
 from kaitian_ros.runtime import security
 from kaitian_ros.runtime import zenoh_session as zs
 from kaitian_ros.scenario import NodeSpec, Respawn, Scenario
@@ -58,6 +58,30 @@ WARM_START_FAILURES = 3  # warm interpreters that died unused before the launche
 ROUTER_RESPAWN = Respawn(enabled=True, delay_s=0.5, max_retries=20)
 ROUTER_READY_S = 20.0
 ROUTER_READY_LINE = "router listening on"
+
+
+ROUTER = "router"  # name and executable of the router's child process
+
+
+def node_command(spec: NodeSpec, params_file: Path) -> list[str]:
+    if spec.executable == ROUTER:
+        return [sys.executable, "-u", "-m", "kaitian_ros.cli", "router", "--listen", spec.parameters["listen"]]
+    return [sys.executable, "-u", "-m", f"kaitian_ros.nodes.{spec.executable}", "--ros-args",
+            "-r", f"__node:={spec.name}", "--params-file", str(params_file)]
+
+
+@dataclass
+class Child:
+    """One of the launcher's children (a node or the router) and its respawn bookkeeping."""
+
+    spec: NodeSpec
+    process: subprocess.Popen
+    reader: threading.Thread
+    restarts: int = 0          # respawns so far
+    restarted_at: float = 0.0  # monotonic time of the last respawn (0: never)
+    respawn_at: float = 0.0    # monotonic time of a scheduled respawn (0: none)
+    handled: bool = False      # the current process's exit was seen (respawn scheduled or final)
+    last_exit: int | None = None
 
 
 @dataclass
@@ -138,7 +162,7 @@ class Launcher:
         end = time.monotonic() + ROUTER_READY_S
         while not ready.wait(0.05):
             if process.poll() is not None or time.monotonic() > end:
-                stop_process_groups([process])
+                stop_children([process])
                 reader.join(timeout=1.0)
                 raise RuntimeError(f"cannot host the router on {self.router_endpoint} "
                                    f"(is another graph running? pick one with --router)")
@@ -155,11 +179,9 @@ class Launcher:
     def spawn(self, spec: NodeSpec, ready: threading.Event | None = None) -> tuple[subprocess.Popen, threading.Thread]:
         """A fresh process of `spec` whose output the launcher prints under its name."""
         command = self.node_prefix.get(spec.name, []) + node_command(spec, self.params_file)
-        process = subprocess.Popen(command, env=self._base_env() | self._node_env(spec),
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL,
-                                   preexec_fn=die_with_parent,  # noqa: PLW1509 - see processes.die_with_parent
-                                   text=True, bufsize=1)
+        process = start_child(command, ignore_sigint=True, env=self._base_env() | self._node_env(spec),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                              text=True, bufsize=1)
         reader = threading.Thread(target=self._pump, args=(lambda: spec.name, process, ready), daemon=True)
         reader.start()
         self.say(f"[launch] started {spec.name} ({spec.executable}) pid {process.pid}")
@@ -184,10 +206,9 @@ class Launcher:
             ["--prepare-compute", json.dumps(compute)] if compute else [])
 
     def _start_warm(self, slot: WarmSlot) -> None:
-        process = subprocess.Popen(self._warm_command(slot.prefix), env=self._base_env(),
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
-                                   text=True, bufsize=1,
-                                   preexec_fn=die_with_parent)  # noqa: PLW1509 - see processes.die_with_parent
+        process = start_child(self._warm_command(slot.prefix), ignore_sigint=True, env=self._base_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
+                              text=True, bufsize=1)
         warm = WarmInterpreter(process, threading.Thread())
         warm.reader = threading.Thread(target=self._pump, args=(lambda: warm.name, process), daemon=True)
         warm.reader.start()
@@ -304,7 +325,7 @@ class Launcher:
                 warm.reader.join(timeout=1.0)
         # the router last: nodes shutting down still talk to each other through it
         for group in (self.nodes, [c for c in self.children if c.spec.executable == ROUTER]):
-            stop_process_groups([c.process for c in group])
+            stop_children([c.process for c in group])
             for child in group:
                 child.process.wait()
                 child.reader.join(timeout=1.0)

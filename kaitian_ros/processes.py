@@ -1,6 +1,11 @@
-"""The launcher's child processes: a node's command line, a child tied to its parent (no
-orphans), stopping process groups with escalating signals, and where their prefixed output
-lines go (a text stream, or :class:`CapturedOutput` in the benchmarks and tests)."""
+"""Child processes, one module for the launcher, the benchmarks and ``kaitian train``: starting
+a child tied to its parent (no orphans, :func:`start_child`), stopping children with escalating
+signals (:func:`stop_children`), and where their prefixed output lines go (a text stream, or
+:class:`CapturedOutput` in the benchmarks and tests). Free ports for their routers and
+rendezvous stores come from ``ports.free_port``.
+
+A helper below every layer: it imports only the standard library, so ``training.launch`` uses
+it as the launchers do."""
 
 from __future__ import annotations
 
@@ -12,20 +17,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Protocol
-
-from kaitian_ros.scenario import NodeSpec
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 STOP_GRACE_S = 5.0
 
 
 _PR_SET_PDEATHSIG = 1
-
-
-ROUTER = "router"  # name and executable of the router's child process
 
 
 class LineOut(Protocol):
@@ -40,65 +38,95 @@ class LineOut(Protocol):
 def _load_prctl() -> Callable[..., int] | None:
     try:
         return ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):  # not glibc: children are not tied to the launcher
+    except (OSError, AttributeError):  # not glibc: children are not tied to their parent
         return None
 
 
 # resolved in the parent: a dlopen in the child, between fork and exec, could block on a loader
-# lock some other thread of the launcher held at the fork
+# lock some other thread of the parent held at the fork
 _PRCTL = _load_prctl()
 
 
-def die_with_parent() -> None:
-    """Child side: get SIGTERM if the launcher disappears, even by SIGKILL (no orphans).
-
-    Runs as ``preexec_fn`` although the launcher has threads (PLW1509): only the child itself can
-    ask for the kernel's parent-death signal. So it does as little as it can: no imports and no
-    library loading, a prctl, setsid and one signal disposition."""
+def _tie() -> None:
+    """Child side, before exec: get SIGTERM when the parent disappears, even by SIGKILL. The
+    kernel ties it to the parent's thread that started the child."""
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    os.setsid()  # own process group: the terminal's Ctrl-C reaches only the launcher, which forwards it
+
+
+def _tie_own_group() -> None:
+    _tie()
+    os.setsid()  # own process group: a terminal's Ctrl-C reaches only the parent, which forwards it
+
+
+def die_with_parent() -> None:
+    """Child side: get SIGTERM if the parent disappears, even by SIGKILL (no orphans), in a
+    process group of its own, SIGINT ignored until the program installs its own handler.
+
+    Runs as ``preexec_fn`` although the parent has threads (PLW1509): only the child itself can
+    ask for the kernel's parent-death signal. So it does as little as it can: no imports and no
+    library loading, a prctl, setsid and one signal disposition."""
+    _tie_own_group()
     # SIGINT ignored until the node's run_node installs its handler: a graph stopped in its first
     # seconds would otherwise print a KeyboardInterrupt traceback per node still importing torch
     # (the stop escalates to SIGTERM after STOP_GRACE_S, which ends such a node quietly)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def node_command(spec: NodeSpec, params_file: Path) -> list[str]:
-    if spec.executable == ROUTER:
-        return [sys.executable, "-u", "-m", "kaitian_ros.cli", "router", "--listen", spec.parameters["listen"]]
-    return [sys.executable, "-u", "-m", f"kaitian_ros.nodes.{spec.executable}", "--ros-args",
-            "-r", f"__node:={spec.name}", "--params-file", str(params_file)]
+def start_child(command: Sequence[str], *, own_group: bool = True, ignore_sigint: bool = False,
+                **popen: Any) -> subprocess.Popen:
+    """``subprocess.Popen(command, **popen)`` of a child the kernel ends (SIGTERM) when this
+    process dies, even by SIGKILL (the kernel watches the thread that starts it: start
+    long-lived children from a thread that outlives them, as the main thread does).
+
+    ``own_group``: the child leads a process group of its own, which :func:`stop_children`
+    signals as a whole (its own children too); a terminal's Ctrl-C then reaches only this
+    process, which forwards it. Without it the child stays in this process's group and gets a
+    terminal's signals itself. ``ignore_sigint`` (with ``own_group``): SIGINT is ignored until
+    the child's program installs a handler (the nodes' ``run_node``; a Python program that does
+    not would never see Ctrl-C)."""
+    if ignore_sigint and not own_group:
+        raise ValueError("ignore_sigint needs own_group: the terminal's SIGINT would reach the child")
+    preexec = die_with_parent if ignore_sigint else (_tie_own_group if own_group else _tie)
+    return subprocess.Popen(command, preexec_fn=preexec, **popen)  # noqa: PLW1509 - see die_with_parent
+
+
+def tie_to_parent() -> None:
+    """The same tie, asked by a child that was started otherwise (a ``multiprocessing`` child):
+    SIGTERM when its parent dies; it exits at once if the parent was gone before the tie took
+    effect."""
+    if _PRCTL is None:
+        return
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:
+        os._exit(0)
 
 
 DEFAULT_ESCALATION = ((signal.SIGINT, STOP_GRACE_S), (signal.SIGTERM, 2.0), (signal.SIGKILL, 2.0))
 
 
-def stop_process_groups(processes: list[subprocess.Popen],
-                        escalation: tuple[tuple[int, float], ...] = DEFAULT_ESCALATION) -> None:
-    """Signal each live process's group, escalating (signal, grace seconds) until all exit."""
+def _send(process: subprocess.Popen, sig: int) -> None:
+    """``sig`` to the child's process group where it leads one, else to the child alone."""
+    with contextlib.suppress(ProcessLookupError):
+        if os.getpgid(process.pid) == process.pid:
+            os.killpg(process.pid, sig)
+        else:
+            process.send_signal(sig)
+
+
+def stop_children(processes: Sequence[subprocess.Popen],
+                  escalation: tuple[tuple[int, float], ...] = DEFAULT_ESCALATION) -> None:
+    """Signal each live child (its process group, where it leads one), escalating (signal, grace
+    seconds) until all exit."""
     for sig, grace in escalation:
         alive = [p for p in processes if p.poll() is None]
         if not alive:
             break
         for process in alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, sig)
+            _send(process, sig)
         end = time.monotonic() + grace
         while time.monotonic() < end and any(p.poll() is None for p in alive):
             time.sleep(0.05)
-
-
-@dataclass
-class Child:
-    spec: NodeSpec
-    process: subprocess.Popen
-    reader: threading.Thread
-    restarts: int = 0          # respawns so far
-    restarted_at: float = 0.0  # monotonic time of the last respawn (0: never)
-    respawn_at: float = 0.0    # monotonic time of a scheduled respawn (0: none)
-    handled: bool = False      # the current process's exit was seen (respawn scheduled or final)
-    last_exit: int | None = None
 
 
 class CapturedOutput:

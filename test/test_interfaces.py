@@ -20,8 +20,8 @@ from kaitian_ros.runtime import zenoh_session as zs
 CHATTER_KEY = ("0/chatter/std_msgs::msg::dds_::String_/"
                "RIHS01_df668c740482bbd48fb39d76a70dfd4bd59db1288021743503259e948f6b1a18")
 ALL_TYPES = ("kaitian_ros/msg/TensorChunk", "kaitian_ros/msg/LoadAssignment", "kaitian_ros/msg/NodeTelemetry",
-             "kaitian_ros/msg/FusedOutput", "kaitian_ros/msg/TrainingTelemetry", "sensor_msgs/msg/Image",
-             "std_msgs/msg/String")
+             "kaitian_ros/msg/FusedOutput", "kaitian_ros/msg/TrainingTelemetry", "kaitian_ros/msg/BenchChunk",
+             "sensor_msgs/msg/Image", "std_msgs/msg/String")
 
 
 def _stamp(sec: int, nanosec: int):
@@ -66,6 +66,9 @@ def sample_messages() -> dict[str, object]:
             min_run_rows=32, run_samples=1234, link_sources=["coordinator", "compute_0"],
             link_bytes_per_ms=np.array([25000.0, 12500.0]), link_latency_ms=np.array([0.25, 0.5]),
             link_samples=np.array([40, 7], dtype=np.uint32)),
+        "kaitian_ros/msg/BenchChunk": interfaces.make(
+            "BenchChunk", header=hdr, request_id=2**33 + 5, sender="lw_0", value=12, route=["lw_1", "lw_2"],
+            stop_values=np.array([30, 61], dtype=np.uint16), reply_to="bench", **interfaces.tensor_fields(rows)),
         "sensor_msgs/msg/Image": interfaces.make(
             "Image", header=hdr, height=4, width=5, encoding="rgb8", is_bigendian=0, step=15,
             data=(np.arange(60) * 7 % 256).astype(np.uint8)),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import tempfile
 import threading
 import time
@@ -98,7 +97,6 @@ class AdaptivityGraph:
         self.out = CapturedOutput(echo)
         self.launcher: Any = None
         self.rt: Any = None
-        self.extra: list[subprocess.Popen] = []
         self.launcher = start_on_free_port(self.scenario, out=self.out)
         self.endpoint = self.launcher.router_endpoint
         try:
@@ -154,7 +152,7 @@ class AdaptivityGraph:
 
     def restart(self, name: str) -> int:
         """Start a node again with the scenario's parameters (as the launcher did); returns its pid."""
-        from kaitian_ros.processes import Child
+        from kaitian_ros.launcher import Child
 
         spec = self.scenario.node(name)
         process, reader = self.launcher.spawn(spec)

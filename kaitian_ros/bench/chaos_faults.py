@@ -19,6 +19,7 @@ from kaitian_ros.bench.chaos_graph import incarnation_hex
 from kaitian_ros.bench.chaos_report import plan_lines, plan_text, rounded, skipped
 from kaitian_ros.bench.chaos_run import Injected, Run
 from kaitian_ros.bench.chaos_settings import COMPUTE_CERT, LINK_NODE, RETIRED
+from kaitian_ros.processes import start_child
 
 
 class FaultRun(Run):
@@ -128,8 +129,8 @@ class FaultRun(Run):
                "--seconds", str(s.flood_s), "--rate", str(s.flood_rate), "--model", str(p["model"]),
                "--height", str(p["input_height"]), "--width", str(p["input_width"]),
                "--num-classes", str(p["num_classes"]), "--slab-rows", str(p["slab_rows"]), "--wait-go"]
-        proc = subprocess.Popen(cmd, env=dict(os.environ, KAITIAN_ROUTER=g.endpoint), stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        proc = start_child(cmd, own_group=False, env=dict(os.environ, KAITIAN_ROUTER=g.endpoint),
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
         assert proc.stdout is not None and proc.stderr is not None  # started with pipes
         line = proc.stdout.readline()
         if '"ready"' not in line:

@@ -18,6 +18,7 @@ from typing import Any
 
 from kaitian_ros.bench.chaos_graph import ChaosGraph, diag_float, incarnation_hex
 from kaitian_ros.bench.chaos_settings import CAMERA_TOPIC
+from kaitian_ros.processes import start_child
 
 
 # =========================================================================== the attacker
@@ -35,9 +36,8 @@ class Attacker:
                 full.pop(key, None)
             else:
                 full[key] = value
-        self.proc = subprocess.Popen(cmd, env=full,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, bufsize=1)
+        self.proc = start_child(cmd, own_group=False, env=full, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, bufsize=1)
         ready = self._reply(60.0)
         if not ready.get("ready"):
             self.close()

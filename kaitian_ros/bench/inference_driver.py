@@ -4,6 +4,7 @@ times each FusedOutput and sets the product's live parameters for each variant
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -13,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kaitian_ros.bench.inference_graph import DRIVER, LW_TELEMETRY, Graph, lw_topic
+from kaitian_ros.bench.inference_graph import DRIVER, LW_TELEMETRY, Graph, bench_chunk, bench_tensor, lw_topic
 
 
 @dataclass(frozen=True)
@@ -64,9 +65,9 @@ class Driver:
         self.status: dict[str, str] = {}  # the coordinator's newest /diagnostics values
         self.min_run_rows: dict[str, int] = {}  # what the driver last set on each compute node
         self.image_pub = self.rt.create_publisher("/camera/image_raw", "Image")
-        self.lw_pubs = {w: self.rt.create_publisher(lw_topic(w), "TensorChunk") for w in graph_proc.workers}
+        self.lw_pubs = {w: self.rt.create_publisher(lw_topic(w), "BenchChunk") for w in graph_proc.workers}
         self.rt.create_subscription(ic.FUSED_TOPIC, "FusedOutput", lambda m: self.fused.put((time.perf_counter(), m)))
-        self.rt.create_subscription(lw_topic(DRIVER), "TensorChunk",
+        self.rt.create_subscription(lw_topic(DRIVER), "BenchChunk",
                                     lambda m: self.lw_out.put((time.perf_counter(), m)))
         self.rt.create_subscription(ic.TELEMETRY_TOPIC, "NodeTelemetry", self._on_tele)
         self.rt.create_subscription(LW_TELEMETRY, "NodeTelemetry", self._on_lw_tele)
@@ -238,24 +239,24 @@ class Driver:
 
         from kaitian_ros.core.tensors import resize_pixels
 
-        ic, g = self.ic, self.graph
+        g = self.graph
+        if any(a[2] != b[1] for a, b in itertools.pairwise(chain)):
+            raise ValueError(f"chain {chain} is not contiguous")
         self.request += 1
         rid = self.request
         t0 = time.perf_counter()
         # the same uint8 pixel rows the product sends: every variant moves the same input bytes
         c, h, w = g.input_shape
         x = resize_pixels(image, h, w, c)
-        first_worker, first, last = chain[0]
-        nxt = chain[1][0] if len(chain) > 1 else DRIVER
-        self.lw_pubs[first_worker].publish(ic.chunk_message(
-            request_id=rid, plan_version=last, producer=DRIVER, consumer=first_worker, segment=first,
-            role=ic.ROLE_INPUT, row_offset=0, total_rows=x.shape[2], rows=x, frame_id=nxt))
+        self.lw_pubs[chain[0][0]].publish(bench_chunk(
+            request_id=rid, sender=DRIVER, value=chain[0][1], route=[n for n, _, _ in chain],
+            stop_values=[last for _, _, last in chain], reply_to=DRIVER, tensor=x))
         got = _wait_for(self.lw_out, lambda m: int(m.request_id) == rid, t0 + timeout_s)
         if got is None:
             return {"ok": False, "status": "no layer-wise result (timeout)"}
         _, m = got
         with torch.no_grad():
-            y = g.run_head(ic.chunk_rows(m).clone())
+            y = g.run_head(bench_tensor(m).clone())
         t1 = time.perf_counter()
         assert y.shape[0] == 1
         time.sleep(0.005)

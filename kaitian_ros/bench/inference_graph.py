@@ -1,4 +1,5 @@
-"""The processes of ``kaitian bench inference``: the bench-only layer-wise worker node and the
+"""The processes of ``kaitian bench inference``: the bench-only layer-wise worker node (its
+messages are ``BenchChunk``: a whole tensor and the route of workers still to run it) and the
 graph of router + product nodes + workers (remote devices in their network namespaces).
 
 The worker runs as ``python -m kaitian_ros.bench.inference_graph --ros-args ...``.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -42,11 +44,71 @@ def _worker_parameters() -> tuple:
     )
 
 
+@dataclass(frozen=True)
+class Hop:
+    """What a BenchChunk asks of its addressee: run trunk values [first, stop) and send the
+    result to ``to``, carrying the rest of the route."""
+
+    first: int
+    stop: int
+    to: str
+    route: tuple[str, ...]          # the workers after this one
+    stop_values: tuple[int, ...]    # their stop values, same order
+
+
+def hop_of(msg: Any, node: str, output_value: int, cut_values: Any) -> Hop:
+    """The hop ``msg`` asks of worker ``node`` (ValueError when the route is not one a trunk of
+    ``output_value`` values cut at ``cut_values`` can run, or not addressed to ``node``)."""
+    route, stops, first = list(msg.route), [int(v) for v in msg.stop_values], int(msg.value)
+    if not route or route[0] != node:
+        raise ValueError(f"route {route} is not addressed to {node}")
+    if len(stops) != len(route):
+        raise ValueError(f"{len(route)} workers but {len(stops)} stop values")
+    bounds = [first, *stops]
+    if not all(a < b for a, b in itertools.pairwise(bounds)) or stops[-1] > output_value:
+        raise ValueError(f"bad range: values {bounds} of a trunk ending at {output_value}")
+    if first and first not in cut_values:
+        raise ValueError(f"value {first} is not a cut value")
+    to = route[1] if len(route) > 1 else msg.reply_to
+    return Hop(first, stops[0], to, tuple(route[1:]), tuple(stops[1:]))
+
+
+def bench_chunk(*, request_id: int, sender: str, value: int, route: list[str] | tuple[str, ...],
+                stop_values: list[int] | tuple[int, ...], reply_to: str, tensor: Any) -> Any:
+    """A BenchChunk carrying ``tensor`` (trunk value ``value``) along ``route``."""
+    import numpy as np
+
+    from kaitian_ros.runtime import interfaces
+
+    return interfaces.make("BenchChunk", header=interfaces.header(), request_id=request_id, sender=sender,
+                           value=value, route=list(route), stop_values=np.asarray(stop_values, np.uint16),
+                           reply_to=reply_to, **interfaces.tensor_fields(tensor))
+
+
+def bench_tensor(msg: Any) -> Any:
+    """The tensor a BenchChunk carries (N, C, H, W): float, or uint8 pixels at value 0
+    (DecodeError otherwise)."""
+    import torch
+
+    from kaitian_ros.runtime import interfaces
+
+    x = interfaces.tensor_from_fields(msg)
+    if x.dim() != 4:
+        raise interfaces.DecodeError(f"tensor shape {tuple(x.shape)} is not (N,C,H,W)")
+    if not x.is_floating_point() and not (x.dtype == torch.uint8 and int(msg.value) == 0):
+        raise interfaces.DecodeError(f"tensor dtype {x.dtype} at value {int(msg.value)}")
+    return x
+
+
 class LayerwiseWorker:
-    """Bench-only node: runs trunk values [segment, plan_version) of a chunk's tensor in one call
-    (fused ops, whole rows) and sends the result to ``header.frame_id`` (next device or the bench
-    driver). Two of them chained are the Neurosurgeon-style layer-wise split; one alone is a
-    single device running the whole trunk."""
+    """Bench-only node: runs the trunk values a BenchChunk's route gives it on the chunk's tensor
+    in one call (fused ops, whole rows) and sends the result on along the route (next worker or
+    the bench driver). Two of them chained are the Neurosurgeon-style layer-wise split; one alone
+    is a single device running the whole trunk.
+
+    It reports each hop on ``LW_TELEMETRY`` as a NodeTelemetry with the fields a compute node
+    fills for a request (``plan_version`` 0: it runs no plan), and a heartbeat (request 0) every
+    0.5 s so that the driver knows it is up."""
 
     def __init__(self, rt: Any) -> None:
         import torch
@@ -59,7 +121,7 @@ class LayerwiseWorker:
         self.graph = ic.build_graph(ic.ModelSpec.from_params(self.params))
         self.pubs: dict[str, Any] = {}
         self.telemetry = rt.create_publisher(LW_TELEMETRY, "NodeTelemetry")
-        rt.create_subscription(lw_topic(rt.node_name), "TensorChunk", self._on_chunk)
+        rt.create_subscription(lw_topic(rt.node_name), "BenchChunk", self._on_chunk)
         rt.create_timer(0.5, self._heartbeat)
 
     def _heartbeat(self) -> None:
@@ -70,38 +132,34 @@ class LayerwiseWorker:
     def _on_chunk(self, msg: Any) -> None:
         from kaitian_ros.runtime import interfaces
 
-        ic, g = self.ic, self.graph
+        g = self.graph
         try:
-            x = ic.chunk_rows(msg)
+            hop = hop_of(msg, self.rt.node_name, g.output_value, g.cut_values)
+            x = bench_tensor(msg)
             if x.dtype == self.torch.uint8:  # pixels, like the product's INPUT chunks
                 from kaitian_ros.core.tensors import normalise_input
 
                 x = normalise_input(x, g.input_shape[0])
-            first, last, nxt = int(msg.segment), int(msg.plan_version), msg.header.frame_id
-            if not (0 <= first < last <= g.output_value) or (first and first not in g.cut_values):
-                raise ValueError(f"bad range [{first},{last})")
         except (ValueError, interfaces.DecodeError) as exc:
             self.rt.rejected.count(f"bad chunk: {exc}")
             return
         t0 = time.perf_counter()
         with self.torch.no_grad():
-            y = g.run_ops(x, first, last)
+            y = g.run_ops(x, hop.first, hop.stop)
         spent = time.perf_counter() - t0
         s = self.params["emulated_slowdown"]
         if s > 1.0:
             time.sleep((s - 1.0) * spent)
             spent *= s
-        pub = self.pubs.get(nxt)
+        pub = self.pubs.get(hop.to)
         if pub is None:
-            pub = self.pubs[nxt] = self.rt.create_publisher(lw_topic(nxt), "TensorChunk")
-        pub.publish(ic.chunk_message(
-            request_id=int(msg.request_id), plan_version=g.output_value, producer=self.rt.node_name,
-            consumer=nxt, segment=last, role=ic.ROLE_HALO if last < g.output_value else ic.ROLE_OUTPUT,
-            row_offset=0, total_rows=y.shape[2], rows=y, frame_id=DRIVER))
+            pub = self.pubs[hop.to] = self.rt.create_publisher(lw_topic(hop.to), "BenchChunk")
+        pub.publish(bench_chunk(request_id=int(msg.request_id), sender=self.rt.node_name, value=hop.stop,
+                                route=hop.route, stop_values=hop.stop_values, reply_to=msg.reply_to, tensor=y))
         self.telemetry.publish(interfaces.make(
-            "NodeTelemetry", node_id=self.rt.node_name, request_id=int(msg.request_id),
-            plan_version=first * 1000 + last, compute_ms=spent * 1e3, emulated=s != 1.0,
-            emulated_slowdown=s, bytes_in=len(msg.data), bytes_out=y.numel() * 4))
+            "NodeTelemetry", node_id=self.rt.node_name, request_id=int(msg.request_id), rows=y.shape[2],
+            compute_ms=spent * 1e3, emulated=s != 1.0, emulated_slowdown=s, bytes_in=len(msg.data),
+            bytes_out=y.numel() * y.element_size()))
 
 
 def worker_main(argv: list[str]) -> int:
@@ -197,12 +255,12 @@ class Graph:
             self._spawn(name, cmd, env)
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
-        from kaitian_ros.processes import die_with_parent
+        from kaitian_ros.processes import start_child
 
         log = self.tmp / f"{name}.log"
         with open(log, "w") as fh:
-            p = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 preexec_fn=die_with_parent)  # noqa: PLW1509 - see processes.die_with_parent
+            p = start_child(cmd, ignore_sigint=True, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL)
         self.procs.append(Proc(name, p, log))
 
     @staticmethod
@@ -216,9 +274,9 @@ class Graph:
                 raise RuntimeError(f"{p.name} exited with code {p.popen.returncode}:\n{tail}")
 
     def stop(self) -> None:
-        from kaitian_ros.processes import stop_process_groups
+        from kaitian_ros.processes import stop_children
 
-        stop_process_groups([p.popen for p in self.procs], ((signal.SIGINT, 4.0), (signal.SIGKILL, 2.0)))
+        stop_children([p.popen for p in self.procs], ((signal.SIGINT, 4.0), (signal.SIGKILL, 2.0)))
         for p in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.popen.wait(timeout=2.0)

@@ -36,6 +36,7 @@ import contextlib
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -46,6 +47,7 @@ from typing import Any
 from kaitian_ros.bench import BenchArgumentParser
 from kaitian_ros.bench.transport_report import ROS_MODES, plot, summarise, table
 from kaitian_ros.ports import free_port
+from kaitian_ros.processes import start_child, stop_children
 
 BIG = 4 * 1024 * 1024
 SMALL = 256
@@ -267,10 +269,12 @@ class _Child:
         self.role = f"{role} ({kind})"
         # rclpy children start outside the source tree: the installed package (with its
         # generated messages) must not be shadowed by a source checkout in the working directory
-        self.p = subprocess.Popen([sys.executable, "-u", "-m", "kaitian_ros.bench.transport", "--role", role,
-                                   "--runtime", kind], env=dict(env, KAITIAN_RUNTIME=kind),
-                                  cwd="/" if kind == "ros" else None,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        # tied to the bench (no orphan when it dies), in its process group as before: Ctrl-C
+        # reaches both
+        self.p = start_child([sys.executable, "-u", "-m", "kaitian_ros.bench.transport", "--role", role,
+                              "--runtime", kind], own_group=False, env=dict(env, KAITIAN_RUNTIME=kind),
+                             cwd="/" if kind == "ros" else None,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -302,11 +306,9 @@ class _Child:
     def close(self) -> None:
         with contextlib.suppress(BrokenPipeError, OSError):
             self.send(cmd="quit")
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
+        stop_children([self.p], ((signal.SIGKILL, 10.0),))
 
 
 def _pair_of(mode: str) -> str:

@@ -22,6 +22,7 @@ from kaitian_ros.core import planner
 from kaitian_ros.core.costs import Costs
 from kaitian_ros.core.graph import ModelGraph
 from kaitian_ros.core.plan import PlanSpec
+from kaitian_ros.processes import tie_to_parent
 
 
 @dataclass(frozen=True)
@@ -111,21 +112,6 @@ def plan_round(graph: ModelGraph, r: PlanRequest) -> tuple[planner.Choice | None
         return None, exc
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGTERM this child when the coordinator dies, even by SIGKILL (no orphan keeps a
-    respawned coordinator's output pipe or a core busy)."""
-    import ctypes
-    import os
-    import signal
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the parent was already gone before prctl took effect
-        os._exit(0)
-
-
 def _serve(conn: Any, spec: Any) -> None:
     """The child: build the graph, then answer requests until the coordinator goes away."""
     import signal
@@ -137,7 +123,9 @@ def _serve(conn: Any, spec: Any) -> None:
     # Ctrl-C reaches the whole process group: the coordinator shuts down and closes the pipe,
     # which ends this loop (no traceback of an interrupted recv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
+    # SIGTERM when the coordinator dies, even by SIGKILL: no orphan keeps a respawned
+    # coordinator's output pipe or a core busy
+    tie_to_parent()
     torch.set_num_threads(1)
     graph = ic.build_graph(spec)
     try:

@@ -20,7 +20,8 @@ import numpy as np
 from kaitian_ros.runtime import fast_cdr
 
 PACKAGE = "kaitian_ros"
-OWN_TYPES = ("TensorChunk", "LoadAssignment", "NodeTelemetry", "FusedOutput", "TrainingTelemetry", "CostProfile")
+OWN_TYPES = ("TensorChunk", "LoadAssignment", "NodeTelemetry", "FusedOutput", "TrainingTelemetry", "CostProfile",
+             "BenchChunk")
 
 # Short names nodes use; the full rosidl names are what goes on the wire.
 TYPE_ALIASES = {name: f"{PACKAGE}/msg/{name}" for name in OWN_TYPES} | {
@@ -104,7 +105,9 @@ def encode(msg: Any, name: str) -> memoryview | bytearray:
     """CDR bytes (with the 4-byte encapsulation header) of ``msg``.
 
     TensorChunk goes through ``fast_cdr`` (byte-identical to rosbags, ~10x faster); anything it
-    does not handle, and every other type, through rosbags.
+    does not handle, and every other type, through rosbags. That includes the bench's
+    BenchChunk: one whole tensor per message, where rosbags' cost is the copy of the data, as
+    the fast path's (78 against 72 us for 800 KB).
     """
     full = full_type_name(name)
     if full == _FAST_TYPE:

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from kaitian_ros.ports import free_port
+from kaitian_ros.processes import start_child, stop_children
 from kaitian_ros.training import netif
 from kaitian_ros.training.process_group import DistEnv, init_distributed, shutdown_distributed
 
@@ -301,8 +302,9 @@ def _spawn_local(argv: list[str], cfg: Any, placement: Placement, as_json: bool)
     for r in range(ranks):
         env = dict(os.environ, **placement.child_env(r))
         env[_CHILD_RESULT_ENV] = str(tmp / f"rank{r}.json")
-        procs.append(subprocess.Popen([sys.executable, "-m", "kaitian_ros.training.launch", *argv],
-                                      env=env))
+        # tied to this process (no orphan rank when it dies), in process groups of their own
+        # (a terminal's Ctrl-C reaches this process, which forwards it below)
+        procs.append(start_child([sys.executable, "-m", "kaitian_ros.training.launch", *argv], env=env))
     first_dead: tuple[int, int] | None = None
     dead_at = 0.0
     try:
@@ -318,25 +320,11 @@ def _spawn_local(argv: list[str], cfg: Any, placement: Placement, as_json: bool)
             # the survivors normally notice through their own collectives within seconds;
             # past the grace period the parent stops them so nothing hangs
             if first_dead is not None and time.monotonic() - dead_at > min(cfg.timeout_s, 15.0):
-                for p in procs:
-                    if p.poll() is None:
-                        p.terminate()
-                for p in procs:
-                    try:
-                        p.wait(timeout=5)
-                    except subprocess.TimeoutExpired:
-                        p.kill()
+                stop_children(procs, ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)))
                 break
             time.sleep(0.1)
     except KeyboardInterrupt:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_children(procs, ((signal.SIGINT, 10.0), (signal.SIGKILL, 2.0)))
         print("kaitian train: interrupted", file=sys.stderr)
         return 130
     if first_dead is not None:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from kaitian_ros.ports import free_port
+from kaitian_ros.processes import tie_to_parent
 from kaitian_ros.training.process_group import DistEnv, init_distributed, shutdown_distributed
 
 if TYPE_CHECKING:  # imported at run time where used, as the functions below do
@@ -24,6 +25,7 @@ if TYPE_CHECKING:  # imported at run time where used, as the functions below do
 
 def _local_child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple,
                  env: dict[str, str], timeout_s: float, q: Any) -> None:
+    tie_to_parent()  # daemon processes end with a parent that exits; this also with one killed
     torch.set_num_threads(1)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})

@@ -201,4 +201,5 @@ class PlannerProcess:
             self._proc.join(timeout=2.0)
             if self._proc.is_alive():
                 self._proc.kill()
+                self._proc.join(timeout=5.0)  # reaped: once close() returns, it is not alive()
 

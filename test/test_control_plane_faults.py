@@ -182,8 +182,13 @@ def test_compute_nodes_refuse_a_plan_version_jump(scheduled):
                             int(real.incarnation))
     msg.strategy = "stripes"
     forged.publish(msg)
+    # refused by the version check - or, when the coordinator saw the forgery on its own topic
+    # and re-announced its plan under a new incarnation first, as a plan of the incarnation
+    # that retired (a race between two deliveries: either is a refusal; the version check
+    # itself is tested in test_core_authority)
     for node in g.compute_names:
-        _values(g, node, lambda v: int(v.get("rejected.implausible version", "0")) >= 1,
+        _values(g, node, lambda v: any(int(v.get(f"rejected.{r}", "0")) >= 1
+                                       for r in ("implausible version", "retired incarnation")),
                 "the forged plan rejected")
     frames = g.frames(3, first=80)
     outputs = g.check_outputs(frames, g.stream(frames))  # still served under the real plan

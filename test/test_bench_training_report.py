@@ -78,3 +78,38 @@ def test_bad_arguments_are_one_line(capsys):
     assert bench.main(["--config", "huge"]) == 2
     err = capsys.readouterr().err
     assert "--repeats" in err
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_command_writes_medians_spread_and_every_rank_comm(tmp_path, monkeypatch):
+    """A tiny real run (1 epoch at native 8x8, two of the compute configuration's runs, twice):
+    the JSON's structure, not its timings."""
+    import json
+
+    every = bench.specs_for
+    # two runs (one without, one with stealing) keep every process launch of the command
+    # while the test stays short; the full list is checked above
+    monkeypatch.setattr(bench, "specs_for", lambda bc, steps: [s for s in every(bc, steps)
+                                                               if s.name in ("equal", "adaptive")])
+    out = tmp_path / "t.json"
+    assert bench.main(["--config", "compute", "--epochs", "1", "--image-size", "8",
+                       "--repeats", "2", "--out-dir", str(tmp_path), "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    c = r["configs"]["compute"]
+    assert r["repeats"] == 2 and r["emulated_speeds"] and r["policies"] == c["policies"]
+    assert set(c["policies"]) == {"equal", "adaptive"}
+    for name, p in c["policies"].items():
+        assert p["repeats"] == 2 and len(p["runs"]) == 2
+        assert p["efficiency_min"] <= p["efficiency"] <= p["efficiency_max"]
+        assert p["comm_overhead_min_pct"] <= p["comm_overhead_pct"] <= p["comm_overhead_max_pct"]
+        for run in p["runs"]:
+            ranks = run["comm_overhead_by_rank_pct"]
+            assert len(ranks) == 2 and run["comm_overhead_pct"] == pytest.approx(sum(ranks) / 2)
+            assert run["solo_samples_per_s_before_after"]["1.0:3.0"][0][0] > 0
+        assert p["work_stealing"] == ("on" if name == "adaptive" else "off")
+    assert set(c["targets"]) == {"efficiency_ge_0.90", "efficiency_le_1_plus_spread",
+                                 "comm_mean_over_ranks_le_3pct", "accuracy_within_0.3pp"}
+    assert c["accuracy_check"] is None and c["setup"]["image_size"] == 8 and c["seconds"] > 0
+    assert (tmp_path / "training_throughput.png").exists()

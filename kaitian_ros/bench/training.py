@@ -131,6 +131,7 @@ def run_config(bc: BenchConfig, quick: bool, repeats: int, progress: Progress,
                ) -> tuple[dict[str, Any], dict[str, list[float]]]:
     """All runs of one configuration, ``repeats`` times; returns its JSON part and the last
     repeat's per-step throughput (for the plot)."""
+    t0 = time.perf_counter()
     epochs = epochs or (bc.quick_epochs if quick else bc.epochs)
     base = base_config(bc, epochs, image_size)
     specs = specs_for(bc, epochs * DIGITS_STEPS_PER_EPOCH)
@@ -176,6 +177,7 @@ def run_config(bc: BenchConfig, quick: bool, repeats: int, progress: Progress,
     if bc.accuracy_check:
         out["accuracy_check"] = accuracy_check(base, last_runs, single_acc)
         progress.advance(f"{bc.name}: accuracy check (single-process replays) done")
+    out["seconds"] = time.perf_counter() - t0
     return out, {n: r["throughput"] for n, r in last_runs.items()}
 
 

@@ -1,0 +1,148 @@
+"""One measured run of ``kaitian bench training`` and the solo rates that normalise it.
+
+A run is N ranks forked on this host by ``training.local_ranks.run_local`` (one thread each,
+gloo, ``RankTrainer`` on the digits data at the configured image size). Its solo rates are
+measured under the same arrangement: every device of the run trains alone on the whole global
+batch, all of them at the same time (they share this CPU's cores, caches and memory bus in the
+run as well), each one through ``run_local`` with the same configuration, data path, thread
+count, step loop, EMULATED slowdown and warm-up exclusion as a rank of the run. The only
+differences are the ones that define the ideal: no partner to communicate with and no slice
+(the whole global batch, so the fixed per-step cost is paid once, as on a single device).
+
+Speeds are EMULATED: a rank with slowdown s sleeps (s-1) x its real compute time
+(``training.trainer``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+WARMUP = 2  # first steps of every run left out of rates (lazy init, DDP bucket rebuild)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str
+    slowdowns: tuple[float, ...]
+    policy: str
+    drift: tuple[int, int, float] | None = None  # (rank, at step, new slowdown)
+    solo: bool = False  # one rank on the whole batch; ``max_steps`` limits it
+    max_steps: int | None = None
+    work_stealing: str = "auto"  # TrainingConfig.work_stealing: auto | on | off
+
+    def phases(self) -> list[tuple[float, ...]]:
+        """The slowdown vectors the run goes through (two with a drift)."""
+        out = [tuple(self.slowdowns)]
+        if self.drift:
+            after = list(self.slowdowns)
+            after[self.drift[0]] = self.drift[2]
+            out.append(tuple(after))
+        return out
+
+    def config(self, base: Any) -> Any:
+        world = len(self.slowdowns)
+        devices = ("cpu",) if world == 1 else tuple(f"cpu:{chr(97 + r)}" for r in range(world))
+        return replace(base, devices=devices, emulated_slowdown=self.slowdowns, policy=self.policy,
+                       max_steps=self.max_steps, work_stealing=self.work_stealing)
+
+
+def _rank_fn(rank: int, world: int, cfg: Any, drift: tuple[int, int, float] | None) -> dict:
+    from kaitian_ros.training.results import TrainingStep
+    from kaitian_ros.training.trainer import RankTrainer
+
+    box: dict[str, Any] = {}
+
+    def on_step(s: TrainingStep) -> None:
+        if drift is not None and rank == drift[0] and s.step + 1 == drift[1]:
+            box["t"].set_emulated_slowdown(drift[2])
+
+    box["t"] = RankTrainer(cfg, on_step=on_step)
+    res = box["t"].run()
+    import torch
+
+    params = torch.cat([p.detach().flatten() for p in box["t"].model.parameters()])
+    return {"acc": res.test_accuracy, "shares": list(res.final_shares),
+            "params": params.numpy().copy(),
+            "steps": [(h.step, h.global_batch, h.local_batch, h.step_ms, h.comm_ms, h.slowdown,
+                       h.compute_ms) for h in res.history]}
+
+
+def run(spec: RunSpec, base: Any) -> dict:
+    """Train ``spec`` once; its rates leave out the first ``WARMUP`` steps."""
+    from kaitian_ros.training.local_ranks import run_local
+
+    cfg = spec.config(base)
+    outs = run_local(_rank_fn, len(spec.slowdowns), cfg, spec.drift, timeout_s=300)
+    n = len(outs[0]["steps"])
+    w = WARMUP
+    per_step_wall = [max(o["steps"][i][3] for o in outs) for i in range(n)]
+    # the early rank(s) sit blocked waiting for the last one: imbalance or descheduling
+    per_step_wait = [max(o["steps"][i][4] for o in outs) - min(o["steps"][i][4] for o in outs)
+                     for i in range(n)]
+    gb = [s[1] for s in outs[0]["steps"]]
+    # ranks' step boundaries are offset, so the training time is the largest per-rank sum of
+    # step times (not a sum of per-step maxima)
+    wall_s = max(sum(s[3] for s in o["steps"][w:]) for o in outs) / 1e3
+    samples = sum(gb[w:])
+    # every rank's time blocked in the comm hook (transfer + waiting for the others)
+    comm_pct = [100 * sum(s[4] for s in o["steps"][w:]) / 1e3 / wall_s if wall_s else 0.0
+                for o in outs]
+    return {"outs": outs, "samples_per_s": samples / wall_s if wall_s else 0.0,
+            "comm_overhead_pct": statistics.fmean(comm_pct),
+            "comm_overhead_min_pct": min(comm_pct), "comm_overhead_max_pct": max(comm_pct),
+            "comm_overhead_by_rank_pct": comm_pct,
+            "imbalance_pct": 100 * sum(per_step_wait[w:]) / 1e3 / wall_s if wall_s else 0.0,
+            "final_accuracy": outs[0]["acc"], "final_shares": outs[0]["shares"],
+            "throughput": [g / (t / 1e3) for g, t in zip(gb, per_step_wall)],
+            "slowdown_per_step": [[o["steps"][i][5] for o in outs] for i in range(n)],
+            "global_batches": gb, "wall_s": wall_s,
+            "counts": [tuple(o["steps"][i][2] for o in outs) for i in range(n)]}
+
+
+def _solo_child(index: int, spec: RunSpec, base: Any, q: Any) -> None:
+    try:
+        q.put((index, run(spec, base)["samples_per_s"], None))
+    except Exception as e:  # noqa: BLE001 - a child process: any failure goes to the parent, which reports it
+        q.put((index, 0.0, f"{type(e).__name__}: {e}"))
+
+
+def concurrent_solo(slowdowns: Sequence[float], base: Any, steps: int) -> list[float]:
+    """Every device's solo rate, all of them training at the same time (module docstring).
+
+    A device s times slower runs s/max(s) of the steps so that all stay busy together;
+    the slowest runs ``steps`` steps after the warm-up.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    top = max(slowdowns)
+    procs = []
+    for i, s in enumerate(slowdowns):
+        n = WARMUP + max(4, round(steps * top / s))
+        spec = RunSpec(f"solo {s}", (s,), "equal", solo=True, max_steps=n)
+        p = ctx.Process(target=_solo_child, args=(i, spec, base, q), daemon=False)
+        p.start()
+        procs.append(p)
+    got = [q.get(timeout=1800) for _ in procs]
+    for p in procs:
+        p.join(timeout=10)
+    errors = [e for _, _, e in got if e]
+    if errors:
+        raise RuntimeError(f"solo run failed: {errors[0]}")
+    rates = [0.0] * len(slowdowns)
+    for i, r, _ in got:
+        rates[i] = r
+    return rates
+
+
+def ideal_rate(slowdowns_per_step: Sequence[Sequence[float]], global_batches: Sequence[int],
+               solo: Mapping[tuple[float, ...], Sequence[float]]) -> float:
+    """Samples/s if the devices ran at their solo rates, phase by phase (a drift changes
+    them); ``solo[slowdowns]`` are the rates of the devices at those slowdowns."""
+    t = sum(g / sum(solo[tuple(sl)])
+            for sl, g in zip(slowdowns_per_step[WARMUP:], global_batches[WARMUP:]))
+    return sum(global_batches[WARMUP:]) / t if t else 0.0

@@ -64,15 +64,22 @@ class GraphClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def liveliness(self) -> list[zs.LivelinessEntry]:
-        entries = []
-        for reply in self.session.liveliness().get(f"{zs.LIVELINESS_PREFIX}/{self.domain}/**",
-                                                   timeout=QUERY_TIMEOUT_S):
-            if reply.ok is not None:
-                entry = zs.parse_liveliness(str(reply.ok.key_expr))
-                if entry is not None:
-                    entries.append(entry)
-        return entries
+    def liveliness(self, wait_s: float = DISCOVERY_WAIT_S) -> list[zs.LivelinessEntry]:
+        """Every entity's liveliness entry. An empty answer is asked again for up to ``wait_s``:
+        a session that just connected can get none before its router has it in the graph
+        (`kaitian node list` printed nothing so while other tests loaded the machine)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            entries = []
+            for reply in self.session.liveliness().get(f"{zs.LIVELINESS_PREFIX}/{self.domain}/**",
+                                                       timeout=QUERY_TIMEOUT_S):
+                if reply.ok is not None:
+                    entry = zs.parse_liveliness(str(reply.ok.key_expr))
+                    if entry is not None:
+                        entries.append(entry)
+            if entries or time.monotonic() >= deadline:
+                return entries
+            time.sleep(0.2)
 
     def nodes(self) -> list[str]:
         return sorted({e.node_fqn for e in self.liveliness() if e.kind == "NN"})

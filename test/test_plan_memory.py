@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
+
 from kaitian_ros.core.plan import PlanSpec
 from kaitian_ros.core.plan_memory import (
     MEASURED_MIN,
@@ -110,3 +112,21 @@ def test_beaten_means_another_valid_measurement_faster_by_more_than_the_gain() -
     assert not memory.beaten(split, 64.0, 0.05, 3.0 + OBSERVED_TTL_S, profiles, ("a", "b"))
     assert not memory.beaten(split, 64.0, 0.05, now, {"a": _Profile(10.0 * SPEED_CHANGE * 1.01),
                                                       "b": _Profile(20.0)}, ("a", "b"))
+
+
+def test_a_running_plan_keeps_its_measurement_through_a_slow_drift_but_not_a_jump() -> None:
+    """Validity is judged against the speeds at the plan's latest request: a profile refined
+    step by step (each step within SPEED_CHANGE) is the speed the plan ran at; a jump since the
+    latest request starts the measurement again."""
+    memory, plan = PlanMemory(), _Plan(PlanSpec.single("a"))
+    trunk, seen = 10.0, None
+    for i in range(8):  # 10 % slower each request: 1.9x over the run
+        seen = memory.observe(plan, 50.0 + i, 40.0, float(i), {"a": _Profile(trunk)}, ("a",))
+        trunk *= 1.1
+    assert seen is not None and seen.n == 8 and seen.trunks == {"a": pytest.approx(10.0 * 1.1 ** 7)}
+    key = spec_key(plan.spec, plan.slab_rows)
+    assert key in memory.measured(8.0, {"a": _Profile(10.0 * 1.1 ** 7)}, ("a",))
+    # not run since, its node now SPEED_CHANGE faster than at its latest request: no longer counts
+    assert memory.measured(8.0, {"a": _Profile(10.0 * 1.1 ** 7 / SPEED_CHANGE / 1.01)}, ("a",)) == {}
+    jumped = memory.observe(plan, 90.0, 40.0, 9.0, {"a": _Profile(10.0 * 1.1 ** 7 * SPEED_CHANGE * 1.01)}, ("a",))
+    assert jumped is not None and jumped.n == 1 and jumped.samples == (90.0,)

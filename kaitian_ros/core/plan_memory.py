@@ -50,7 +50,7 @@ class ObservedPlan:
     samples: tuple[float, ...]  # latencies of the latest requests that ran alone under it (ms)
     n: int  # requests that ran alone under it since the measurement started
     last_s: float  # monotonic time of the last one
-    trunks: dict  # node -> profile trunk_ms when the measurement started
+    trunks: dict  # node -> profile trunk_ms at its latest request
     predicted_ms: float  # the plan's predicted latency at the latest request
     active: frozenset  # the nodes it keeps busy
 
@@ -91,9 +91,9 @@ class PlanMemory:
         if seen is None or not self.still_valid(seen, now, profiles, alive):
             self.observed[key] = ObservedPlan(spec, slab_rows, (ms,), 1, now, trunks, predicted_ms,
                                               frozenset(plan.active_nodes()))
-        else:
+        else:  # the speeds it now ran at: a slow drift of a profile while it runs is its speed
             self.observed[key] = ObservedPlan(spec, slab_rows, (*seen.samples, ms)[-MEASURED_WINDOW:], seen.n + 1,
-                                              now, seen.trunks, predicted_ms, seen.active)
+                                              now, trunks, predicted_ms, seen.active)
         if len(self.observed) > OBSERVED_MAX:  # bounded: the oldest go
             for k, _ in sorted(self.observed.items(), key=lambda kv: kv[1].last_s)[:len(self.observed) - OBSERVED_MAX]:
                 del self.observed[k]
@@ -103,7 +103,11 @@ class PlanMemory:
     def still_valid(seen: ObservedPlan, now: float, profiles: Mapping[str, DeviceProfile],
                     alive: Collection[str]) -> bool:
         """A measurement stays valid while it is recent and no node of the plan changed speed
-        (its profile's trunk time within SPEED_CHANGE of what it was then)."""
+        since its latest request (its profile's trunk time within SPEED_CHANGE of what it was
+        then). Since the latest, not the first: a profile refined from live requests drifts
+        away from the start-up measurement, and compared with the first request the single
+        device lost its measurement in the benchmark's `default` scenario while it ran, and
+        the search went back to a stripes plan measured worse."""
         return now - seen.last_s <= OBSERVED_TTL_S and all(n in alive for n in seen.spec.node_ids) and \
             changed_speed(seen.trunks, profiles) is None
 

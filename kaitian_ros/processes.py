@@ -97,7 +97,7 @@ def tie_to_parent() -> None:
     effect."""
     if _PRCTL is None:
         return
-    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    _tie()
     if os.getppid() == 1:
         os._exit(0)
 

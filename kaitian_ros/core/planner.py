@@ -90,6 +90,13 @@ class MeasuredPlan(NamedTuple):
     ms: float
 
 
+def measured_margin(margin: float) -> float:
+    """The margin between two measurements: half the one a prediction must clear. Both are what
+    users got, so less is needed to tell them apart; still above a five-request median's noise
+    here, so equal plans do not alternate."""
+    return margin / 2
+
+
 def worth_switching(running_ms: float, running_measured: bool, best: Candidate, min_gain: float) -> bool:
     """Whether to leave the running plan, expected to take `running_ms`, for `best`.
 
@@ -100,7 +107,7 @@ def worth_switching(running_ms: float, running_measured: bool, best: Candidate, 
     measured plan it replaced goes back; with the full margin it stayed for being within the
     tolerance given to predictions (the benchmark's default and robot_edge scenarios ran such a
     plan for whole rounds)."""
-    gain = min_gain / 2 if running_measured and best.measured_ms is not None else min_gain
+    gain = measured_margin(min_gain) if running_measured and best.measured_ms is not None else min_gain
     return running_ms > best.expected_ms * (1.0 + gain)
 
 
@@ -114,7 +121,7 @@ def simpler_margin(simpler: Candidate, fastest: Candidate, margin: float) -> flo
     had measured at 80 ms."""
     if fastest.measured_ms is None:
         return margin
-    return margin / 2 if simpler.measured_ms is not None else 0.0
+    return measured_margin(margin) if simpler.measured_ms is not None else 0.0
 
 
 def spec_key(spec: PlanSpec, slab_rows: int) -> tuple:

@@ -234,10 +234,10 @@ class Coordinator(RequestFlow):
             planner.spec_key(running.spec, running.slab_rows) == planner.spec_key(plan.spec, plan.slab_rows)
         # the newest prediction of the running plan (re-predicted every round), else its own
         predicted = self.predicted_ms if is_running else plan.estimated_ms
-        now = self.memory.observe(plan, ms, predicted, time.monotonic(), self.profiles, self.alive)
-        gain = self.params["min_plan_gain"]
+        t, gain = time.monotonic(), self.params["min_plan_gain"]
+        now = self.memory.observe(plan, ms, predicted, t, self.profiles, self.alive)
         if now is not None and now.n == MEASURED_MIN and is_running and (now.ms > self.predicted_ms * (1 + gain) or (
-                self.memory.beaten(plan, now.ms, gain / 2, time.monotonic(), self.profiles, self.alive))):
+                self.memory.beaten(plan, now.ms, planner.measured_margin(gain), t, self.profiles, self.alive))):
             # the model was wrong about the running plan, or a plan that ran before measured
             # better (`planner.worth_switching`): choose again with what it measured
             self._replan_soon(f"measured {now.ms:.1f} ms, predicted {self.predicted_ms:.1f} ms")

@@ -84,9 +84,11 @@ class GraphClient:
     def nodes(self) -> list[str]:
         return sorted({e.node_fqn for e in self.liveliness() if e.kind == "NN"})
 
-    def topics(self) -> list[TopicInfo]:
+    def topics(self, wait_s: float = DISCOVERY_WAIT_S) -> list[TopicInfo]:
+        """Every topic with its types and counts of publishers and subscribers (an empty graph is
+        asked again for up to ``wait_s``: `liveliness`)."""
         found: dict[str, dict[str, Any]] = {}
-        for e in self.liveliness():
+        for e in self.liveliness(wait_s):
             if e.kind not in ("MP", "MS"):
                 continue
             info = found.setdefault(e.topic, {"types": set(), "MP": 0, "MS": 0})
@@ -99,7 +101,7 @@ class GraphClient:
         just connected may not have every liveliness token yet (echo once failed that way)."""
         deadline = time.monotonic() + wait_s
         while True:
-            for info in self.topics():
+            for info in self.topics(wait_s=0.0):  # this loop does the asking again
                 if info.name == topic:
                     return info.types[0]
             if time.monotonic() >= deadline:

@@ -9,7 +9,16 @@ import torch
 from kaitian_ros.core.costs import Costs, DeviceProfile, LinkEstimate, OpCost
 from kaitian_ros.core.models import build_model
 from kaitian_ros.core.plan import PlanSpec
-from kaitian_ros.core.planner import Candidate, MeasuredPlan, choose_plan, simpler_margin, spec_key, worth_switching
+from kaitian_ros.core.planner import (
+    Candidate,
+    Choice,
+    MeasuredPlan,
+    choose_plan,
+    resuming,
+    simpler_margin,
+    spec_key,
+    worth_switching,
+)
 from kaitian_ros.core.split import split_model
 
 torch.set_num_threads(1)
@@ -69,3 +78,29 @@ def test_a_measured_split_wins_over_a_simpler_plan_that_measured_slower() -> Non
     choice = choose_plan(g, ["a", "b"], costs, slab_rows=8, margin=0.1, measured=measured, whole_image=False,
                          shares=[1.0, 0.0], adapt_shares=False)
     assert choice.best.spec == single
+
+
+def test_parameters_set_again_resume_the_measured_plan_unless_it_is_clearly_beaten() -> None:
+    """The layer-wise plan ran under these parameters and measured 79.6 ms. A search after the
+    parameters return predicts the single device at 60 ms (model error: nothing measured on
+    it): that promises the full gain, so it is tried. Predicted at 75 ms it is not: the
+    measured plan resumes. Measured at 78 ms (within half the margin) it is not either."""
+    single, layerwise = PlanSpec.single("a"), PlanSpec.layerwise("a", "b", 5)
+    ran = MeasuredPlan(layerwise, 8, 79.6)
+
+    def choice_with(single_ms: float, single_measured: bool):
+        best = Candidate(single, single_ms, "single a", measured_ms=single_ms if single_measured else None)
+        return Choice(best, None, (best, Candidate(layerwise, 90.0, "layerwise", measured_ms=79.6)))
+
+    tried = resuming(choice_with(60.0, False), ran, 0.1)
+    assert tried.best.spec == single
+    for single_ms, single_measured in ((75.0, False), (78.0, True)):
+        kept = resuming(choice_with(single_ms, single_measured), ran, 0.1)
+        assert kept.best.spec == layerwise and kept.best.measured_ms == 79.6
+        assert kept.runner_up is not None and kept.runner_up.spec == single
+    # measured clearly faster (more than half the margin): the search's choice stands
+    assert resuming(choice_with(70.0, True), ran, 0.1).best.spec == single
+    # nothing to resume, or the plan that ran is no candidate now (a node of it gone)
+    assert resuming(choice_with(75.0, False), None, 0.1).best.spec == single
+    gone = Choice(Candidate(single, 75.0, "single a"), None, (Candidate(single, 75.0, "single a"),))
+    assert resuming(gone, ran, 0.1).best.spec == single

@@ -130,3 +130,23 @@ def test_a_running_plan_keeps_its_measurement_through_a_slow_drift_but_not_a_jum
     assert memory.measured(8.0, {"a": _Profile(10.0 * 1.1 ** 7 / SPEED_CHANGE / 1.01)}, ("a",)) == {}
     jumped = memory.observe(plan, 90.0, 40.0, 9.0, {"a": _Profile(10.0 * 1.1 ** 7 * SPEED_CHANGE * 1.01)}, ("a",))
     assert jumped is not None and jumped.n == 1 and jumped.samples == (90.0,)
+
+
+def test_the_plan_that_ran_under_settings_resumes_while_its_measurement_is_valid() -> None:
+    memory = PlanMemory()
+    single, split = _Plan(PlanSpec.single("a")), _Plan(PlanSpec.stripes(("a", "b"), (1.0, 1.0)))
+    profiles = {"a": _Profile(10.0), "b": _Profile(20.0)}
+    auto, forced = ("auto", True), ("stripes", True)
+    memory.ran_with(auto, single)
+    assert memory.resumable(auto, 0.0, profiles, ("a", "b")) is None  # not measured yet
+    _run(memory, single, [50.0] * MEASURED_MIN, profiles=profiles)
+    memory.ran_with(forced, split)  # the user forced stripes a while
+    got = memory.resumable(auto, MEASURED_MIN, profiles, ("a", "b"))
+    assert got is not None and got.spec == single.spec and got.ms == 50.0
+    assert memory.resumable(forced, MEASURED_MIN, profiles, ("a", "b")) is None  # never measured
+    # a later plan under the same settings replaces it; stale or sped-up measurements do not resume
+    memory.ran_with(auto, split)
+    assert memory.resumable(auto, MEASURED_MIN, profiles, ("a", "b")) is None
+    memory.ran_with(auto, single)
+    assert memory.resumable(auto, MEASURED_MIN + OBSERVED_TTL_S + 1, profiles, ("a", "b")) is None
+    assert memory.resumable(auto, MEASURED_MIN, {"a": _Profile(5.0), "b": _Profile(20.0)}, ("a", "b")) is None

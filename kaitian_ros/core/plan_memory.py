@@ -79,6 +79,7 @@ class PlanMemory:
     def __init__(self) -> None:
         self.observed: dict[tuple, ObservedPlan] = {}  # what plans really took lately
         self.left_from: dict[str, Departure] = {}  # compute node -> the plan that ran when it left
+        self.by_settings: dict[tuple, tuple[PlanSpec, int]] = {}  # settings -> (spec, slab_rows) run last
 
     def observe(self, plan: Plan, ms: float, predicted_ms: float, now: float,
                 profiles: Mapping[str, DeviceProfile], alive: Collection[str]) -> ObservedPlan | None:
@@ -168,6 +169,22 @@ class PlanMemory:
             return None, (f"{node} joined again, {n} at another speed (trunk {d.trunks[n]:.1f} -> "
                           f"{profile.trunk_ms if profile else float('nan'):.1f} ms): planning anew")
         return d, ""
+
+    def ran_with(self, settings: tuple, plan: Plan) -> None:
+        """`plan` took effect while the plan-shaping parameters were `settings` (any hashable
+        value the caller derives from them)."""
+        self.by_settings.pop(settings, None)  # newest last: the oldest go first when bounded
+        self.by_settings[settings] = (plan.spec, plan.slab_rows)
+        while len(self.by_settings) > OBSERVED_MAX:
+            del self.by_settings[next(iter(self.by_settings))]
+
+    def resumable(self, settings: tuple, now: float, profiles: Mapping[str, DeviceProfile],
+                  alive: Collection[str]) -> planner.MeasuredPlan | None:
+        """The plan that ran last under `settings`, if its measurement is still valid: what the
+        parameters returning to `settings` start from (a user who tried another strategy and
+        went back to `auto` gets the plan auto had found, not a new search's first guesses)."""
+        got = self.by_settings.get(settings)
+        return None if got is None else self.measured(now, profiles, alive).get(planner.spec_key(*got))
 
     def forget_departures(self) -> None:
         """The plans nodes left were chosen under settings that changed: none is restored."""

@@ -111,6 +111,23 @@ def worth_switching(running_ms: float, running_measured: bool, best: Candidate, 
     return running_ms > best.expected_ms * (1.0 + gain)
 
 
+def resuming(choice: Choice, resume: MeasuredPlan | None, min_gain: float) -> Choice:
+    """`choice`, or the measured plan `resume` that ran last under the parameters just set again
+    (`PlanMemory.resumable`) while `choice.best` is not worth switching to from it. Without this
+    every return of the parameters was a fresh search that tried each plan predicted a little
+    faster than the measured best for a few requests: in the benchmark, which sets the
+    product's parameters at the start of each round, most of a round in one run of three."""
+    if resume is None:
+        return choice
+    key = spec_key(resume.spec, resume.slab_rows)
+    if spec_key(choice.best.spec, choice.best.slab_rows) == key:
+        return choice
+    again = next((c for c in choice.candidates if spec_key(c.spec, c.slab_rows) == key), None)
+    if again is None or worth_switching(again.expected_ms, again.measured_ms is not None, choice.best, min_gain):
+        return choice
+    return Choice(again, choice.best, choice.candidates)
+
+
 def simpler_margin(simpler: Candidate, fastest: Candidate, margin: float) -> float:
     """How much slower than the `fastest` candidate a candidate of a `simpler` strategy may be
     expected and still be chosen. `margin` while the fastest is only predicted: a plan with

@@ -15,7 +15,8 @@ that stops sending heartbeats leaves the plan; its in-flight requests are re-dis
 survivors under a new version so no frame is lost.
 
 Requests run in `coordinator_requests`, /diagnostics in `coordinator_report`, the parameters
-are `coordinator_params`, and what it remembers of plans that ran is `core.plan_memory`.
+are `coordinator_params`, what plans are priced with `coordinator_costs`, and what it
+remembers of plans that ran is `core.plan_memory`.
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ import torch
 
 from kaitian_ros.core import planner
 from kaitian_ros.core.authority import AuthorityTracker, ImpersonationGuard, new_incarnation
-from kaitian_ros.core.cost_model import CostModel, prior_op_cost
-from kaitian_ros.core.costs import COORDINATOR, Costs, DeviceProfile, LinkEstimate, LinkMeter, profile_problem
+from kaitian_ros.core.costs import DeviceProfile, LinkMeter, profile_problem
 from kaitian_ros.core.plan import Plan, same_spec
 from kaitian_ros.core.plan_memory import MEASURED_MIN, PlanMemory, same_speed
 from kaitian_ros.core.policy import Assignment
 from kaitian_ros.nodes import inference_common as ic
-from kaitian_ros.nodes.coordinator_params import PARAMETERS
+from kaitian_ros.nodes.coordinator_costs import planning_costs
+from kaitian_ros.nodes.coordinator_params import PARAMETERS, PLAN_SETTINGS
 from kaitian_ros.nodes.coordinator_report import report
 from kaitian_ros.nodes.coordinator_requests import Request, RequestFlow
 from kaitian_ros.nodes.planner_process import PlannerProcess, PlanRequest, plan_round
@@ -44,8 +45,6 @@ from kaitian_ros.runtime import run_node
 from kaitian_ros.runtime.api import QoS, Runtime, SetParametersResult
 from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher
 
-# Prior latency of an unmeasured link: the cost model's per-exchange latency (CostModel).
-LINK_PRIOR_LATENCY_MS = CostModel().exchange_ms
 # telemetry of a node whose session just ended is ignored this long: a sample it sent before it
 # died but handled after its departure would make it rejoin the plan and take requests it never
 # answers (a respawned node needs its respawn delay plus seconds of start-up to send its first)
@@ -126,10 +125,10 @@ class Coordinator(RequestFlow):
         if "threads" in changes:
             torch.set_num_threads(changes["threads"])
         self.params = self.params | changes
-        if {"static_shares", "use_scheduler", "strategy", "slab_rows", "share_search"} & set(changes):
+        if set(PLAN_SETTINGS) & set(changes):
             # self.params already holds the new values; the runtime applies them after we return
             self.memory.forget_departures()
-            self._replan(f"{', '.join(sorted(changes))} set", force=True)
+            self._replan(f"{', '.join(sorted(changes))} set", force=True, resume=True)
         return SetParametersResult(True)
 
     # --- membership and plans -----------------------------------------------------------
@@ -246,32 +245,11 @@ class Coordinator(RequestFlow):
         """The plan of the version in effect (None before the first)."""
         return self.plans.get(self.current.version) if self.current is not None else None
 
-    def _costs(self, nodes: tuple[str, ...], shares: tuple[float, ...]) -> tuple[Costs, list[str]]:
-        """What the planner prices plans with: the measured profiles and links; a node without
-        a profile yet gets the flop-based prior (`CostModel`), faster in proportion to its share."""
-        profiles = {n: p for n, p in self.profiles.items() if n in nodes}
-        missing = [n for n in nodes if n not in profiles]
-        if missing:
-            prior = CostModel()
-            active = [s for s in shares if s > 0] or [1.0]
-            mean = sum(active) / len(active)
-            for n, share in zip(nodes, shares):
-                if n in missing:
-                    scale = mean / share if share > 0 else 10.0
-                    ops = tuple(prior_op_cost(op, prior, scale) for op in self.graph.ops)
-                    profiles[n] = DeviceProfile(n, 0, self.spec.key, "?", 1.0, ops,
-                                                sum(c.ms(op.out_shape[1]) for c, op in zip(ops, self.graph.ops)),
-                                                0.05)
-        links = {(n, COORDINATOR): est for n, m in self.meters.items() if (est := m.estimate()) is not None}
-        link_prior = LinkEstimate(self.params["plan_link_mbit"] * 1e3 / 8, LINK_PRIOR_LATENCY_MS)
-        costs = Costs(profiles, links, link_prior, slab_rows=self.params["slab_rows"], pre_ms=self.pre_ms,
-                      post_ms=self.post_ms, send_ms_per_mb=self.send_ms_per_mb)
-        return costs.with_links_from_profiles(), missing
-
-    def _replan(self, reason: str, effective: int = 0, force: bool = False) -> None:
+    def _replan(self, reason: str, effective: int = 0, force: bool = False, resume: bool = False) -> None:
         """Choose the plan for the alive nodes now (membership, parameters: `force`), and
-        publish it as a new version if it differs from the newest one."""
-        request = self._plan_request(reason, effective, force)
+        publish it as a new version if it differs from the newest one. `resume`: parameters
+        were set; a measured plan that ran under them before is kept unless clearly beaten."""
+        request = self._plan_request(reason, effective, force, resume)
         if request is not None:
             self.last_material = request.material()
             self._apply_plan(request, *plan_round(self.graph, request))
@@ -338,7 +316,10 @@ class Coordinator(RequestFlow):
             self._replan_again = None
             self._replan_soon(reason, effective, proposal=True)
 
-    def _plan_request(self, reason: str, effective: int, force: bool) -> PlanRequest | None:
+    def _settings(self) -> tuple:
+        return tuple(tuple(v) if isinstance(v := self.params[k], list) else v for k in PLAN_SETTINGS)
+
+    def _plan_request(self, reason: str, effective: int, force: bool, resume: bool = False) -> PlanRequest | None:
         self.last_replan = time.monotonic()
         alive = tuple(n for n in self.nodes if n in self.alive)
         shares, policy = self._shares_for(alive)
@@ -351,18 +332,23 @@ class Coordinator(RequestFlow):
             if self.current is not None:
                 self.rt.logger.warning(f"no compute node available ({reason})")
             return None
-        costs, missing = self._costs(nodes, shares)
+        costs, missing = planning_costs(
+            self.graph, self.spec.key, self.profiles, self.meters, nodes, shares,
+            plan_link_mbit=self.params["plan_link_mbit"], slab_rows=self.params["slab_rows"], pre_ms=self.pre_ms,
+            post_ms=self.post_ms, send_ms_per_mb=self.send_ms_per_mb)
         latest = self.pending or self.current
         old = self.plans.get(latest.version) if latest is not None else None
         search = policy == "adaptive" and self.params["share_search"]
-        measured = self.memory.measured(time.monotonic(), self.profiles, self.alive)
+        now = time.monotonic()
+        measured = self.memory.measured(now, self.profiles, self.alive)
+        again = self.memory.resumable(self._settings(), now, self.profiles, self.alive) if resume else None
         return PlanRequest(reason, effective, force, alive, nodes, shares, policy, search,
                            self.params["min_plan_gain"], measured, costs, tuple(missing),
                            self.params["slab_rows"], self.params["strategy"],
                            latest.version if latest else 0, old.spec if old is not None else None,
                            old.slab_rows if old is not None else 0,
                            # input pacing emulates a slow link per slab: one slab would skip it
-                           self.params["input_pacing_ms"] <= 0, self.memory.earlier_errors(time.monotonic()))
+                           self.params["input_pacing_ms"] <= 0, self.memory.earlier_errors(now), resume=again)
 
     def _apply_plan(self, request: PlanRequest, choice: planner.Choice | None, was: Any) -> None:
         if choice is None:
@@ -416,6 +402,7 @@ class Coordinator(RequestFlow):
         self.current = pv
         self.unmeasured_version = version
         plan = self.plans[version]
+        self.memory.ran_with(self._settings(), plan)
         ru = self.choice.runner_up if self.choice is not None else None
         msg = ic.assignment_msg(pv, self.incarnation, plan, ru.label if ru else "", ru.predicted_ms if ru else 0.0)
         self.guard.published(version, ic.assignment_digest(msg))

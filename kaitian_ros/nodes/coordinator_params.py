@@ -7,6 +7,10 @@ from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.runtime.api import ParameterDescriptor as P
 from kaitian_ros.runtime.api import ParameterType as T
 
+# the parameters that shape plans: setting one plans again (the plan that ran last under the
+# new values resumes unless clearly beaten)
+PLAN_SETTINGS = ("static_shares", "use_scheduler", "strategy", "slab_rows", "share_search")
+
 PARAMETERS = ic.MODEL_PARAMETERS + (
     P("input_topic", T.STRING, "/camera/image_raw", "camera topic (sensor_msgs/Image)", read_only=True),
     P("compute_nodes", T.STRING_ARRAY, ["compute_0", "compute_1"], "compute node ids in row order",

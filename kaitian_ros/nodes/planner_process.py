@@ -51,6 +51,7 @@ class PlanRequest:
     # frozenset of nodes -> measured / predicted of the last plan that ran on them
     earlier_errors: dict = field(default_factory=dict)
     quick: bool = False  # single-node plans only (a node of the running plan changed speed)
+    resume: planner.MeasuredPlan | None = None  # the plan that ran last under the parameters just set
 
     def material(self) -> tuple:
         """What decides a round's choice, each measured number on a 5 % (links 10 %) log grid:
@@ -102,6 +103,7 @@ def plan_round(graph: ModelGraph, r: PlanRequest) -> tuple[planner.Choice | None
                                      shares=r.shares, adapt_shares=r.share_search, margin=r.margin,
                                      measured=r.measured, earlier_errors=r.earlier_errors,
                                      whole_image=r.whole_image)
+        choice = planner.resuming(choice, r.resume, r.margin)
         was = None
         if r.latest_spec is not None and set(r.latest_spec.node_ids) <= set(r.nodes):
             predicted = planner.predict(graph, r.latest_spec, r.costs, slab_rows=r.latest_slab_rows)

@@ -17,7 +17,10 @@ profile_once, adaptive).
 Efficiency = samples/s of a run over the sum of its devices' solo samples/s, measured under
 the run's own arrangement (``bench.training_runs``) right before and right after it (the mean
 of both; consecutive runs of the same speeds share the measurement between them), so solo
-and run measurements alternate. ``--repeats N`` runs everything N times; the JSON holds the
+and run measurements alternate. Solo jobs and the runs without work stealing compute in
+passes of the size this machine computes fastest per sample (``fastest_micro_batch``,
+measured first): the ideal is each device at its best, and the baselines get that tuning too
+(stealing computes in its own chunks). ``--repeats N`` runs everything N times; the JSON holds the
 median and the min-max of every number. Comm % = the time each rank sits blocked in the comm
 hook (transfer and waiting for the other rank), the mean over the ranks (min and max over the
 ranks reported beside it), over the training wall time. Wait % = per step the largest minus
@@ -36,14 +39,14 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from kaitian_ros.bench import BenchArgumentParser
 from kaitian_ros.bench.training_accuracy import accuracy_check
 from kaitian_ros.bench.training_report import plot, summarise, table, targets
-from kaitian_ros.bench.training_runs import RunSpec, concurrent_solo, ideal_rate, run
+from kaitian_ros.bench.training_runs import RunSpec, concurrent_solo, fastest_micro_batch, ideal_rate, run
 from kaitian_ros.progress import Progress
 
 DEFAULT_DIR = Path("bench/results")
@@ -134,6 +137,10 @@ def run_config(bc: BenchConfig, quick: bool, repeats: int, progress: Progress,
     t0 = time.perf_counter()
     epochs = epochs or (bc.quick_epochs if quick else bc.epochs)
     base = base_config(bc, epochs, image_size)
+    micro, per_sample_us = fastest_micro_batch(base)
+    base = replace(base, micro_batch=micro)
+    progress.advance(f"{bc.name}: passes of {micro} samples ("
+                     + ", ".join(f"{k}: {v:.0f}" for k, v in per_sample_us.items()) + " us/sample)")
     specs = specs_for(bc, epochs * DIGITS_STEPS_PER_EPOCH)
     solo_steps = bc.quick_solo_steps if quick else bc.solo_steps
     single = run(RunSpec("single device", (1.0,), "equal", solo=True), base)
@@ -171,6 +178,7 @@ def run_config(bc: BenchConfig, quick: bool, repeats: int, progress: Progress,
                   "rebalance_every": base.rebalance_every, "share_model": base.share_model,
                   "threads_per_rank": 1, "quick": quick, "cpus": os.cpu_count(),
                   "solo_steps_of_slowest_device": solo_steps,
+                  "micro_batch": micro, "micro_batch_us_per_sample": per_sample_us,
                   "single_device_samples_per_s": single["samples_per_s"]},
         "accuracy_check": None,
     }
@@ -189,7 +197,7 @@ def run_bench(quick: bool, configs: list[str], repeats: int = 1, epochs: int | N
     import torch
 
     torch.set_num_threads(1)
-    n_steps = sum(1 + repeats * len(specs_for(CONFIGS[c], 1)) + CONFIGS[c].accuracy_check
+    n_steps = sum(2 + repeats * len(specs_for(CONFIGS[c], 1)) + CONFIGS[c].accuracy_check
                   for c in configs)
     progress = Progress("kaitian bench training runs (EMULATED speeds)", n_steps)
     result: dict[str, Any] = {"configs": {}, "repeats": repeats, "emulated_speeds": True}

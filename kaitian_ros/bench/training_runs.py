@@ -4,10 +4,11 @@ A run is N ranks forked on this host by ``training.local_ranks.run_local`` (one 
 gloo, ``RankTrainer`` on the digits data at the configured image size). Its solo rates are
 measured under the same arrangement: every device of the run trains alone on the whole global
 batch, all of them at the same time (they share this CPU's cores, caches and memory bus in the
-run as well), each one through ``run_local`` with the same configuration, data path, thread
-count, step loop, EMULATED slowdown and warm-up exclusion as a rank of the run. The only
-differences are the ones that define the ideal: no partner to communicate with and no slice
-(the whole global batch, so the fixed per-step cost is paid once, as on a single device).
+run as well), each one through ``run_local`` with the same configuration, data path, thread count, step
+loop, pass size (``fastest_micro_batch``), EMULATED slowdown and warm-up exclusion as a rank
+of the run. The only differences are the ones that define the ideal: no partner to
+communicate with and no slice (the whole global batch, so the fixed per-step cost is paid
+once, as on a single device).
 
 Speeds are EMULATED: a rank with slowdown s sleeps (s-1) x its real compute time
 (``training.trainer``).
@@ -100,6 +101,48 @@ def run(spec: RunSpec, base: Any) -> dict:
             "slowdown_per_step": [[o["steps"][i][5] for o in outs] for i in range(n)],
             "global_batches": gb, "wall_s": wall_s,
             "counts": [tuple(o["steps"][i][2] for o in outs) for i in range(n)]}
+
+
+MICRO_BATCH_MIN = 16  # the smallest pass size tried for the solo jobs' best
+
+
+def fastest_micro_batch(base: Any, repeats: int = 3) -> tuple[int, dict[int, float]]:
+    """(pass size, microseconds per sample of each size tried): the size, of the global batch
+    and its halves down to ``MICRO_BATCH_MIN``, in which this machine computes a global batch of
+    the configuration's model and data fastest (forward and backward, one thread, the median
+    over ``repeats`` interleaved rounds).
+
+    Per-sample compute depends on the pass size: at 32x32 a pass of 64 samples took half the
+    time per sample of one of 512 here (activations that fit the caches). A device alone
+    computing the whole batch in one pass is then not the fastest single device, and a run
+    whose ranks compute smaller slices or work-stealing chunks measured above that "ideal"
+    (efficiency 1.27-1.30). So solo jobs and the runs without stealing compute in passes of
+    this size, and the ideal is each device at its best."""
+    import time
+
+    import torch
+
+    from kaitian_ros.training.data import load_data
+    from kaitian_ros.training.trainer import build_training_model
+
+    data = load_data(base.dataset, None, base.image_size, standardize=base.standardize_inputs)
+    model = build_training_model(base, data)
+    x_all, y_all = data.train
+    g = min(base.global_batch, len(y_all))
+    sizes, b = [], g
+    while b >= MICRO_BATCH_MIN:
+        sizes.append(b)
+        b //= 2
+    times: dict[int, list[float]] = {s: [] for s in sizes or [g]}
+    for _ in range(repeats + 1):  # the first round warms up and is not counted
+        for size in times:
+            t0 = time.perf_counter()
+            for a in range(0, g, size):
+                loss = torch.nn.functional.cross_entropy(model(x_all[a:a + size]), y_all[a:a + size], reduction="sum")
+                loss.backward()
+            times[size].append((time.perf_counter() - t0) / g * 1e6)
+    per_sample = {size: statistics.median(ts[1:]) for size, ts in times.items()}
+    return min(per_sample, key=lambda k: per_sample[k]), per_sample
 
 
 def _solo_child(index: int, spec: RunSpec, base: Any, q: Any) -> None:

@@ -88,6 +88,8 @@ PARAMETERS = (
     P("work_stealing", T.STRING, "auto", "move slice boundaries inside a step to the rank "
       "that finishes first (auto: with the adaptive policy)", read_only=True,
       choices=("auto", "on", "off")),
+    P("micro_batch", T.INTEGER, 0, "forward/backward passes of at most this many samples, the "
+      "gradient accumulated (0: the whole slice; not with work stealing)", 0, 2**31 - 1, read_only=True),
     P("rebalance_every", T.INTEGER, 5, "steps between share updates", 1, 2**31 - 1,
       read_only=True),
     P("ewma_alpha", T.DOUBLE, 0.5, "EWMA weight of the newest step time", 0.01, 1.0,
@@ -104,7 +106,7 @@ PARAMETERS = (
 )
 
 _CONFIG_KEYS = ("model", "dataset", "global_batch", "epochs", "lr", "momentum", "lr_schedule",
-                "warmup_steps", "seed", "policy", "work_stealing", "optimizer",
+                "warmup_steps", "seed", "policy", "work_stealing", "micro_batch", "optimizer",
                 "standardize_inputs", "camera_inputs",
                 "rebalance_every", "ewma_alpha", "hook", "timeout_s")
 

@@ -66,6 +66,10 @@ class TrainingConfig:
     resume: bool = False
     timeout_s: float = 60.0
     max_steps: int | None = None  # stop after this many steps in total (benchmarks)
+    # a rank computes its slice in forward/backward passes of at most this many samples,
+    # accumulating the gradient (same gradient; 0: the whole slice in one pass). Without work
+    # stealing only: stealing already computes in chunks
+    micro_batch: int = 0
     evaluate_every_epoch: bool = True
 
     def __post_init__(self) -> None:
@@ -92,6 +96,8 @@ class TrainingConfig:
                              "inputs are normalised as the inference nodes do it")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.micro_batch < 0:
+            raise ValueError(f"micro_batch must be >= 0 (0: the whole slice at once), got {self.micro_batch}")
         if self.global_batch <= 0 or self.epochs <= 0 or self.rebalance_every <= 0:
             raise ValueError("global_batch, epochs and rebalance_every must be positive")
         if not self.devices:

@@ -21,6 +21,7 @@ for the fast rank's compute *and* makes the fast rank wait for its sleep.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -44,6 +45,14 @@ from kaitian_ros.training.sampler import AdaptiveBatchSampler
 from kaitian_ros.training.stealing import StepClaims, forget_step
 
 WARMUP_STEPS = 2  # steps per run not used as speed measurements
+
+
+def micro_slices(n: int, micro_batch: int) -> list[tuple[int, int]]:
+    """[start, end) ranges that cover a slice of `n` samples in passes of at most `micro_batch`
+    samples (`TrainingConfig.micro_batch`); one pass when it is 0, also for an empty slice."""
+    if micro_batch <= 0 or n <= micro_batch:
+        return [(0, n)]
+    return [(a, min(a + micro_batch, n)) for a in range(0, n, micro_batch)]
 
 
 def build_training_model(cfg: TrainingConfig, data: DataSplit) -> nn.Module:
@@ -258,14 +267,19 @@ class RankTrainer:
                 if claims_store is not None:
                     count, loss_sum = stolen_forward_backward(sl)
                 else:
-                    x, y = gather_batch(data.train, sl.indices)
-                    x, y = x.to(self.device), y.to(self.device)
                     state.set_batch(sl.local_batch, sl.global_batch)
-                    out = ddp(x)
-                    # sum / b: mean over the local slice, and an exact zero for an empty one
-                    loss = nn.functional.cross_entropy(out, y, reduction="sum") / max(sl.local_batch, 1)
-                    loss.backward()  # the comm hook runs inside
-                    count, loss_sum = sl.local_batch, float(loss.item()) * sl.local_batch
+                    parts = micro_slices(len(sl.indices), cfg.micro_batch)
+                    loss_sum = 0.0
+                    for k, (a, b) in enumerate(parts):
+                        x, y = gather_batch(data.train, sl.indices[a:b])
+                        x, y = x.to(self.device), y.to(self.device)
+                        # the last pass reduces the accumulated gradient (the comm hook runs in it)
+                        with ddp.no_sync() if k + 1 < len(parts) else contextlib.nullcontext():
+                            # sum / b: mean over the local slice, and an exact zero for an empty one
+                            loss = nn.functional.cross_entropy(ddp(x), y, reduction="sum")
+                            (loss / max(sl.local_batch, 1)).backward()
+                        loss_sum += float(loss.item())
+                    count = sl.local_batch
                 set_lr(opt, lr_at(cfg, sl.step, sampler.steps_per_epoch()))
                 opt.step()
                 if self.device.type == "cuda":

@@ -191,19 +191,26 @@ def test_unreachable_router_is_one_line_and_exit_1(tmp_path: Path) -> None:
     from kaitian_ros.ports import free_port
 
     endpoint = f"tcp/127.0.0.1:{free_port()}"
-    proc = subprocess.run([sys.executable, "-m", "kaitian_ros.cli", "launch", "robot_edge", "--connect", endpoint,
-                           "--only", "compute_1", "--no-view"], env=_env(), capture_output=True, text=True, check=False,
-                          timeout=120)
-    assert proc.returncode == 1, proc
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and endpoint in lines[0] and "no router reachable" in lines[0], proc.stderr
-    assert "Traceback" not in proc.stdout + proc.stderr
-    assert "started" not in proc.stdout, proc.stdout
-    # the same from the scenario's own setting (connect:= as a launch argument, or its /** section)
-    by_key = subprocess.run([sys.executable, "-m", "kaitian_ros.cli", "launch", "robot_edge", f"connect:={endpoint}",
-                             "--only", "compute_1", "--no-view"], env=_env(), capture_output=True, text=True,
-                            check=False, timeout=120)
-    assert by_key.returncode == 1 and "no router reachable" in by_key.stderr and endpoint in by_key.stderr, by_key
+    # the --connect option and the scenario's own setting (connect:= as a launch argument, or its
+    # /** section), both at once: each waits out the connect timeout, the two waits overlap
+    launches = [subprocess.Popen([sys.executable, "-m", "kaitian_ros.cli", "launch", "robot_edge", *args, "--only",
+                                  "compute_1", "--no-view"], env=_env(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+                for args in (["--connect", endpoint], [f"connect:={endpoint}"])]
+    try:
+        (out, err), (_, by_key_err) = (p.communicate(timeout=120) for p in launches)
+    finally:
+        for p in launches:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    proc, by_key = launches
+    assert proc.returncode == 1, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and endpoint in lines[0] and "no router reachable" in lines[0], err
+    assert "Traceback" not in out + err
+    assert "started" not in out, out
+    assert by_key.returncode == 1 and "no router reachable" in by_key_err and endpoint in by_key_err, by_key_err
 
 
 def test_unreachable_master_is_one_line_per_rank() -> None:

@@ -194,6 +194,17 @@ def run_cli(*args: str, router: str | None = None, timeout_s: float = 30.0) -> s
                           cwd=str(REPO))
 
 
+def run_clis(*calls: tuple[str, ...], router: str | None = None,
+             timeout_s: float = 30.0) -> list[subprocess.CompletedProcess]:
+    """``run_cli`` for each tuple of ARGS in ``calls``, all at once (each its own interpreter):
+    independent commands overlap their start-ups and waits instead of queueing them. The
+    results in the order of ``calls``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(lambda args: run_cli(*args, router=router, timeout_s=timeout_s), calls))
+
+
 # --- process inspection (no psutil on this box: /proc) -------------------------------------
 
 def pid_running(pid: int) -> bool:

@@ -21,6 +21,7 @@ from helpers import (
     pid_running,
     pids_with_env,
     run_cli,
+    run_clis,
     wait_until,
 )
 
@@ -318,38 +319,46 @@ def test_bad_launch_argument():
 
 
 def test_unknown_model_or_device_fails_before_any_node_starts():
-    line = _one_line_error(run_cli("launch", "robot_edge", "model:=nosuchnet", "--no-view"))
+    model, device = run_clis(("launch", "robot_edge", "model:=nosuchnet", "--no-view"),
+                             ("launch", "robot_edge", "compute_1.device:=nosuchdevice:0", "--no-view"))
+    line = _one_line_error(model)
     assert "unknown model 'nosuchnet'" in line and "resnet18" in line and "compute_1" in line
     assert "[launch] started" not in line
-    line = _one_line_error(run_cli("launch", "robot_edge", "compute_1.device:=nosuchdevice:0", "--no-view"))
+    line = _one_line_error(device)
     assert "nosuchdevice:0" in line and "compute_1" in line
 
 
 def test_labels_or_weights_that_do_not_fit_the_model_fail_before_any_node_starts(tmp_path):
     """robot_edge's model has 1000 classes: 9 names, a weights file of another model, a missing
     weights file - each one line naming the problem and the nodes, nothing started."""
-    nine = tmp_path / "nine.txt"
-    nine.write_text("\n".join(f"c{i}" for i in range(9)) + "\n")
-    line = _one_line_error(run_cli("launch", "robot_edge", f"labels_file:={nine}", "--no-view"))
-    assert "has 9 names, the model has num_classes 1000" in line and "coordinator" in line
-    assert "[launch] started" not in line
     import torch
 
     from kaitian_ros.core.models import build_model
 
+    nine = tmp_path / "nine.txt"
+    nine.write_text("\n".join(f"c{i}" for i in range(9)) + "\n")
     other = tmp_path / "digits.pt"
     torch.save(build_model("digits_cnn").state_dict(), other)
-    line = _one_line_error(run_cli("launch", "robot_edge", f"weights:={other}", "--no-view"))
+    labels, weights, missing = run_clis(("launch", "robot_edge", f"labels_file:={nine}", "--no-view"),
+                                        ("launch", "robot_edge", f"weights:={other}", "--no-view"),
+                                        ("launch", "robot_edge", f"weights:={tmp_path / 'none.pt'}", "--no-view"))
+    line = _one_line_error(labels)
+    assert "has 9 names, the model has num_classes 1000" in line and "coordinator" in line
+    assert "[launch] started" not in line
+    line = _one_line_error(weights)
     assert f"weights '{other}' do not load into model 'resnet18'" in line and "compute_1" in line
-    line = _one_line_error(run_cli("launch", "robot_edge", f"weights:={tmp_path / 'none.pt'}", "--no-view"))
+    line = _one_line_error(missing)
     assert "does not exist" in line
 
 
 def test_bench_inference_mistakes_are_one_line():
-    line = _one_line_error(run_cli("bench", "inference", "--model", "nosuchnet"))
+    unknown, matrix, scenario = run_clis(("bench", "inference", "--model", "nosuchnet"),
+                                         ("bench", "inference", "--matrix", "--model", "vgg11"),
+                                         ("bench", "inference", "--scenario", "nope"))
+    line = _one_line_error(unknown)
     assert "unknown model 'nosuchnet'" in line
-    assert "--model" in _one_line_error(run_cli("bench", "inference", "--matrix", "--model", "vgg11"))
-    assert "invalid choice: 'nope'" in _one_line_error(run_cli("bench", "inference", "--scenario", "nope"))
+    assert "--model" in _one_line_error(matrix)
+    assert "invalid choice: 'nope'" in _one_line_error(scenario)
 
 
 def test_bench_transport_on_rclpy_without_ros_is_one_line():
@@ -359,11 +368,10 @@ def test_bench_transport_on_rclpy_without_ros_is_one_line():
 
 
 def test_train_and_bench_help_show_their_own_options():
-    train = run_cli("train", "--help")
+    train, bench, transport = run_clis(("train", "--help"), ("bench", "training", "--help"),
+                                       ("bench", "transport", "--help"))
     assert train.returncode == 0 and "--ranks" in train.stdout and "--global-batch" in train.stdout, train.stdout
-    bench = run_cli("bench", "training", "--help")
     assert bench.returncode == 0 and "--quick" in bench.stdout and "--json" in bench.stdout, bench.stdout
-    transport = run_cli("bench", "transport", "--help")
     assert transport.returncode == 0 and "--runtime" in transport.stdout
 
 

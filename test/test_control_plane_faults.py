@@ -45,10 +45,23 @@ def _values(g: InferenceGraph, node: str, predicate, what: str, timeout_s: float
         raise AssertionError(f"{exc}; last: {last[0]}\n--- launcher output ---\n{g.out.text(last=80)}") from None
 
 
-@pytest.mark.slow
-def test_coordinator_killed_is_respawned_and_the_graph_serves_again(tmp_path):
-    with InferenceGraph(tmp_path, **MODEL, slowdowns=[1.0, 1.0], shares=[1.0, 1.0], supervise=True,
-                        coordinator={"strategy": "stripes"}) as g:
+@pytest.fixture(scope="class")
+def supervised(tmp_path_factory):
+    """One supervised graph (the launcher respawns what dies, as ``kaitian launch`` does) for the
+    tests that kill its processes: each leaves it serving with every node, as it found it."""
+    with InferenceGraph(tmp_path_factory.mktemp("supervised"), **MODEL, slowdowns=[1.0, 1.0], shares=[1.0, 1.0],
+                        supervise=True, coordinator={"strategy": "stripes"}) as g:
+        g.wait_ready()
+        yield g
+
+
+class TestSupervisedGraph:
+    """Killed processes of one supervised graph (the class scope ends it before the graph below
+    starts); either test may run first."""
+
+    @pytest.mark.slow
+    def test_coordinator_killed_is_respawned_and_the_graph_serves_again(self, supervised):
+        g = supervised
         first = g.wait_ready()
         frames = g.frames(3)
         before = g.check_outputs(frames, g.stream(frames))
@@ -73,10 +86,8 @@ def test_coordinator_killed_is_respawned_and_the_graph_serves_again(tmp_path):
         # the killed coordinator's planner child went with it, quietly
         assert "Traceback" not in g.out.text(), g.out.text(last=60)
 
-
-def test_router_killed_is_respawned_and_a_node_started_after_it_rejoins(tmp_path):
-    with InferenceGraph(tmp_path, **MODEL, slowdowns=[1.0, 1.0], shares=[1.0, 1.0], supervise=True,
-                        coordinator={"strategy": "stripes"}) as g:
+    def test_router_killed_is_respawned_and_a_node_started_after_it_rejoins(self, supervised):
+        g = supervised
         g.wait_ready()
         old_router = g.pid("router")
         os.kill(old_router, signal.SIGKILL)

@@ -133,17 +133,13 @@ def _echo_fused(links: netns.Links, router: str, listen_ip: str) -> list[dict]:
     return fused
 
 
-def _train(links: netns.Links | None, index: int, args: Sequence[str], host: str, out: Path) -> Host | None:
-    """``kaitian train`` in namespace ``index`` (or here when links is None), output in ``out``."""
+def _train(links: netns.Links | None, index: int, args: Sequence[str], host: str) -> Host | Proc:
+    """``kaitian train`` in namespace ``index`` (or here, in the root namespace, when links is None)."""
     common = ["train", "--devices", "cpu", "--policy", "equal", "--epochs", "2", "--global-batch", "64",
               "--seed", "3", "--json", *args]
     env = _env(KAITIAN_HOST=host)
     if links is None:
-        proc = subprocess.run([sys.executable, "-m", "kaitian_ros.cli", *common], env=env,
-                              capture_output=True, text=True, timeout=300, check=False)
-        out.write_text(proc.stdout + proc.stderr)
-        assert proc.returncode == 0, proc.stderr
-        return None
+        return Proc([sys.executable, "-m", "kaitian_ros.cli", *common], env)
     return Host(links, index, common, env)
 
 
@@ -157,31 +153,34 @@ def test_training_across_two_hosts_equals_one_host(hosts: netns.Links, tmp_path:
     master = hosts.device_ip(0)
     ranks = [_train(hosts, i, ["--nnodes", "2", "--node-rank", str(i), "--master-addr", master,
                                "--master-port", "29500", "--ranks", "1", "--save-weights",
-                               str(tmp_path / "two_hosts.pt")], f"host{i}", tmp_path / f"host{i}.out")
+                               str(tmp_path / "two_hosts.pt")], f"host{i}")
              for i in (0, 1)]
+    # the same run with both ranks on one host, meanwhile (the root namespace, a free master port):
+    # the weights do not depend on what else runs
+    one_host = _train(None, 0, ["--ranks", "2", "--save-weights", str(tmp_path / "one_host.pt")], "host0")
     try:
-        codes = [r.process.wait(timeout=300) for r in ranks if r is not None]
+        codes = [r.p.wait(timeout=300) for r in ranks]
+        one_code = one_host.wait(timeout_s=300)
     finally:
         for r in ranks:
-            if r is not None:
-                r.stop(timeout_s=10)
-    outputs = [r.output() for r in ranks if r is not None]
+            r.stop(timeout_s=10)
+        one_host.stop()
+    outputs = [r.output() for r in ranks]
     assert codes == [0, 0], "\n---\n".join(outputs)
-    summaries = [_summary(r.lines) for r in ranks if r is not None]
+    summaries = [_summary(r.lines) for r in ranks]
     for i, s in enumerate(summaries):
         assert (s["node_rank"], s["world_size"], s["ranks"]) == (i, 2, 1), s
         # one (host, device) group per host, their leaders joined over gloo
         assert s["groups"] == "cpu@host0[0]/gloo | cpu@host1[1]/gloo ; leaders over gloo", s
     assert summaries[0]["test_accuracy"] == summaries[1]["test_accuracy"]
 
-    _train(None, 0, ["--ranks", "2", "--save-weights", str(tmp_path / "one_host.pt")], "host0",
-           tmp_path / "one.out")
-    one = _summary((tmp_path / "one.out").read_text().splitlines())
+    assert one_code == 0, one_host.output()
+    one = _summary(one_host.lines)
     assert one["groups"] == "cpu@host0[0, 1]/gloo ; leaders over gloo", one
     two_hosts = torch.load(tmp_path / "two_hosts.pt", weights_only=True)
-    one_host = torch.load(tmp_path / "one_host.pt", weights_only=True)
-    assert two_hosts.keys() == one_host.keys()
-    for name, value in one_host.items():
+    one_host_weights = torch.load(tmp_path / "one_host.pt", weights_only=True)
+    assert two_hosts.keys() == one_host_weights.keys()
+    for name, value in one_host_weights.items():
         assert torch.allclose(two_hosts[name], value, rtol=0.0, atol=1e-6), name
     assert summaries[0]["test_accuracy"] == one["test_accuracy"]
 
@@ -191,19 +190,26 @@ def test_unreachable_router_is_one_line_and_exit_1(tmp_path: Path) -> None:
     from kaitian_ros.ports import free_port
 
     endpoint = f"tcp/127.0.0.1:{free_port()}"
-    proc = subprocess.run([sys.executable, "-m", "kaitian_ros.cli", "launch", "robot_edge", "--connect", endpoint,
-                           "--only", "compute_1", "--no-view"], env=_env(), capture_output=True, text=True, check=False,
-                          timeout=120)
-    assert proc.returncode == 1, proc
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and endpoint in lines[0] and "no router reachable" in lines[0], proc.stderr
-    assert "Traceback" not in proc.stdout + proc.stderr
-    assert "started" not in proc.stdout, proc.stdout
-    # the same from the scenario's own setting (connect:= as a launch argument, or its /** section)
-    by_key = subprocess.run([sys.executable, "-m", "kaitian_ros.cli", "launch", "robot_edge", f"connect:={endpoint}",
-                             "--only", "compute_1", "--no-view"], env=_env(), capture_output=True, text=True,
-                            check=False, timeout=120)
-    assert by_key.returncode == 1 and "no router reachable" in by_key.stderr and endpoint in by_key.stderr, by_key
+    # the --connect option and the scenario's own setting (connect:= as a launch argument, or its
+    # /** section), both at once: each waits out the connect timeout, the two waits overlap
+    launches = [subprocess.Popen([sys.executable, "-m", "kaitian_ros.cli", "launch", "robot_edge", *args, "--only",
+                                  "compute_1", "--no-view"], env=_env(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+                for args in (["--connect", endpoint], [f"connect:={endpoint}"])]
+    try:
+        (out, err), (_, by_key_err) = (p.communicate(timeout=120) for p in launches)
+    finally:
+        for p in launches:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    proc, by_key = launches
+    assert proc.returncode == 1, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and endpoint in lines[0] and "no router reachable" in lines[0], err
+    assert "Traceback" not in out + err
+    assert "started" not in out, out
+    assert by_key.returncode == 1 and "no router reachable" in by_key_err and endpoint in by_key_err, by_key_err
 
 
 def test_unreachable_master_is_one_line_per_rank() -> None:

@@ -123,7 +123,7 @@ def fastest_micro_batch(base: Any, repeats: int = 3) -> tuple[int, dict[int, flo
     import torch
 
     from kaitian_ros.training.data import load_data
-    from kaitian_ros.training.trainer import build_training_model
+    from kaitian_ros.training.trainer import build_training_model, micro_slices
 
     data = load_data(base.dataset, None, base.image_size, standardize=base.standardize_inputs)
     model = build_training_model(base, data)
@@ -137,9 +137,8 @@ def fastest_micro_batch(base: Any, repeats: int = 3) -> tuple[int, dict[int, flo
     for _ in range(repeats + 1):  # the first round warms up and is not counted
         for size in times:
             t0 = time.perf_counter()
-            for a in range(0, g, size):
-                loss = torch.nn.functional.cross_entropy(model(x_all[a:a + size]), y_all[a:a + size], reduction="sum")
-                loss.backward()
+            for a, b in micro_slices(g, size):
+                torch.nn.functional.cross_entropy(model(x_all[a:b]), y_all[a:b], reduction="sum").backward()
             times[size].append((time.perf_counter() - t0) / g * 1e6)
     per_sample = {size: statistics.median(ts[1:]) for size, ts in times.items()}
     return min(per_sample, key=lambda k: per_sample[k]), per_sample

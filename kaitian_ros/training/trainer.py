@@ -199,6 +199,15 @@ class RankTrainer:
         ddp.register_comm_hook(state, slowed_hook)
         claims_store = self._claims_store() if cfg.steals and self.world_size > 1 else None
 
+        def forward_backward(indices: Any, d: int) -> float:
+            """One pass over the samples `indices`: their summed loss / d backpropagated (d the
+            slice's planned size: the gradient is the slice's mean share); the summed loss."""
+            x, y = gather_batch(data.train, indices)
+            x, y = x.to(self.device), y.to(self.device)
+            loss = nn.functional.cross_entropy(ddp(x), y, reduction="sum")
+            (loss / d).backward()
+            return float(loss.item())
+
         def stolen_forward_backward(sl: Any) -> tuple[int, float]:
             """This rank's share of the step with run-time boundaries (``training.stealing``).
 
@@ -214,11 +223,7 @@ class RankTrainer:
             loss_sum = 0.0
             with ddp.no_sync():
                 while (rng := claims.next()) is not None:
-                    x, y = gather_batch(data.train, sl.batch[rng[0]:rng[1]])
-                    x, y = x.to(self.device), y.to(self.device)
-                    loss = nn.functional.cross_entropy(ddp(x), y, reduction="sum")
-                    (loss / d).backward()
-                    loss_sum += float(loss.item())
+                    loss_sum += forward_backward(sl.batch[rng[0]:rng[1]], d)
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     emulate()  # at the emulated pace, so the slow rank claims late
@@ -271,14 +276,10 @@ class RankTrainer:
                     parts = micro_slices(len(sl.indices), cfg.micro_batch)
                     loss_sum = 0.0
                     for k, (a, b) in enumerate(parts):
-                        x, y = gather_batch(data.train, sl.indices[a:b])
-                        x, y = x.to(self.device), y.to(self.device)
-                        # the last pass reduces the accumulated gradient (the comm hook runs in it)
+                        # the last pass reduces the accumulated gradient (the comm hook runs in it);
+                        # sum / b: mean over the local slice, and an exact zero for an empty one
                         with ddp.no_sync() if k + 1 < len(parts) else contextlib.nullcontext():
-                            # sum / b: mean over the local slice, and an exact zero for an empty one
-                            loss = nn.functional.cross_entropy(ddp(x), y, reduction="sum")
-                            (loss / max(sl.local_batch, 1)).backward()
-                        loss_sum += float(loss.item())
+                            loss_sum += forward_backward(sl.indices[a:b], max(sl.local_batch, 1))
                     count = sl.local_batch
                 set_lr(opt, lr_at(cfg, sl.step, sampler.steps_per_epoch()))
                 opt.step()

@@ -71,7 +71,7 @@ def test_slowed_node_gets_a_smaller_share_and_latency_recovers(tmp_path):
         before = g.records()
         last_before = max(before, key=lambda r: r["request_id"])
         share_before = last_before["shares"]["compute_1"]
-        assert 0.3 <= share_before <= 0.7, f"equal-speed nodes never got near-equal shares: compute_1 {share_before:.3f}"
+        assert 0.3 <= share_before <= 0.7, f"equal nodes never got near-equal shares: compute_1 {share_before:.3f}"
         base_ms = statistics.median(r["latency_ms"] for r in before[-6:])
         result: dict = {}
 

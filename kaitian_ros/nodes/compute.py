@@ -46,6 +46,7 @@ from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher, Level
 # can send chunks naming a future version
 MAX_PENDING = 256
 MAX_PENDING_BYTES = 64 * 1024 * 1024
+IN_PROGRESS_S = 1.0  # a request fed this recently is in progress (telemetry queue_depth)
 
 @dataclass
 class RequestState:
@@ -416,8 +417,15 @@ class ComputeNode:
     def _telemetry_msg(self, **fields: Any) -> Any:
         return interfaces.make("NodeTelemetry", node_id=self.node_id, device=self.params["device"],
                                emulated=self.emulated, emulated_slowdown=self.params["emulated_slowdown"],
-                               queue_depth=len(self.requests), rejected_count=self.rt.rejected.total,
+                               queue_depth=self._in_progress(), rejected_count=self.rt.rejected.total,
                                last_reject_reason=self.rt.rejected.last_reason, **fields)
+
+    def _in_progress(self) -> int:
+        """Requests fed within IN_PROGRESS_S: the coordinator lets a node that was late back in
+        once this is no more than it could have sent. Held requests would not do: a flood's
+        made-up requests stay in the table until request_timeout_s, long after the flood."""
+        now = time.monotonic()
+        return sum(1 for s in self.requests.values() if now - s.last_fed_s <= IN_PROGRESS_S)
 
     # --- timers -------------------------------------------------------------------------
     def _heartbeat(self) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kaitian_ros.core import planner
+from kaitian_ros.core import lateness, planner
 from kaitian_ros.core.authority import AuthorityTracker, ImpersonationGuard, new_incarnation
 from kaitian_ros.core.costs import DeviceProfile, LinkMeter, profile_problem
 from kaitian_ros.core.plan import Plan, same_spec
@@ -69,6 +69,11 @@ class Coordinator(RequestFlow):
         self.assignment: Assignment | None = None  # scheduler's latest proposal
         self.assignment_s = time.monotonic()  # of the latest accepted proposal (start: none yet)
         self.departed: dict[str, float] = {}  # compute node -> monotonic time its session ended
+        # late nodes out of the plan for now, each node's latest quarantine (its strikes)
+        self.quarantined: dict[str, lateness.Quarantine] = {}
+        self.quarantines: dict[str, lateness.Quarantine] = {}
+        self.delivered: set[str] = set()  # nodes that delivered rows: warm, judged by lateness
+        self.in_progress: dict[str, int] = {}  # requests in progress on each node (its telemetry)
         self.current: Assignment | None = None
         self.pending: Assignment | None = None  # adopted, effective from a later request
         self.plans: dict[int, Plan] = {}
@@ -137,6 +142,8 @@ class Coordinator(RequestFlow):
             return
         if time.monotonic() - self.departed.get(msg.node_id, float("-inf")) < DEPARTED_QUIET_S:
             return  # sent before it died, handled after: it must not rejoin the dead node
+        if self._held_out(msg.node_id, int(msg.queue_depth)):
+            return
         first = msg.node_id not in self.alive
         self.last_seen[msg.node_id] = time.monotonic()
         if first:
@@ -419,11 +426,12 @@ class Coordinator(RequestFlow):
         name = fqn.rsplit("/", 1)[-1]
         if name in self.nodes:
             self.departed[name] = time.monotonic()
+            self.quarantined.pop(name, None)  # a new process of it is not the late one
         if name in self.alive:
             self.counts["departures"] += 1
             self._drop([name], "left the graph")
 
-    def _drop(self, dead: list[str], why: str) -> None:
+    def _drop(self, dead: list[str], why: str, label: str = "lost") -> None:
         running = self.running_plan()
         if running is not None:
             self.memory.record_departure(running, dead, self.predicted_ms, time.monotonic(), self.profiles)
@@ -431,7 +439,7 @@ class Coordinator(RequestFlow):
         for n in dead:
             self.last_seen.pop(n, None)
         self.rt.logger.warning(f"compute node(s) {dead} {why}: leaving the plan")
-        self._replan(f"{', '.join(dead)} lost", force=True)
+        self._replan(f"{', '.join(dead)} {label}", force=True)
         self._redispatch(set(dead))
 
     def _check(self) -> None:
@@ -440,6 +448,7 @@ class Coordinator(RequestFlow):
         if owed is not None:
             self._reincarnate(owed, "impostor seen while the last re-announcement was recent")
         dead = [n for n in self.alive if now_m - self.last_seen.get(n, 0.0) > self.params["dead_after_s"]]
+        self._drop_late(now_m, dead)
         if dead:
             self._drop(dead, f"silent > {self.params['dead_after_s']} s")
         elif self.alive and time.monotonic() - self.last_replan >= self.params["replan_period_s"]:

@@ -45,6 +45,8 @@ def report(c: Coordinator) -> None:
     plan = c.running_plan()
     if plan is not None:
         text += f", {plan_text(c.graph, plan)} (predicted {c.predicted_ms:.1f} ms)"
+    if c.quarantined:
+        level, text = Level.WARN, text + ", late and out of the plan for now: " + ", ".join(sorted(c.quarantined))
     if c.counts["timeouts"]:
         level, text = Level.WARN, text + f", {c.counts['timeouts']} timed out"
     if c.guard.impostor_within(time.monotonic(), IMPOSTOR_REPORT_S):
@@ -74,5 +76,6 @@ def report(c: Coordinator) -> None:
                              sorted(c.meters.items()) if (e := m.estimate()) is not None),
         "planner": planner_state(c), "plan_round_ms": f"{c.planner.last_round_ms:.0f}",
         "alive": ",".join(c.alive), "in_flight": len(c.requests),
+        "late": ",".join(f"{n}:{q.until_s - time.monotonic():.1f}s left" for n, q in sorted(c.quarantined.items())),
         "latency_p50_ms": f"{p50:.1f}", "latency_p95_ms": f"{p95:.1f}"}
         | dict(c.counts))

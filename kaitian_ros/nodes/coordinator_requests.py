@@ -12,12 +12,14 @@ import collections
 import queue
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from kaitian_ros.core import lateness
 from kaitian_ros.core.costs import LinkMeter
 from kaitian_ros.core.graph import ModelGraph
 from kaitian_ros.core.plan import Plan
@@ -41,6 +43,8 @@ class Request:
     out: torch.Tensor
     got: np.ndarray  # bool per trunk-output row
     redispatches: int = 0
+    predicted_ms: float = 0.0  # the plan's predicted latency at dispatch
+    first_of_version: bool = False  # the plan version's first request (one-off costs)
     alone: bool = True  # no other request in flight during its whole life (its latency is the plan's)
     sources: dict = field(default_factory=dict)  # node -> rows received
 
@@ -59,6 +63,12 @@ class RequestFlow:
     pending: Assignment | None  # adopted, effective from a later request
     plans: dict[int, Plan]
     unmeasured_version: int | None
+    predicted_ms: float  # the running plan's latency as last predicted
+    delivered: set[str]  # compute nodes that delivered OUTPUT rows at least once (warm)
+    alive: tuple[str, ...]
+    quarantined: dict[str, lateness.Quarantine]  # late nodes out of the plan for now
+    in_progress: dict[str, int]  # compute node -> requests in progress on it (its latest telemetry)
+    quarantines: dict[str, lateness.Quarantine]  # each node's latest (its strikes)
     requests: dict[int, Request]
     waiting: Any  # newest image waiting for an in-flight slot
     next_request: int
@@ -109,7 +119,8 @@ class RequestFlow:
         c, h, w = self.out_shape
         req = Request(rid, self.current.version, self.plans[self.current.version], msg.header.stamp,
                       msg.header.frame_id, received, time.time(), x,
-                      torch.empty((1, c, h, w)), np.zeros(h, dtype=bool))
+                      torch.empty((1, c, h, w)), np.zeros(h, dtype=bool), predicted_ms=self.predicted_ms,
+                      first_of_version=self.current.version == self.unmeasured_version)
         if self.requests:
             req.alone = False
             for other in self.requests.values():
@@ -195,6 +206,7 @@ class RequestFlow:
         req.out[:, :, a:z] = rows
         req.got[a:z] = True
         req.sources[msg.producer] = req.sources.get(msg.producer, 0) + (z - a)
+        self.delivered.add(msg.producer)
         if req.got.all():
             self._complete(req)
 
@@ -247,14 +259,63 @@ class RequestFlow:
         now = time.time()
         for req in [r for r in self.requests.values() if now - r.dispatched_s > self.params["request_timeout_s"]]:
             missing = np.flatnonzero(~req.got)
-            owners = [n for n in req.plan.active_nodes()
-                      if any(req.plan.output_rows_for(n)[0] <= m < req.plan.output_rows_for(n)[1] for m in missing)]
+            owners = _owners_missing(req)
             del self.requests[req.request_id]
             self.counts["timeouts"] += 1
             self._publish_fused(req, None, False, f"timeout: missing rows {missing[0]}-{missing[-1]} from "
                                                   f"{', '.join(owners)}")
             self._start_waiting()
         self._start_waiting()
+
+    def _drop(self, dead: list[str], why: str, label: str = "lost") -> None:
+        """Take nodes out of the plan and re-dispatch their requests (the coordinator's)."""
+        raise NotImplementedError
+
+    def _held_out(self, node: str, in_progress: int) -> bool:
+        """A node's telemetry reports `in_progress` requests: whether it stays out of the plan
+        (quarantined for lateness; it is let back once `core.lateness.may_rejoin`)."""
+        self.in_progress[node] = in_progress
+        q = self.quarantined.get(node)
+        if q is None:
+            return False
+        if not lateness.may_rejoin(q, time.monotonic(), in_progress, self.params["max_in_flight"]):
+            return True
+        del self.quarantined[node]
+        self.rt.logger.info(f"{node} back after {time.monotonic() - q.since_s:.1f} s out of the plan ({q.reason}); "
+                            f"{in_progress} requests in progress on it")
+        return False
+
+    def _drop_late(self, now_m: float, dead: Collection[str]) -> None:
+        """Late nodes leave the plan for their quarantine; their requests go to the others."""
+        for n, why in self._late_nodes().items():
+            if n in dead or n not in self.alive or not any(m != n and m not in dead for m in self.alive):
+                continue  # nobody left to take its rows
+            q = self.quarantined[n] = self.quarantines[n] = lateness.quarantine_after(self.quarantines.get(n), now_m,
+                                                                                      why)
+            self.counts["late_drops"] += 1
+            self._drop([n], f"{why}: out of the plan for {q.until_s - q.since_s:.0f} s at least", "late")
+
+    def _late_nodes(self) -> dict[str, str]:
+        """Warm nodes that owe rows of a request in flight past its lateness threshold (node ->
+        why), when other nodes can take over (`core.lateness`)."""
+        late_after = self.params["late_after_s"]
+        if late_after <= 0:
+            return {}
+        now = time.time()
+        late: dict[str, str] = {}
+        busy = {n for n, depth in self.in_progress.items() if lateness.overloaded(depth, self.params["max_in_flight"])}
+        for req in self.requests.values():
+            elapsed = now - req.dispatched_s
+            if elapsed <= late_after:
+                continue
+            owners = [n for n in _owners_missing(req) if n in self.delivered]
+            threshold = lateness.late_threshold_s(req.predicted_ms, late_after, req.first_of_version)
+            for n in lateness.late_owners(owners, req.plan.active_nodes(), self.alive, elapsed, threshold,
+                                          busy):
+                held = f", {self.in_progress[n]} requests in progress on it" if n in busy else ""
+                late.setdefault(n, f"late: rows of request {req.request_id} still missing after {elapsed:.2f} s "
+                                   f"(predicted {req.predicted_ms:.0f} ms{held})")
+        return late
 
     def _redispatch(self, dead: set[str]) -> None:
         """Restart the lost nodes' in-flight requests on the survivors under the new plan."""
@@ -274,3 +335,9 @@ class RequestFlow:
         req.redispatches += 1
         req.dispatched_s = time.time()
         self.counts["redispatched"] += 1
+
+
+def _owners_missing(req: Request) -> list[str]:
+    """The nodes of the request's plan that owe trunk-output rows it has not received."""
+    missing = ~req.got
+    return [n for n in req.plan.active_nodes() if missing[slice(*req.plan.output_rows_for(n))].any()]

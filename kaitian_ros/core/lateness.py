@@ -1,0 +1,84 @@
+"""Late compute nodes: alive (heartbeats arrive) but not delivering their rows.
+
+A node whose process is flooded with chunks nobody asked for, or whose host is busy with
+something else, keeps sending heartbeats, so dead-node supervision never removes it; every
+request then waits for it. The coordinator asks `late_owners` about each request in flight;
+a node named there leaves the plan for a while (`quarantine_after`) and the request is sent
+again to the others. It comes back when its quarantine is over and its own heartbeat says it
+holds no more requests than the coordinator could have sent it (`may_rejoin`): a flooded node
+holds a table full of made-up requests until they time out on it.
+
+Pure: times are given by the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+# rows still missing this many times the plan's predicted latency after dispatch (and at least
+# the coordinator's `late_after_s`) are late: the first request of a plan version pays one-off
+# costs (kernel selection, weight packing) of 2-5x its steady latency here, hence x2 for it
+LATE_FACTOR = 4.0
+FIRST_REQUEST_FACTOR = 2.0
+QUARANTINE_S = 2.0  # the first time a node is late; doubled each time it is late again soon
+QUARANTINE_MAX_S = 30.0
+STRIKES_FORGOTTEN_S = 60.0  # late again after this long counts as a first time
+# requests a node may hold beyond the coordinator's max_in_flight: those it was dropped from
+# (abandoned, they time out on the node) and one re-dispatched under a newer plan
+SPARE_REQUESTS = 2
+
+
+@dataclass(frozen=True)
+class Quarantine:
+    """A node out of the plan for being late."""
+
+    since_s: float
+    until_s: float
+    strikes: int  # times late in a row (each within STRIKES_FORGOTTEN_S of the previous)
+    reason: str
+
+
+def late_threshold_s(predicted_ms: float, late_after_s: float, first_of_version: bool) -> float:
+    """How long after dispatch a request's missing rows make their owners late."""
+    factor = LATE_FACTOR * (FIRST_REQUEST_FACTOR if first_of_version else 1.0)
+    return max(late_after_s, factor * max(predicted_ms, 0.0) / 1e3)
+
+
+def overloaded(queue_depth: int, max_in_flight: int) -> bool:
+    """A node holding more requests in progress than the coordinator could have sent it: some
+    are not ours (a flood of made-up requests)."""
+    return queue_depth > max_in_flight + SPARE_REQUESTS
+
+
+def late_owners(missing_owners: Collection[str], active: Sequence[str], alive: Collection[str],
+                elapsed_s: float, threshold_s: float, overloaded_nodes: Collection[str] = ()) -> tuple[str, ...]:
+    """The nodes to blame for a request in flight for `elapsed_s`: those that owe rows past
+    `threshold_s`, when somebody else can take over. When every node of a split owes rows, a
+    late node also delays the others (they wait for its halo rows), so only those that are
+    `overloaded_nodes` are blamed; if none is, nobody (the host, not one node, is slow). Nobody
+    either when no alive node is left without blame."""
+    if elapsed_s <= threshold_s or not missing_owners:
+        return ()
+    late = tuple(n for n in active if n in missing_owners)
+    if len(active) > 1 and len(late) == len(active):
+        late = tuple(n for n in late if n in overloaded_nodes)
+    if not late:
+        return ()
+    if not any(n not in late for n in alive):
+        return ()
+    return late
+
+
+def quarantine_after(previous: Quarantine | None, now_s: float, reason: str) -> Quarantine:
+    """The quarantine of a node found late at `now_s` (`previous`: its last one, if any)."""
+    strikes = 1
+    if previous is not None and now_s - previous.until_s <= STRIKES_FORGOTTEN_S:
+        strikes = previous.strikes + 1
+    seconds = min(QUARANTINE_MAX_S, QUARANTINE_S * 2 ** (strikes - 1))
+    return Quarantine(now_s, now_s + seconds, strikes, reason)
+
+
+def may_rejoin(quarantine: Quarantine, now_s: float, queue_depth: int, max_in_flight: int) -> bool:
+    """Whether a quarantined node's heartbeat (`queue_depth`: requests it holds) lets it back."""
+    return now_s >= quarantine.until_s and not overloaded(queue_depth, max_in_flight)

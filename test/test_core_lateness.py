@@ -10,6 +10,10 @@ from kaitian_ros.core.lateness import Quarantine, late_owners, late_threshold_s,
 NODES = ("compute_0", "compute_1")
 
 
+def _at(threshold_s: float) -> dict[str, float]:
+    return dict.fromkeys(NODES, threshold_s)
+
+
 def test_threshold_is_the_larger_of_the_floor_and_a_multiple_of_the_prediction():
     assert late_threshold_s(70.0, 0.5, first_of_version=False) == pytest.approx(0.5)
     assert late_threshold_s(200.0, 0.5, first_of_version=False) == pytest.approx(lateness.LATE_FACTOR * 0.2)
@@ -19,24 +23,46 @@ def test_threshold_is_the_larger_of_the_floor_and_a_multiple_of_the_prediction()
     assert late_threshold_s(-5.0, 0.25, first_of_version=False) == pytest.approx(0.25)
 
 
+def test_an_overloaded_node_is_late_soon_after_the_prediction():
+    """It holds requests nobody sent it (a flood): it will not catch up, so no floor."""
+    assert late_threshold_s(100.0, 0.5, first_of_version=False, overloaded=True) == pytest.approx(
+        lateness.OVERLOADED_FACTOR * 0.1)
+    # never later than the ordinary floor
+    assert late_threshold_s(1000.0, 0.5, first_of_version=False, overloaded=True) == pytest.approx(0.5)
+
+
 def test_nobody_is_late_before_the_threshold():
-    assert late_owners({"compute_0"}, NODES, NODES, elapsed_s=0.4, threshold_s=0.5) == ()
-    assert late_owners(set(), NODES, NODES, elapsed_s=9.0, threshold_s=0.5) == ()
+    assert late_owners({"compute_0"}, NODES, NODES, elapsed_s=0.4, thresholds_s=_at(0.5)) == ()
+    assert late_owners(set(), NODES, NODES, elapsed_s=9.0, thresholds_s=_at(0.5)) == ()
+
+
+def test_a_node_without_a_threshold_is_never_late():
+    """A cold node (it never delivered rows) is not judged."""
+    assert late_owners({"compute_0"}, NODES, NODES, elapsed_s=9.0, thresholds_s={"compute_1": 0.5}) == ()
 
 
 def test_the_node_that_owes_rows_is_blamed_when_the_other_delivered():
-    assert late_owners({"compute_0"}, NODES, NODES, elapsed_s=0.6, threshold_s=0.5) == ("compute_0",)
+    assert late_owners({"compute_0"}, NODES, NODES, elapsed_s=0.6, thresholds_s=_at(0.5)) == ("compute_0",)
 
 
 def test_a_split_where_every_node_owes_rows_blames_nobody():
     """Every node slow at once: the host is busy, dropping one would not help."""
-    assert late_owners({"compute_0", "compute_1"}, NODES, NODES, elapsed_s=3.0, threshold_s=0.5) == ()
+    assert late_owners({"compute_0", "compute_1"}, NODES, NODES, elapsed_s=3.0, thresholds_s=_at(0.5)) == ()
+
+
+def test_a_split_where_every_node_owes_rows_blames_only_an_overloaded_node():
+    """A flooded node delays its partners too (they wait for its halo rows): its own telemetry
+    (more requests in progress than the coordinator sent) singles it out."""
+    assert late_owners({"compute_0", "compute_1"}, NODES, NODES, elapsed_s=3.0, thresholds_s=_at(0.5),
+                       overloaded_nodes={"compute_1"}) == ("compute_1",)
+    assert lateness.overloaded(2 + lateness.SPARE_REQUESTS + 1, max_in_flight=2)
+    assert not lateness.overloaded(2 + lateness.SPARE_REQUESTS, max_in_flight=2)
 
 
 def test_a_single_node_plan_blames_its_node_when_another_is_alive():
-    assert late_owners({"compute_0"}, ("compute_0",), NODES, elapsed_s=0.6, threshold_s=0.5) == ("compute_0",)
+    assert late_owners({"compute_0"}, ("compute_0",), NODES, elapsed_s=0.6, thresholds_s=_at(0.5)) == ("compute_0",)
     # nobody to take over: keep waiting (the request timeout still applies)
-    assert late_owners({"compute_0"}, ("compute_0",), ("compute_0",), elapsed_s=9.0, threshold_s=0.5) == ()
+    assert late_owners({"compute_0"}, ("compute_0",), ("compute_0",), elapsed_s=9.0, thresholds_s=_at(0.5)) == ()
 
 
 def test_quarantine_doubles_while_the_node_keeps_being_late_and_is_forgotten_later():
@@ -52,18 +78,9 @@ def test_quarantine_doubles_while_the_node_keeps_being_late_and_is_forgotten_lat
     assert fresh.strikes == 1
 
 
-def test_rejoin_needs_the_time_served_and_a_table_without_made_up_requests():
+def test_rejoin_needs_the_time_served_and_a_plausible_number_of_requests_in_progress():
     q = Quarantine(since_s=10.0, until_s=12.0, strikes=1, reason="late")
     assert not may_rejoin(q, 11.9, queue_depth=0, max_in_flight=2)
     assert may_rejoin(q, 12.0, queue_depth=2 + lateness.SPARE_REQUESTS, max_in_flight=2)
-    # a flooded node's table is full of requests the coordinator never sent
+    # a flooded node is busy with requests the coordinator never sent
     assert not may_rejoin(q, 30.0, queue_depth=64, max_in_flight=2)
-
-
-def test_a_split_where_every_node_owes_rows_blames_only_an_overloaded_node():
-    """A flooded node delays its partners too (they wait for its halo rows): its own telemetry
-    (more requests in progress than the coordinator sent) singles it out."""
-    assert late_owners({"compute_0", "compute_1"}, NODES, NODES, elapsed_s=3.0, threshold_s=0.5,
-                       overloaded_nodes={"compute_1"}) == ("compute_1",)
-    assert lateness.overloaded(2 + lateness.SPARE_REQUESTS + 1, max_in_flight=2)
-    assert not lateness.overloaded(2 + lateness.SPARE_REQUESTS, max_in_flight=2)

@@ -13,7 +13,8 @@ Pure: times are given by the caller.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import math
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 # rows still missing this many times the plan's predicted latency after dispatch (and at least
@@ -21,6 +22,9 @@ from dataclasses import dataclass
 # costs (kernel selection, weight packing) of 2-5x its steady latency here, hence x2 for it
 LATE_FACTOR = 4.0
 FIRST_REQUEST_FACTOR = 2.0
+# a node whose own telemetry shows requests the coordinator never sent (a flood) will not catch
+# up: its rows are late once the plan's predicted latency is past by half, without the floor
+OVERLOADED_FACTOR = 1.5
 QUARANTINE_S = 2.0  # the first time a node is late; doubled each time it is late again soon
 QUARANTINE_MAX_S = 30.0
 STRIKES_FORGOTTEN_S = 60.0  # late again after this long counts as a first time
@@ -39,10 +43,14 @@ class Quarantine:
     reason: str
 
 
-def late_threshold_s(predicted_ms: float, late_after_s: float, first_of_version: bool) -> float:
-    """How long after dispatch a request's missing rows make their owners late."""
-    factor = LATE_FACTOR * (FIRST_REQUEST_FACTOR if first_of_version else 1.0)
-    return max(late_after_s, factor * max(predicted_ms, 0.0) / 1e3)
+def late_threshold_s(predicted_ms: float, late_after_s: float, first_of_version: bool,
+                     overloaded: bool = False) -> float:
+    """How long after dispatch a request's missing rows make their owner late (`overloaded`:
+    an owner that holds requests the coordinator never sent)."""
+    first = FIRST_REQUEST_FACTOR if first_of_version else 1.0
+    if overloaded:
+        return min(late_after_s, OVERLOADED_FACTOR * first * max(predicted_ms, 0.0) / 1e3)
+    return max(late_after_s, LATE_FACTOR * first * max(predicted_ms, 0.0) / 1e3)
 
 
 def overloaded(queue_depth: int, max_in_flight: int) -> bool:
@@ -52,16 +60,16 @@ def overloaded(queue_depth: int, max_in_flight: int) -> bool:
 
 
 def late_owners(missing_owners: Collection[str], active: Sequence[str], alive: Collection[str],
-                elapsed_s: float, threshold_s: float, overloaded_nodes: Collection[str] = ()) -> tuple[str, ...]:
+                elapsed_s: float, thresholds_s: Mapping[str, float],
+                overloaded_nodes: Collection[str] = ()) -> tuple[str, ...]:
     """The nodes to blame for a request in flight for `elapsed_s`: those that owe rows past
-    `threshold_s`, when somebody else can take over. When every node of a split owes rows, a
-    late node also delays the others (they wait for its halo rows), so only those that are
-    `overloaded_nodes` are blamed; if none is, nobody (the host, not one node, is slow). Nobody
-    either when no alive node is left without blame."""
-    if elapsed_s <= threshold_s or not missing_owners:
-        return ()
-    late = tuple(n for n in active if n in missing_owners)
-    if len(active) > 1 and len(late) == len(active):
+    their threshold (`thresholds_s`, by node: `late_threshold_s`), when somebody else can take
+    over. When every node of a split owes rows, a late node also delays the others (they wait
+    for its halo rows), so only those that are `overloaded_nodes` are blamed; if none is,
+    nobody (the host, not one node, is slow). Nobody either when no alive node is left
+    without blame."""
+    late = tuple(n for n in active if n in missing_owners and elapsed_s > thresholds_s.get(n, math.inf))
+    if len(active) > 1 and all(n in missing_owners for n in active):
         late = tuple(n for n in late if n in overloaded_nodes)
     if not late:
         return ()

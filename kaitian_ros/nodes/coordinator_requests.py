@@ -306,12 +306,11 @@ class RequestFlow:
         busy = {n for n, depth in self.in_progress.items() if lateness.overloaded(depth, self.params["max_in_flight"])}
         for req in self.requests.values():
             elapsed = now - req.dispatched_s
-            if elapsed <= late_after:
-                continue
-            owners = [n for n in _owners_missing(req) if n in self.delivered]
-            threshold = lateness.late_threshold_s(req.predicted_ms, late_after, req.first_of_version)
-            for n in lateness.late_owners(owners, req.plan.active_nodes(), self.alive, elapsed, threshold,
-                                          busy):
+            owners = _owners_missing(req)
+            # a node that never delivered is cold (its first calls build kernels): not judged yet
+            thresholds = {n: lateness.late_threshold_s(req.predicted_ms, late_after, req.first_of_version, n in busy)
+                          for n in owners if n in self.delivered}
+            for n in lateness.late_owners(owners, req.plan.active_nodes(), self.alive, elapsed, thresholds, busy):
                 held = f", {self.in_progress[n]} requests in progress on it" if n in busy else ""
                 late.setdefault(n, f"late: rows of request {req.request_id} still missing after {elapsed:.2f} s "
                                    f"(predicted {req.predicted_ms:.0f} ms{held})")

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 CAMERA_TOPIC = "/camera/image_raw"
+UNTIL_POLL_S = 0.05  # drive(until=...): how often the predicate is asked while no answer arrives
 
 
 class _Log:
@@ -257,6 +258,7 @@ class AdaptivityGraph:
         answered_stamps: set[tuple[int, int]] = set()
         seen = 0
         last_send = 0.0
+        until_seen, until_at = -1, 0.0
         while True:
             now = time.monotonic()
             snap = self.fused.snapshot()
@@ -269,8 +271,14 @@ class AdaptivityGraph:
                 t = threading.Thread(target=fn, daemon=True)
                 t.start()
                 threads.append(t)
-            if (answers is not None and done >= answers) or (until is not None and until()):
+            if answers is not None and done >= answers:
                 break
+            # until() on a new answer, else every UNTIL_POLL_S: this loop wakes every few ms, and a
+            # predicate that scans every answer would otherwise take CPU from the graph it measures
+            if until is not None and (len(snap) != until_seen or now - until_at >= UNTIL_POLL_S):
+                until_seen, until_at = len(snap), now
+                if until():
+                    break
             if now > deadline:
                 raise TimeoutError(f"{done} answers ({answers} wanted) after {timeout_s:.0f} s:\n{self.out.text(40)}")
             for key in [k for k, t in outstanding.items() if k in answered_stamps or now - t > resend_after_s]:
@@ -305,7 +313,9 @@ class AdaptivityGraph:
 
     def first_request_sent_after(self, t: float) -> int | None:
         """The first request id whose frame was sent at or after ``t`` (time.monotonic())."""
-        ids = [r["request_id"] for r in self.records() if r["sent_s"] is not None and r["sent_s"] >= t]
+        ids = [int(f.request_id) for _, f in self.fused.snapshot()
+               if (sent := self.sent.get((int(f.header.stamp.sec), int(f.header.stamp.nanosec)))) is not None
+               and sent >= t]
         return min(ids) if ids else None
 
     def first_request_with_slowdown(self, node: str, slowdown: float, after_request: int = 0) -> int | None:

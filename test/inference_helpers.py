@@ -9,6 +9,7 @@ stops whatever is still running.
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -136,7 +137,7 @@ class InferenceGraph:
         path = Path(tmp_path) / "inference_test.yaml"
         path.write_text(yaml.safe_dump(self.config, sort_keys=False))
         self.scenario = load_scenario(str(path))
-        self.out = CapturedOutput()
+        self.out = CapturedOutput(echo=bool(os.environ.get("KT_ECHO")))  # KT_ECHO=1: print the nodes
         self.probe: Camera | None = None
         self._client: Any = None
         self.launcher = start_on_free_port(self.scenario, out=self.out)

@@ -74,6 +74,7 @@ class Coordinator(RequestFlow):
         self.quarantines: dict[str, lateness.Quarantine] = {}
         self.delivered: set[str] = set()  # nodes that delivered rows: warm, judged by lateness
         self.in_progress: dict[str, int] = {}  # requests in progress on each node (its telemetry)
+        self.last_finished_s = 0.0  # wall time the latest request completed or timed out
         self.current: Assignment | None = None
         self.pending: Assignment | None = None  # adopted, effective from a later request
         self.plans: dict[int, Plan] = {}

@@ -44,6 +44,7 @@ class Request:
     got: np.ndarray  # bool per trunk-output row
     redispatches: int = 0
     predicted_ms: float = 0.0  # the plan's predicted latency at dispatch
+    inputs_sent_s: float | None = None  # wall time its last input slab was published (None: not yet)
     first_of_version: bool = False  # the plan version's first request (one-off costs)
     alone: bool = True  # no other request in flight during its whole life (its latency is the plan's)
     sources: dict = field(default_factory=dict)  # node -> rows received
@@ -68,6 +69,7 @@ class RequestFlow:
     alive: tuple[str, ...]
     quarantined: dict[str, lateness.Quarantine]  # late nodes out of the plan for now
     in_progress: dict[str, int]  # compute node -> requests in progress on it (its latest telemetry)
+    last_finished_s: float  # wall time the latest request completed or timed out
     quarantines: dict[str, lateness.Quarantine]  # each node's latest (its strikes)
     requests: dict[int, Request]
     waiting: Any  # newest image waiting for an in-flight slot
@@ -156,20 +158,25 @@ class RequestFlow:
         if pacing <= 0:
             for node, m in messages:
                 self.chunk_pubs[node].publish(m)
+            req.inputs_sent_s = time.time()
             return sum(len(m.data) for _, m in messages)
         if self._sendq is None:  # emulated slow link: pace on a sender thread, keep the executor free
             self._sendq = queue.SimpleQueue()
             threading.Thread(target=self._paced_sender, daemon=True).start()
-        for item in messages:
-            self._sendq.put(item)
+        req.inputs_sent_s = None
+        for k, (node, m) in enumerate(messages):
+            # the last one marks the request's inputs as sent (for this dispatch of it only)
+            self._sendq.put((node, m, (req, req.redispatches) if k == len(messages) - 1 else None))
         return 0
 
     def _paced_sender(self) -> None:
         sendq = self._sendq
         assert sendq is not None  # started right after the queue is made
         while self.rt.ok():
-            node, m = sendq.get()
+            node, m, last_of = sendq.get()
             self.chunk_pubs[node].publish(m)
+            if last_of is not None and last_of[0].redispatches == last_of[1]:
+                last_of[0].inputs_sent_s = time.time()
             time.sleep(self.params["input_pacing_ms"] / 1e3)
 
     def _on_chunk(self, msg: Any, info: MessageInfo | None = None) -> None:
@@ -213,6 +220,7 @@ class RequestFlow:
     def _complete(self, req: Request) -> None:
         t0 = time.perf_counter()
         del self.requests[req.request_id]
+        self.last_finished_s = time.time()
         with torch.no_grad():
             result = self.graph.run_head(req.out)
         self._publish_fused(req, result, True, "ok")
@@ -261,6 +269,7 @@ class RequestFlow:
             missing = np.flatnonzero(~req.got)
             owners = _owners_missing(req)
             del self.requests[req.request_id]
+            self.last_finished_s = time.time()
             self.counts["timeouts"] += 1
             self._publish_fused(req, None, False, f"timeout: missing rows {missing[0]}-{missing[-1]} from "
                                                   f"{', '.join(owners)}")
@@ -296,24 +305,29 @@ class RequestFlow:
             self._drop([n], f"{why}: out of the plan for {q.until_s - q.since_s:.0f} s at least", "late")
 
     def _late_nodes(self) -> dict[str, str]:
-        """Warm nodes that owe rows of a request in flight past its lateness threshold (node ->
-        why), when other nodes can take over (`core.lateness`)."""
+        """Warm nodes that owe rows of the request they should be working on past its lateness
+        threshold (node -> why), when other nodes can take over (`core.lateness`).
+
+        Only the request whose inputs went out first is judged, from when its last input slab
+        was published or the request before it finished, whichever is later: a node computes
+        requests in the order their chunks arrive, so a later request waits behind it, and
+        inputs queued behind a paced (EMULATED slow) link are not the node's delay."""
         late_after = self.params["late_after_s"]
-        if late_after <= 0:
+        sent = [r for r in self.requests.values() if r.inputs_sent_s is not None]
+        if late_after <= 0 or not sent:
             return {}
-        now = time.time()
-        late: dict[str, str] = {}
+        req = min(sent, key=lambda r: r.inputs_sent_s or 0.0)
+        elapsed = time.time() - max(req.inputs_sent_s or 0.0, self.last_finished_s)
         busy = {n for n, depth in self.in_progress.items() if lateness.overloaded(depth, self.params["max_in_flight"])}
-        for req in self.requests.values():
-            elapsed = now - req.dispatched_s
-            owners = _owners_missing(req)
-            # a node that never delivered is cold (its first calls build kernels): not judged yet
-            thresholds = {n: lateness.late_threshold_s(req.predicted_ms, late_after, req.first_of_version, n in busy)
-                          for n in owners if n in self.delivered}
-            for n in lateness.late_owners(owners, req.plan.active_nodes(), self.alive, elapsed, thresholds, busy):
-                held = f", {self.in_progress[n]} requests in progress on it" if n in busy else ""
-                late.setdefault(n, f"late: rows of request {req.request_id} still missing after {elapsed:.2f} s "
-                                   f"(predicted {req.predicted_ms:.0f} ms{held})")
+        owners = _owners_missing(req)
+        # a node that never delivered is cold (its first calls build kernels): not judged yet
+        thresholds = {n: lateness.late_threshold_s(req.predicted_ms, late_after, req.first_of_version, n in busy)
+                      for n in owners if n in self.delivered}
+        late: dict[str, str] = {}
+        for n in lateness.late_owners(owners, req.plan.active_nodes(), self.alive, elapsed, thresholds, busy):
+            held = f", {self.in_progress[n]} requests in progress on it" if n in busy else ""
+            late[n] = (f"late: rows of request {req.request_id} still missing {elapsed:.2f} s after its inputs "
+                       f"(predicted {req.predicted_ms:.0f} ms{held})")
         return late
 
     def _redispatch(self, dead: set[str]) -> None:
@@ -333,6 +347,8 @@ class RequestFlow:
         req.sources.clear()
         req.redispatches += 1
         req.dispatched_s = time.time()
+        req.inputs_sent_s = None
+        req.predicted_ms = self.predicted_ms
         self.counts["redispatched"] += 1
 
 

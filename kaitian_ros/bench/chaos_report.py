@@ -20,7 +20,9 @@ def plan_text(m: Any) -> str | None:
 
 
 def plan_lines(plans: Sequence[tuple[float, Any]], t0: float, limit: int = 12) -> list[str]:
-    return [f"+{t - t0:.2f} s {plan_text(m)}" for t, m in plans[:limit]]
+    """Each plan after `t0` with why it came (the head of its reason: e.g. `compute_0 late`,
+    `compute_1 lost`, `periodic re-prediction`)."""
+    return [f"+{t - t0:.2f} s {plan_text(m)} ({str(m.reason).split(':', 1)[0]})" for t, m in plans[:limit]]
 
 
 def rounded(x: float | None, nd: int = 1) -> float | None:

@@ -76,6 +76,13 @@ def report(c: Coordinator) -> None:
                              sorted(c.meters.items()) if (e := m.estimate()) is not None),
         "planner": planner_state(c), "plan_round_ms": f"{c.planner.last_round_ms:.0f}",
         "alive": ",".join(c.alive), "in_flight": len(c.requests),
-        "late": ",".join(f"{n}:{q.until_s - time.monotonic():.1f}s left" for n, q in sorted(c.quarantined.items())),
+        "late": ",".join(f"{n}:{_quarantine_left(q.until_s)}" for n, q in sorted(c.quarantined.items())),
         "latency_p50_ms": f"{p50:.1f}", "latency_p95_ms": f"{p95:.1f}"}
         | dict(c.counts))
+
+
+def _quarantine_left(until_s: float) -> str:
+    """A late node's state: the quarantine time left, or waiting for a heartbeat that shows no
+    more requests in progress than the coordinator sent it."""
+    left = until_s - time.monotonic()
+    return f"{left:.1f}s left" if left > 0 else "waiting for a plausible heartbeat"

@@ -26,7 +26,10 @@ FIRST_REQUEST_FACTOR = 2.0
 # up: its rows are late once the plan's predicted latency is past by half, without the floor
 OVERLOADED_FACTOR = 1.5
 QUARANTINE_S = 2.0  # the first time a node is late; doubled each time it is late again soon
-QUARANTINE_MAX_S = 30.0
+# at most: each try of a node still late costs one late request (0.5-1 s of delay), and a node
+# must not stay out long after its fault ended (with 30 s a 20 s link collapse kept it out 11 s
+# beyond the collapse)
+QUARANTINE_MAX_S = 8.0
 STRIKES_FORGOTTEN_S = 60.0  # late again after this long counts as a first time
 # requests a node may hold beyond the coordinator's max_in_flight: those it was dropped from
 # (abandoned, they time out on the node) and one re-dispatched under a newer plan

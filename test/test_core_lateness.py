@@ -84,3 +84,12 @@ def test_rejoin_needs_the_time_served_and_a_plausible_number_of_requests_in_prog
     assert may_rejoin(q, 12.0, queue_depth=2 + lateness.SPARE_REQUESTS, max_in_flight=2)
     # a flooded node is busy with requests the coordinator never sent
     assert not may_rejoin(q, 30.0, queue_depth=64, max_in_flight=2)
+
+
+def test_a_plan_with_feeders_blames_only_an_overloaded_node():
+    """Layer-wise: compute_0 runs the first layers and owns no output rows; the rows compute_1
+    owes may be waiting for compute_0 (a collapsed link), so compute_1 is not to blame."""
+    assert late_owners({"compute_1"}, NODES, NODES, elapsed_s=3.0, thresholds_s=_at(0.5),
+                       feeders={"compute_0"}) == ()
+    assert late_owners({"compute_1"}, NODES, NODES, elapsed_s=3.0, thresholds_s=_at(0.5),
+                       overloaded_nodes={"compute_1"}, feeders={"compute_0"}) == ("compute_1",)

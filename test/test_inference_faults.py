@@ -277,8 +277,16 @@ def test_forged_chunks_cost_bounded_memory_and_oversized_ones_nothing(graph):
                                 total_rows=height, rows=rows)
 
     bad_before = int(base.get("rejected.bad chunk", "0"))
-    pub.publish(chunk(40_000, torch.randn(64, c, 4, width)))
-    values = wait_values(g, node, lambda v: int(v.get("rejected.bad chunk", "0")) > bad_before, "the batch-64 chunk")
+    for _ in range(3):  # the plan may move on while the chunk travels (then it is stale, not bad): aim again
+        stale_before = int(latest_values(g, node).get("rejected.stale plan", "0"))
+        pub.publish(chunk(40_000, torch.randn(64, c, 4, width)))
+        values = wait_values(g, node, lambda v, s=stale_before: int(v.get("rejected.bad chunk", "0")) > bad_before
+                             or int(v.get("rejected.stale plan", "0")) > s, "the batch-64 chunk")
+        if int(values.get("rejected.bad chunk", "0")) > bad_before:
+            break
+        pv = wait_until(followed, f"the plan {node} follows")
+        plan = ic.plan_from_msg(g.graph, pv, 4)
+        lo, _ = plan.input_rows_for(node)
     assert "does not fit segment 0" in values["last_reject_reason"] and "(64, " in values["last_reject_reason"]
 
     evicted_before = int(base.get("rejected.evicted", "0"))

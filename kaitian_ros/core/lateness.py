@@ -2,11 +2,12 @@
 
 A node whose process is flooded with chunks nobody asked for, or whose host is busy with
 something else, keeps sending heartbeats, so dead-node supervision never removes it; every
-request then waits for it. The coordinator asks `late_owners` about each request in flight;
-a node named there leaves the plan for a while (`quarantine_after`) and the request is sent
-again to the others. It comes back when its quarantine is over and its own heartbeat says it
-holds no more requests than the coordinator could have sent it (`may_rejoin`): a flooded node
-holds a table full of made-up requests until they time out on it.
+request then waits for it. The coordinator asks `late_owners` about the request in flight its
+nodes should be working on (the one whose inputs went out first); a node named there leaves
+the plan for a while (`quarantine_after`) and the request is sent again to the others. It
+comes back when its quarantine is over and its own heartbeat says it holds no more requests
+than the coordinator could have sent it (`may_rejoin`): a flooded node holds a table full of
+made-up requests until they time out on it.
 
 Pure: times are given by the caller.
 """
@@ -17,8 +18,8 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-# rows still missing this many times the plan's predicted latency after dispatch (and at least
-# the coordinator's `late_after_s`) are late: the first request of a plan version pays one-off
+# rows still missing this many times the plan's predicted latency after the inputs went out (and
+# at least the coordinator's `late_after_s`) are late: the first request of a plan version pays one-off
 # costs (kernel selection, weight packing) of 2-5x its steady latency here, hence x2 for it
 LATE_FACTOR = 4.0
 FIRST_REQUEST_FACTOR = 2.0
@@ -48,8 +49,8 @@ class Quarantine:
 
 def late_threshold_s(predicted_ms: float, late_after_s: float, first_of_version: bool,
                      overloaded: bool = False) -> float:
-    """How long after dispatch a request's missing rows make their owner late (`overloaded`:
-    an owner that holds requests the coordinator never sent)."""
+    """How long after its inputs went out a request's missing rows make their owner late
+    (`overloaded`: an owner that holds requests the coordinator never sent)."""
     first = FIRST_REQUEST_FACTOR if first_of_version else 1.0
     if overloaded:
         return min(late_after_s, OVERLOADED_FACTOR * first * max(predicted_ms, 0.0) / 1e3)

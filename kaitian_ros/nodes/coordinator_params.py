@@ -23,8 +23,8 @@ PARAMETERS = ic.MODEL_PARAMETERS + (
     P("dead_after_s", T.DOUBLE, 1.5, "a compute node silent this long leaves the plan (>= 2 heartbeats)",
       ic.MIN_DEAD_AFTER_S, 600.0),
     P("late_after_s", T.DOUBLE, 0.5,
-      "a compute node that still owes rows of a request this long after dispatch (and 4x the plan's predicted "
-      "latency) leaves the plan for a while, the request goes to the others (0 = never)", 0.0, 600.0),
+      "a compute node that still owes rows of a request this long after its inputs went out (and 4x the plan's "
+      "predicted latency) leaves the plan for a while, the request goes to the others (0 = never)", 0.0, 600.0),
     P("input_pacing_ms", T.DOUBLE, 0.0,
       "EMULATED slow input link: pause between input slabs (0 = send at once)", 0.0, 10000.0),
     P("threads", T.INTEGER, 1, "torch CPU threads for preprocessing and the head", 1, 256),

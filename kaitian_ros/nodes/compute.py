@@ -108,6 +108,9 @@ class ComputeNode:
         rt.logger.info(f"{self.spec.name} {self.spec.input_shape} on {self.params['device']}, "
                        f"slowdown {self.params['emulated_slowdown']}"
                        f"{' (EMULATED)' if self.emulated else ''}")
+        # announce itself now rather than a heartbeat period later: a respawned node is back in
+        # the plan on its first heartbeat
+        self._heartbeat()
 
     @property
     def emulated(self) -> bool:

@@ -42,13 +42,17 @@ from kaitian_ros.nodes.coordinator_report import report
 from kaitian_ros.nodes.coordinator_requests import Request, RequestFlow
 from kaitian_ros.nodes.planner_process import PlannerProcess, PlanRequest, plan_round
 from kaitian_ros.runtime import run_node
-from kaitian_ros.runtime.api import QoS, Runtime, SetParametersResult
+from kaitian_ros.runtime.api import MessageInfo, QoS, Runtime, SetParametersResult
 from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher
 
-# telemetry of a node whose session just ended is ignored this long: a sample it sent before it
-# died but handled after its departure would make it rejoin the plan and take requests it never
-# answers (a respawned node needs its respawn delay plus seconds of start-up to send its first)
-DEPARTED_QUIET_S = 1.0
+# telemetry of a node whose session just ended, handled after its departure, would make it
+# rejoin the plan and take requests it never answers. What its dead process sent arrived before
+# the departure (the router forwards a session's samples before the end of its liveliness), so
+# telemetry received before the departure was handled is ignored, and for this long after it
+# too, for a runtime whose receipt time is the executor's (rclpy): short, because a respawned
+# node from a warm interpreter sends its first heartbeat about 0.7 s after its death, and a
+# 1 s wait here was the longest part of its way back into the plan
+DEPARTED_QUIET_S = 0.25
 
 
 class Coordinator(RequestFlow):
@@ -68,7 +72,8 @@ class Coordinator(RequestFlow):
         self.alive: tuple[str, ...] = ()
         self.assignment: Assignment | None = None  # scheduler's latest proposal
         self.assignment_s = time.monotonic()  # of the latest accepted proposal (start: none yet)
-        self.departed: dict[str, float] = {}  # compute node -> monotonic time its session ended
+        # compute node -> (monotonic, wall) time its session's end was handled
+        self.departed: dict[str, tuple[float, float]] = {}
         # late nodes out of the plan for now, each node's latest quarantine (its strikes)
         self.quarantined: dict[str, lateness.Quarantine] = {}
         self.quarantines: dict[str, lateness.Quarantine] = {}
@@ -107,7 +112,7 @@ class Coordinator(RequestFlow):
         self.fused_pub = rt.create_publisher(ic.FUSED_TOPIC, "FusedOutput")
         self.diagnostics = DiagnosticsPublisher(rt, hardware_id="cpu")
         self._sendq: queue.SimpleQueue | None = None
-        rt.create_subscription(ic.TELEMETRY_TOPIC, "NodeTelemetry", self._on_telemetry)
+        rt.create_subscription(ic.TELEMETRY_TOPIC, "NodeTelemetry", self._on_telemetry, with_info=True)
         rt.create_subscription(ic.ASSIGNMENT_TOPIC, "LoadAssignment", self._on_assignment, QoS.LATCHED)
         rt.create_subscription(ic.PROFILES_TOPIC, "CostProfile", self._on_profile, QoS.LATCHED)
         rt.create_subscription(ic.chunk_topic(ic.COORDINATOR), "TensorChunk", self._on_chunk, with_info=True)
@@ -138,10 +143,11 @@ class Coordinator(RequestFlow):
         return SetParametersResult(True)
 
     # --- membership and plans -----------------------------------------------------------
-    def _on_telemetry(self, msg: Any) -> None:
+    def _on_telemetry(self, msg: Any, info: MessageInfo) -> None:
         if msg.node_id not in self.nodes:
             return
-        if time.monotonic() - self.departed.get(msg.node_id, float("-inf")) < DEPARTED_QUIET_S:
+        gone_mono, gone_wall = self.departed.get(msg.node_id, (float("-inf"), float("-inf")))
+        if info.received_s <= gone_wall or time.monotonic() - gone_mono < DEPARTED_QUIET_S:
             return  # sent before it died, handled after: it must not rejoin the dead node
         if self._held_out(msg.node_id, int(msg.queue_depth)):
             return
@@ -426,7 +432,7 @@ class Coordinator(RequestFlow):
         requests in flight sent again, instead of waiting dead_after_s for its heartbeats."""
         name = fqn.rsplit("/", 1)[-1]
         if name in self.nodes:
-            self.departed[name] = time.monotonic()
+            self.departed[name] = (time.monotonic(), time.time())
             self.quarantined.pop(name, None)  # a new process of it is not the late one
         if name in self.alive:
             self.counts["departures"] += 1

@@ -45,13 +45,9 @@ from kaitian_ros.runtime import run_node
 from kaitian_ros.runtime.api import MessageInfo, QoS, Runtime, SetParametersResult
 from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher
 
-# telemetry of a node whose session just ended, handled after its departure, would make it
-# rejoin the plan and take requests it never answers. What its dead process sent arrived before
-# the departure (the router forwards a session's samples before the end of its liveliness), so
-# telemetry received before the departure was handled is ignored, and for this long after it
-# too, for a runtime whose receipt time is the executor's (rclpy): short, because a respawned
-# node from a warm interpreter sends its first heartbeat about 0.7 s after its death, and a
-# 1 s wait here was the longest part of its way back into the plan
+# a departed node's own samples reach us before the end of its liveliness: telemetry received
+# before its departure was handled, or this soon after (rclpy stamps receipt in the executor),
+# is from the dead process. Short: a warm respawn sends its first heartbeat ~0.7 s after death
 DEPARTED_QUIET_S = 0.25
 
 

@@ -24,6 +24,7 @@ from helpers import Collector, wait_until
 
 from kaitian_ros.core.tensors import image_to_array, preprocess, relative_error
 from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.nodes import protocol as proto
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime.api import QoS
 
@@ -148,9 +149,9 @@ class InferenceGraph:
             self.supervisor.start()
         try:
             self.probe = Camera(self.endpoint)
-            self.fused = self.probe.collect(ic.FUSED_TOPIC, "FusedOutput")
-            self.plans = self.probe.collect(ic.PLAN_TOPIC, "LoadAssignment", QoS.LATCHED)
-            self.telemetry = self.probe.collect(ic.TELEMETRY_TOPIC, "NodeTelemetry")
+            self.fused = self.probe.collect(proto.FUSED_TOPIC, "FusedOutput")
+            self.plans = self.probe.collect(proto.PLAN_TOPIC, "LoadAssignment", QoS.LATCHED)
+            self.telemetry = self.probe.collect(proto.TELEMETRY_TOPIC, "NodeTelemetry")
             self.diagnostics = self.probe.collect("/diagnostics", "DiagnosticArray")
             # a RELIABLE camera (compatible with the coordinator's best-effort subscription, as
             # in ROS 2): a best-effort publisher may drop a frame under load (zenoh congestion
@@ -314,7 +315,7 @@ class InferenceGraph:
         """The Plan of a version the coordinator announced on /kaitian/plan (rebuilt here)."""
         # newest first: a restarted coordinator numbers its plans from 1 again
         pv = next((p for p in reversed(self.plans.snapshot()) if int(p.version) == int(version)), None)
-        assert pv is not None, f"plan v{version} was never announced on {ic.PLAN_TOPIC}"
+        assert pv is not None, f"plan v{version} was never announced on {proto.PLAN_TOPIC}"
         slab = self.config["coordinator"]["ros__parameters"]["slab_rows"]
         return ic.plan_from_msg(self.graph, pv, slab)
 

@@ -24,6 +24,7 @@ from inference_helpers import InferenceGraph
 
 from kaitian_ros.core.policy_state import Assignment
 from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.nodes import protocol as proto
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime.api import QoS
 from kaitian_ros.runtime.graph_client import GraphClient
@@ -119,7 +120,7 @@ def scheduled(tmp_path_factory):
                        coordinator={"use_scheduler": True, "strategy": "stripes", "share_search": False})
     try:
         g.wait_ready()
-        g.assignments = g.probe.rt.create_publisher(ic.ASSIGNMENT_TOPIC, "LoadAssignment", QoS.LATCHED)
+        g.assignments = g.probe.rt.create_publisher(proto.ASSIGNMENT_TOPIC, "LoadAssignment", QoS.LATCHED)
         yield g
     finally:
         g.close()
@@ -127,7 +128,7 @@ def scheduled(tmp_path_factory):
 
 def _propose(g: InferenceGraph, incarnation: int, version: int, shares: tuple[float, float],
              effective: int = 0) -> None:
-    g.assignments.publish(ic.assignment_msg(
+    g.assignments.publish(proto.assignment_msg(
         Assignment(version, effective, tuple(g.compute_names), shares, "adaptive", f"test v{version}", 0.0),
         incarnation))
 
@@ -188,8 +189,8 @@ def test_coordinator_follows_a_restarted_scheduler_and_refuses_implausible_propo
 def test_compute_nodes_refuse_a_plan_version_jump(scheduled):
     g = scheduled
     real = g.latest_plan()
-    forged = g.probe.rt.create_publisher(ic.PLAN_TOPIC, "LoadAssignment", QoS.LATCHED)
-    msg = ic.assignment_msg(Assignment(2**32 - 1, 0, tuple(g.compute_names), (0.0, 1.0), "static", "forged", 0.0),
+    forged = g.probe.rt.create_publisher(proto.PLAN_TOPIC, "LoadAssignment", QoS.LATCHED)
+    msg = proto.assignment_msg(Assignment(2**32 - 1, 0, tuple(g.compute_names), (0.0, 1.0), "static", "forged", 0.0),
                             int(real.incarnation))
     msg.strategy = "stripes"
     forged.publish(msg)
@@ -210,9 +211,9 @@ def test_scheduler_refuses_telemetry_with_an_impossible_request_id_and_keeps_dec
     node = spawn_node("scheduler", "scheduler", router.endpoint, "compute_nodes:=[compute_0]", "policy:=adaptive")
     probe = Probe(router.endpoint)
     try:
-        assignments = probe.collect(ic.ASSIGNMENT_TOPIC, "LoadAssignment", QoS.LATCHED)
+        assignments = probe.collect(proto.ASSIGNMENT_TOPIC, "LoadAssignment", QoS.LATCHED)
         diagnostics = probe.collect("/diagnostics", "DiagnosticArray")
-        telemetry = probe.rt.create_publisher(ic.TELEMETRY_TOPIC, "NodeTelemetry")
+        telemetry = probe.rt.create_publisher(proto.TELEMETRY_TOPIC, "NodeTelemetry")
 
         def heartbeat(request_id: int = 0, **fields) -> None:
             telemetry.publish(interfaces.make("NodeTelemetry", node_id="compute_0", request_id=request_id,
@@ -232,7 +233,7 @@ def test_scheduler_refuses_telemetry_with_an_impossible_request_id_and_keeps_dec
         wait_until(lambda: (heartbeat(), counted())[1], "the telemetry rejected in /diagnostics", interval_s=0.1)
         # numbers no measurement has: NaN, negative, infinite
         for bad in (dict(compute_ms=float("nan")), dict(wait_ms=-1.0), dict(work=float("inf")), dict(share=7.0)):
-            heartbeat(ic.first_request_id() + 5, **(dict(rows=8, work=1e6, compute_ms=5.0) | bad))
+            heartbeat(proto.first_request_id() + 5, **(dict(rows=8, work=1e6, compute_ms=5.0) | bad))
 
         def implausible():
             values = counted() or {}

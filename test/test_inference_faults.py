@@ -20,6 +20,7 @@ from inference_helpers import InferenceGraph, image_msg, synthetic_image, wait_u
 
 from kaitian_ros.core.policy_state import Assignment
 from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.nodes import protocol as proto
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime import zenoh_session as zs
 from kaitian_ros.runtime.api import QoS
@@ -68,13 +69,13 @@ def test_malformed_chunks_are_dropped_counted_and_the_node_keeps_serving(graph):
     lo, hi = plan.input_rows_for(node)
     c, height, width = g.spec.input_shape
     assert hi < height, "compute_0 must not read the whole image for the out-of-range case"
-    pub = g.probe.rt.create_publisher(ic.chunk_topic(node), "TensorChunk", QoS.RELIABLE)
-    key = zs.topic_key(zs.domain_id(), ic.chunk_topic(node), "TensorChunk")
+    pub = g.probe.rt.create_publisher(proto.chunk_topic(node), "TensorChunk", QoS.RELIABLE)
+    key = zs.topic_key(zs.domain_id(), proto.chunk_topic(node), "TensorChunk")
     rows = torch.randn(1, c, 4, width)
 
     def chunk(**over):
-        fields = dict(request_id=10_000, plan_version=pv.version, producer=ic.COORDINATOR, consumer=node,
-                      segment=0, role=ic.ROLE_INPUT, row_offset=lo, total_rows=height, rows=rows)
+        fields = dict(request_id=10_000, plan_version=pv.version, producer=proto.COORDINATOR, consumer=node,
+                      segment=0, role=proto.ROLE_INPUT, row_offset=lo, total_rows=height, rows=rows)
         fields.update(over)
         return ic.chunk_message(**fields)
 
@@ -90,7 +91,7 @@ def test_malformed_chunks_are_dropped_counted_and_the_node_keeps_serving(graph):
     g.probe.rt.session.put(key, rng.integers(0, 256, 300, dtype=np.uint8).tobytes(), congestion_control=block)
     g.probe.rt.session.put(key, good[: len(good) // 2], congestion_control=block)
     pub.publish(chunk(consumer="compute_1"))                      # misaddressed
-    pub.publish(chunk(role=ic.ROLE_OUTPUT))                       # a compute node takes no OUTPUT
+    pub.publish(chunk(role=proto.ROLE_OUTPUT))                       # a compute node takes no OUTPUT
     pub.publish(chunk(plan_version=0))                            # older than any plan it holds
     pub.publish(chunk(rows=torch.randn(1, c, 4)))                 # 3-D: not (N,C,rows,W)
     pub.publish(chunk(rows=torch.randn(1, c, 4, width + 3)))      # wrong width
@@ -218,22 +219,22 @@ def test_unknown_plan_chunk_times_out_while_other_plans_keep_arriving(graph):
     unknown_before = int(base.get("rejected.unknown plan", "0"))
     pv = g.latest_plan()
     c, height, width = g.spec.input_shape
-    chunks = g.probe.rt.create_publisher(ic.chunk_topic(node), "TensorChunk", QoS.RELIABLE)
+    chunks = g.probe.rt.create_publisher(proto.chunk_topic(node), "TensorChunk", QoS.RELIABLE)
     # the test stands in for the coordinator (its incarnation) announcing new versions of the same
     # plan, 0.3 s apart
-    plans = g.probe.rt.create_publisher(ic.PLAN_TOPIC, "LoadAssignment", QoS.LATCHED)
+    plans = g.probe.rt.create_publisher(proto.PLAN_TOPIC, "LoadAssignment", QoS.LATCHED)
     wait_routed(chunks, f"{node}'s subscription to its chunks")
     wait_routed(plans, "the nodes' subscriptions to the plan")
     bogus = pv.version + 5000
-    chunks.publish(ic.chunk_message(request_id=30_000, plan_version=bogus, producer=ic.COORDINATOR,
-                                    consumer=node, segment=0, role=ic.ROLE_INPUT, row_offset=0,
+    chunks.publish(ic.chunk_message(request_id=30_000, plan_version=bogus, producer=proto.COORDINATOR,
+                                    consumer=node, segment=0, role=proto.ROLE_INPUT, row_offset=0,
                                     total_rows=height, rows=torch.randn(1, c, 4, width)))
     version = pv.version
     deadline = time.monotonic() + 12.0
     counted = False
     while time.monotonic() < deadline and not counted:
         version += 1
-        plans.publish(ic.assignment_msg(Assignment(version, 0, tuple(pv.node_ids), tuple(pv.shares), "static",
+        plans.publish(proto.assignment_msg(Assignment(version, 0, tuple(pv.node_ids), tuple(pv.shares), "static",
                                                    "test: re-announced", 0.0), int(pv.incarnation)))
         time.sleep(0.3)  # the pace of the re-announcements under test (0.3 s apart), not a wait
         values = latest_values(g, node)
@@ -268,12 +269,12 @@ def test_forged_chunks_cost_bounded_memory_and_oversized_ones_nothing(graph):
     plan = ic.plan_from_msg(g.graph, pv, 4)
     lo, _ = plan.input_rows_for(node)
     c, height, width = g.spec.input_shape
-    pub = g.probe.rt.create_publisher(ic.chunk_topic(node), "TensorChunk", QoS.RELIABLE)
+    pub = g.probe.rt.create_publisher(proto.chunk_topic(node), "TensorChunk", QoS.RELIABLE)
     wait_routed(pub, f"{node}'s subscription to its chunks")
 
     def chunk(request_id: int, rows: torch.Tensor) -> object:
-        return ic.chunk_message(request_id=request_id, plan_version=pv.version, producer=ic.COORDINATOR,
-                                consumer=node, segment=0, role=ic.ROLE_INPUT, row_offset=lo,
+        return ic.chunk_message(request_id=request_id, plan_version=pv.version, producer=proto.COORDINATOR,
+                                consumer=node, segment=0, role=proto.ROLE_INPUT, row_offset=lo,
                                 total_rows=height, rows=rows)
 
     bad_before = int(base.get("rejected.bad chunk", "0"))

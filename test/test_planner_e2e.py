@@ -18,6 +18,7 @@ from helpers import wait_routed
 from inference_helpers import InferenceGraph, wait_until
 
 from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.nodes import protocol as proto
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime.api import QoS
 
@@ -48,7 +49,7 @@ def graph(tmp_path_factory):
     g = InferenceGraph(tmp_path_factory.mktemp("planner"), **MODEL, slowdowns=[1.0, 2.0], shares=[1.0, 1.0],
                        coordinator={"strategy": "auto", "min_plan_gain": 0.05})
     try:
-        g.profiles = g.probe.collect(ic.PROFILES_TOPIC, "CostProfile", QoS.LATCHED)
+        g.profiles = g.probe.collect(proto.PROFILES_TOPIC, "CostProfile", QoS.LATCHED)
         wait_until(lambda: {p.node_id for p in g.profiles.snapshot()} >= {"compute_0", "compute_1"},
                    "a cost profile from each compute node", 45.0, interval_s=0.1)
         _plan_with(g, lambda p: p.strategy != "", "a first plan")
@@ -139,7 +140,7 @@ def _forged(node: str, g: InferenceGraph, **over):
 def test_implausible_profiles_are_dropped_counted_and_the_last_good_one_kept(graph):
     g = graph
     n = len(g.graph.ops)
-    pub = g.probe.rt.create_publisher(ic.PROFILES_TOPIC, "CostProfile", QoS.RELIABLE)
+    pub = g.probe.rt.create_publisher(proto.PROFILES_TOPIC, "CostProfile", QoS.RELIABLE)
     wait_routed(pub, "the coordinator's subscription to the profiles")
     base = _coordinator_values(g)
     versions = base.get("profiles")

@@ -209,7 +209,7 @@ def test_forged_new_incarnations_are_caught_by_the_authorities_they_impersonate(
 
     from kaitian_ros.core.authority import new_incarnation
     from kaitian_ros.core.policy_state import Assignment
-    from kaitian_ros.nodes import inference_common as ic
+    from kaitian_ros.nodes import protocol as proto
     from kaitian_ros.runtime.api import QoS
 
     cfg = scenario_config(**MODEL, slowdowns=[1.0, 1.0], policy="adaptive", dead_after_s=2.0,
@@ -218,14 +218,14 @@ def test_forged_new_incarnations_are_caught_by_the_authorities_they_impersonate(
         g.wait_ready(timeout_s=90.0)
         g.drive(6, window=1, timeout_s=90.0)
         plan, proposal = g.latest_plan(), g.latest_assignment()
-        forged_plans = g.rt.create_publisher(ic.PLAN_TOPIC, "LoadAssignment", QoS.LATCHED)
-        forged_proposals = g.rt.create_publisher(ic.ASSIGNMENT_TOPIC, "LoadAssignment", QoS.LATCHED)
+        forged_plans = g.rt.create_publisher(proto.PLAN_TOPIC, "LoadAssignment", QoS.LATCHED)
+        forged_proposals = g.rt.create_publisher(proto.ASSIGNMENT_TOPIC, "LoadAssignment", QoS.LATCHED)
         wait_routed(forged_plans, "the nodes' subscriptions to the plan")
         wait_routed(forged_proposals, "the coordinator's subscription to the assignment")
         fake_plan, fake_proposal = new_incarnation(), new_incarnation()
-        forged_plans.publish(ic.assignment_msg(
+        forged_plans.publish(proto.assignment_msg(
             Assignment(1, 0, ("compute_1",), (1.0,), "adaptive", "forged", 1.0), fake_plan))
-        forged_proposals.publish(ic.assignment_msg(
+        forged_proposals.publish(proto.assignment_msg(
             Assignment(1, 0, ("compute_0", "compute_1"), (0.0, 1.0), "adaptive", "forged", 1.0), fake_proposal))
         wait_until(lambda: int(g.latest_plan().incarnation) not in (int(plan.incarnation), fake_plan),
                    "the coordinator re-announcing its plan under a new incarnation", 30.0)

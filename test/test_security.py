@@ -180,25 +180,26 @@ def test_protected_topics_are_the_ones_the_product_nodes_publish() -> None:
     what the other processes publish (trainers, the bench's layer-wise workers: role node) is
     not protected, so a secure graph keeps working."""
     from kaitian_ros.bench import inference_graph
-    from kaitian_ros.nodes import inference_common as ic
+    from kaitian_ros.nodes import protocol as proto
     from kaitian_ros.nodes import trainer
 
     assert security.PROTECTED_TOPICS == {
         "/kaitian/plan": ("coordinator",), "/kaitian/assignment": ("scheduler",),
         "/kaitian/fused": ("coordinator",), "/kaitian/telemetry": ("compute",),
         "/kaitian/profiles": ("compute",), "/kaitian/chunks/**": ("coordinator", "compute")}
-    owners = {ic.PLAN_TOPIC: ("coordinator",), ic.ASSIGNMENT_TOPIC: ("scheduler",), ic.FUSED_TOPIC: ("coordinator",),
-              ic.TELEMETRY_TOPIC: ("compute",), ic.PROFILES_TOPIC: ("compute",),
-              ic.chunk_topic("compute_7"): ("coordinator", "compute"),
-              ic.chunk_topic(ic.COORDINATOR): ("coordinator", "compute")}
+    owners = {proto.PLAN_TOPIC: ("coordinator",), proto.ASSIGNMENT_TOPIC: ("scheduler",),
+              proto.FUSED_TOPIC: ("coordinator",),
+              proto.TELEMETRY_TOPIC: ("compute",), proto.PROFILES_TOPIC: ("compute",),
+              proto.chunk_topic("compute_7"): ("coordinator", "compute"),
+              proto.chunk_topic(proto.COORDINATOR): ("coordinator", "compute")}
     for topic, expected in owners.items():
         assert security.owners_of(topic) == expected, topic
     for topic in (trainer.TELEMETRY_TOPIC, inference_graph.LW_TELEMETRY, inference_graph.lw_topic("w0"),
                   "/camera/image_raw", "/diagnostics", "/kaitian/chunksmith", "/kaitian/planner"):
         assert security.owners_of(topic) is None, topic
     assert {t.topic for t in PROTECTED if security.owners_of(t.topic) is None} == set()  # the test covers them all
-    assert security.publish_refusal(ic.TELEMETRY_TOPIC, "compute") == ""
-    refusal = security.publish_refusal(ic.TELEMETRY_TOPIC, "node")
+    assert security.publish_refusal(proto.TELEMETRY_TOPIC, "compute") == ""
+    refusal = security.publish_refusal(proto.TELEMETRY_TOPIC, "node")
     assert "\n" not in refusal and "only compute may publish" in refusal and "KAITIAN_SECURITY_ROLE" in refusal
 
 

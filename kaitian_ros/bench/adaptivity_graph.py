@@ -82,7 +82,7 @@ class AdaptivityGraph:
         """``frames(i)``: the i-th camera Image to publish, with a stamp of its own (default:
         random rgb8 pixels of the model's input size)."""
         from kaitian_ros.launcher import start_on_free_port
-        from kaitian_ros.nodes import inference_common as ic
+        from kaitian_ros.nodes import protocol as proto
         from kaitian_ros.processes import CapturedOutput
         from kaitian_ros.runtime.api import QoS
         from kaitian_ros.runtime.diagnostics import DIAGNOSTICS_TOPIC
@@ -108,10 +108,10 @@ class AdaptivityGraph:
         try:
             self.rt = EmbeddedRuntime(NodeArgs("adaptivity_driver"), router=self.endpoint)
             self.fused, self.plans, self.assignments, self.telemetry = _Log(), _Log(), _Log(), _Log()
-            self.rt.create_subscription(ic.FUSED_TOPIC, "FusedOutput", self.fused)
-            self.rt.create_subscription(ic.PLAN_TOPIC, "LoadAssignment", self.plans, QoS.LATCHED)
-            self.rt.create_subscription(ic.ASSIGNMENT_TOPIC, "LoadAssignment", self.assignments, QoS.LATCHED)
-            self.rt.create_subscription(ic.TELEMETRY_TOPIC, "NodeTelemetry", self.telemetry)
+            self.rt.create_subscription(proto.FUSED_TOPIC, "FusedOutput", self.fused)
+            self.rt.create_subscription(proto.PLAN_TOPIC, "LoadAssignment", self.plans, QoS.LATCHED)
+            self.rt.create_subscription(proto.ASSIGNMENT_TOPIC, "LoadAssignment", self.assignments, QoS.LATCHED)
+            self.rt.create_subscription(proto.TELEMETRY_TOPIC, "NodeTelemetry", self.telemetry)
             self.coordinator_values: dict[str, str] = {}  # the coordinator's latest /diagnostics values
             self.rt.create_subscription(DIAGNOSTICS_TOPIC, "DiagnosticArray", self._on_diagnostics)
             self.camera = self.rt.create_publisher(CAMERA_TOPIC, "Image", QoS.BEST_EFFORT)

@@ -64,6 +64,7 @@ def flood(args: argparse.Namespace) -> int:
     import torch
 
     from kaitian_ros.nodes import inference_common as ic
+    from kaitian_ros.nodes import protocol as proto
     from kaitian_ros.runtime.api import QoS
 
     spec = ic.ModelSpec(args.model, (args.channels, args.height, args.width), args.num_classes, 0, "")
@@ -76,8 +77,8 @@ def flood(args: argparse.Namespace) -> int:
         with lock:
             plans.append(msg)
 
-    rt.create_subscription(ic.PLAN_TOPIC, "LoadAssignment", on_plan, QoS.LATCHED)
-    pub = rt.create_publisher(ic.chunk_topic(args.node), "TensorChunk", QoS.RELIABLE)
+    rt.create_subscription(proto.PLAN_TOPIC, "LoadAssignment", on_plan, QoS.LATCHED)
+    pub = rt.create_publisher(proto.chunk_topic(args.node), "TensorChunk", QoS.RELIABLE)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -114,7 +115,7 @@ def flood(args: argparse.Namespace) -> int:
             return 0
     rng = np.random.default_rng(args.seed)
     pixels = torch.from_numpy(rng.integers(0, 256, (1, args.channels, args.slab_rows, args.width), dtype=np.uint8))
-    first_id = ic.first_request_id() + 10_000_000  # a coordinator's id range, ahead of its own
+    first_id = proto.first_request_id() + 10_000_000  # a coordinator's id range, ahead of its own
     sent, bytes_sent = 0, 0
     period = 1.0 / args.rate
     start = time.monotonic()
@@ -131,8 +132,8 @@ def flood(args: argparse.Namespace) -> int:
         a = lo + int(rng.integers(0, max(1, hi - lo)))
         a = min(a, max(lo, hi - args.slab_rows))
         z = min(hi, a + args.slab_rows)
-        msg = ic.chunk_message(request_id=first_id + sent, plan_version=version, producer=ic.COORDINATOR,
-                               consumer=args.node, segment=0, role=ic.ROLE_INPUT, row_offset=a,
+        msg = ic.chunk_message(request_id=first_id + sent, plan_version=version, producer=proto.COORDINATOR,
+                               consumer=args.node, segment=0, role=proto.ROLE_INPUT, row_offset=a,
                                total_rows=args.height, rows=pixels[:, :, :z - a], slab_index=0,
                                last_slab=z >= hi, frame_id="camera")
         pub.publish(msg)

@@ -101,7 +101,7 @@ def forgery_variants(g: ChaosGraph, kind: str) -> list[Variant]:
     """The forged messages of one kind, implausible first, then the plausible one."""
     from kaitian_ros.core.authority import new_incarnation
     from kaitian_ros.core.policy_state import Assignment
-    from kaitian_ros.nodes import inference_common as ic
+    from kaitian_ros.nodes import protocol as proto
     from kaitian_ros.runtime import interfaces
 
     computes = tuple(g.compute_names)
@@ -112,7 +112,7 @@ def forgery_variants(g: ChaosGraph, kind: str) -> list[Variant]:
 
         def plan(incarnation: int, version: int, shares: tuple[float, ...] = (1.0,), nodes: tuple[str, ...] = (slow,),
                  strategy: str = "single") -> bytes:
-            msg = ic.assignment_msg(Assignment(version, 0, nodes, shares, "adaptive", "chaos forgery", 1.0),
+            msg = proto.assignment_msg(Assignment(version, 0, nodes, shares, "adaptive", "chaos forgery", 1.0),
                                     incarnation)
             return _encode(_with(msg, strategy=strategy), "LoadAssignment")
 
@@ -130,14 +130,14 @@ def forgery_variants(g: ChaosGraph, kind: str) -> list[Variant]:
         fake = new_incarnation()
         return [
             Variant("version_jump", f"the coordinator's incarnation, v{ver + 2**31} (a jump of 2**31)", True,
-                    ic.PLAN_TOPIC, plan(inc, ver + 2**31), computes, "implausible version", has_version(ver + 2**31),
+                    proto.PLAN_TOPIC, plan(inc, ver + 2**31), computes, "implausible version", has_version(ver + 2**31),
                     "compute nodes would run a plan the coordinator never made"),
-            Variant("no_incarnation", "incarnation 0", True, ic.PLAN_TOPIC, plan(0, ver + 500), computes,
+            Variant("no_incarnation", "incarnation 0", True, proto.PLAN_TOPIC, plan(0, ver + 500), computes,
                     "no incarnation", has_version(ver + 500), "compute nodes would follow no authority"),
-            Variant("bad_shares", "the coordinator's incarnation, a NaN share", True, ic.PLAN_TOPIC,
+            Variant("bad_shares", "the coordinator's incarnation, a NaN share", True, proto.PLAN_TOPIC,
                     plan(inc, ver + 700, (math.nan, 1.0), computes[:2], "stripes"), computes, "bad plan",
                     has_version(ver + 700), "compute nodes would build a plan from NaN shares"),
-            Variant("new_incarnation", f"a new incarnation from v1: all rows to {slow}", False, ic.PLAN_TOPIC,
+            Variant("new_incarnation", f"a new incarnation from v1: all rows to {slow}", False, proto.PLAN_TOPIC,
                     plan(fake, 1), computes, "", follows(fake),
                     "compute nodes follow the forged coordinator run and refuse the real one's plans as retired: "
                     "every frame times out until the coordinator restarts"),
@@ -148,7 +148,7 @@ def forgery_variants(g: ChaosGraph, kind: str) -> list[Variant]:
         nxt = g.latest_request_id() + 1
 
         def proposal(incarnation: int, version: int, effective: int, shares: tuple[float, ...]) -> bytes:
-            return _encode(ic.assignment_msg(Assignment(version, effective, computes, shares, "adaptive",
+            return _encode(proto.assignment_msg(Assignment(version, effective, computes, shares, "adaptive",
                                                         "chaos forgery", 1.0), incarnation), "LoadAssignment")
 
         def coordinator_has(key: str, value: str) -> Callable[[float], bool]:
@@ -159,23 +159,23 @@ def forgery_variants(g: ChaosGraph, kind: str) -> list[Variant]:
         fake = new_incarnation()
         only_slow = tuple(1.0 if n == slow else 0.0 for n in computes)
         return [
-            Variant("version_jump", f"the scheduler's incarnation, v{ver + 2**31}", True, ic.ASSIGNMENT_TOPIC,
+            Variant("version_jump", f"the scheduler's incarnation, v{ver + 2**31}", True, proto.ASSIGNMENT_TOPIC,
                     proposal(inc, ver + 2**31, nxt, only_slow), ("coordinator",), "implausible version",
                     coordinator_has("scheduler_version", str(ver + 2**31)),
                     "the coordinator would refuse every later real proposal as stale"),
-            Variant("effective_far_ahead", "effective from a request 10**9 ahead", True, ic.ASSIGNMENT_TOPIC,
+            Variant("effective_far_ahead", "effective from a request 10**9 ahead", True, proto.ASSIGNMENT_TOPIC,
                     proposal(inc, ver + 300, nxt + 10**9, only_slow), ("coordinator",),
                     "implausible effective_from_request", coordinator_has("scheduler_version", str(ver + 300)),
                     "the coordinator would hold a proposal forever"),
-            Variant("negative_share", "a negative share", True, ic.ASSIGNMENT_TOPIC,
+            Variant("negative_share", "a negative share", True, proto.ASSIGNMENT_TOPIC,
                     proposal(inc, ver + 400, nxt, (-1.0,) + (1.0,) * (len(computes) - 1)), ("coordinator",),
                     "bad assignment", coordinator_has("scheduler_version", str(ver + 400)),
                     "the coordinator would plan with a negative share"),
-            Variant("no_incarnation", "incarnation 0", True, ic.ASSIGNMENT_TOPIC,
+            Variant("no_incarnation", "incarnation 0", True, proto.ASSIGNMENT_TOPIC,
                     proposal(0, ver + 500, nxt, only_slow), ("coordinator",), "no incarnation",
                     coordinator_has("scheduler_incarnation", incarnation_hex(0)),
                     "the coordinator would follow no authority"),
-            Variant("new_incarnation", f"a new incarnation from v1: all rows to {slow}", False, ic.ASSIGNMENT_TOPIC,
+            Variant("new_incarnation", f"a new incarnation from v1: all rows to {slow}", False, proto.ASSIGNMENT_TOPIC,
                     proposal(fake, 1, nxt + 2, only_slow), ("coordinator",), "",
                     coordinator_has("scheduler_incarnation", incarnation_hex(fake)),
                     "the coordinator follows the forged scheduler run and retires the real one: adaptation stops "
@@ -206,14 +206,14 @@ def forgery_variants(g: ChaosGraph, kind: str) -> list[Variant]:
     ahead = int((time.time() + 1800) * 1e6)  # half an hour ahead: inside the one-hour clock skew allowed
     nxt = g.latest_request_id() + 1
     return [
-        Variant("request_id_max", "request id 2**64-1", True, ic.TELEMETRY_TOPIC, telemetry(busy, 2**64 - 1),
+        Variant("request_id_max", "request id 2**64-1", True, proto.TELEMETRY_TOPIC, telemetry(busy, 2**64 - 1),
                 ("scheduler",), "implausible request id", scheduler_value("newest_request", str(2**64 - 1)),
                 "every later assignment would take effect at an impossible request"),
-        Variant("nan_compute_ms", f"NaN compute time for {idle or 'an idle node (none)'}", True, ic.TELEMETRY_TOPIC,
+        Variant("nan_compute_ms", f"NaN compute time for {idle or 'an idle node (none)'}", True, proto.TELEMETRY_TOPIC,
                 telemetry(idle or busy, nxt, compute_ms=math.nan), ("scheduler",), "implausible telemetry",
                 speed_not_finite(idle or busy), "the scheduler would estimate a speed from NaN"),
         Variant("request_id_ahead", "a request id half an hour ahead of the clock (plausible)", False,
-                ic.TELEMETRY_TOPIC, telemetry(busy, ahead), ("scheduler",), "",
+                proto.TELEMETRY_TOPIC, telemetry(busy, ahead), ("scheduler",), "",
                 scheduler_value("newest_request", str(ahead)),
                 "the scheduler's assignments take effect half an hour of requests ahead; the coordinator refuses "
                 "them as implausible: adaptation stops until the scheduler restarts"),
@@ -227,12 +227,12 @@ def _with(msg: Any, **fields: Any) -> Any:
 
 
 def fuzz_topics(g: ChaosGraph) -> dict[str, str]:
-    from kaitian_ros.nodes import inference_common as ic
+    from kaitian_ros.nodes import protocol as proto
 
-    topics = {CAMERA_TOPIC: "Image", ic.chunk_topic(ic.COORDINATOR): "TensorChunk"}
-    topics.update({ic.chunk_topic(n): "TensorChunk" for n in g.compute_names})
-    topics.update({ic.PROFILES_TOPIC: "CostProfile", ic.TELEMETRY_TOPIC: "NodeTelemetry",
-                   ic.ASSIGNMENT_TOPIC: "LoadAssignment", ic.PLAN_TOPIC: "LoadAssignment"})
+    topics = {CAMERA_TOPIC: "Image", proto.chunk_topic(proto.COORDINATOR): "TensorChunk"}
+    topics.update({proto.chunk_topic(n): "TensorChunk" for n in g.compute_names})
+    topics.update({proto.PROFILES_TOPIC: "CostProfile", proto.TELEMETRY_TOPIC: "NodeTelemetry",
+                   proto.ASSIGNMENT_TOPIC: "LoadAssignment", proto.PLAN_TOPIC: "LoadAssignment"})
     return topics
 
 
@@ -244,6 +244,7 @@ def fuzz_seeds(g: ChaosGraph) -> dict[str, tuple[str, bytes, tuple[str, ...]]]:
     import torch
 
     from kaitian_ros.nodes import inference_common as ic
+    from kaitian_ros.nodes import protocol as proto
     from kaitian_ros.runtime import interfaces
 
     p = g.scenario.node("coordinator").parameters
@@ -257,25 +258,26 @@ def fuzz_seeds(g: ChaosGraph) -> dict[str, tuple[str, bytes, tuple[str, ...]]]:
     seeds: dict[str, tuple[str, bytes, tuple[str, ...]]] = {
         CAMERA_TOPIC: ("Image", _encode(image, "Image"), ("coordinator",))}
     out_rows = torch.zeros(1, 512, 1, 7)
-    seeds[ic.chunk_topic(ic.COORDINATOR)] = ("TensorChunk", _encode(ic.chunk_message(
+    seeds[proto.chunk_topic(proto.COORDINATOR)] = ("TensorChunk", _encode(ic.chunk_message(
         request_id=g.latest_request_id() + 1, plan_version=version, producer=g.compute_names[0],
-        consumer=ic.COORDINATOR,
-        segment=0, role=ic.ROLE_OUTPUT, row_offset=0, total_rows=7, rows=out_rows), "TensorChunk"), ("coordinator",))
+        consumer=proto.COORDINATOR,
+        segment=0, role=proto.ROLE_OUTPUT, row_offset=0, total_rows=7, rows=out_rows), "TensorChunk"), ("coordinator",))
     for n in g.compute_names:
         rows = torch.zeros(1, 3, slab, w, dtype=torch.uint8)
-        seeds[ic.chunk_topic(n)] = ("TensorChunk", _encode(ic.chunk_message(
-            request_id=g.latest_request_id() + 1, plan_version=version, producer=ic.COORDINATOR, consumer=n,
-            segment=0, role=ic.ROLE_INPUT, row_offset=0, total_rows=h, rows=rows), "TensorChunk"), (n,))
+        seeds[proto.chunk_topic(n)] = ("TensorChunk", _encode(ic.chunk_message(
+            request_id=g.latest_request_id() + 1, plan_version=version, producer=proto.COORDINATOR, consumer=n,
+            segment=0, role=proto.ROLE_INPUT, row_offset=0, total_rows=h, rows=rows), "TensorChunk"), (n,))
     with g.rec.lock:
         profile = next(iter(g.rec.profiles.values()), None)
         telemetry = g.rec.telemetry_sample
     if profile is not None:
-        seeds[ic.PROFILES_TOPIC] = ("CostProfile", _encode(profile, "CostProfile"), ("coordinator",))
+        seeds[proto.PROFILES_TOPIC] = ("CostProfile", _encode(profile, "CostProfile"), ("coordinator",))
     if telemetry is not None:
-        seeds[ic.TELEMETRY_TOPIC] = ("NodeTelemetry", _encode(telemetry, "NodeTelemetry"), ("scheduler", "coordinator"))
+        seeds[proto.TELEMETRY_TOPIC] = ("NodeTelemetry", _encode(telemetry, "NodeTelemetry"),
+                                        ("scheduler", "coordinator"))
     assignment = g.latest_assignment()
     if assignment is not None:
-        seeds[ic.ASSIGNMENT_TOPIC] = ("LoadAssignment", _encode(assignment, "LoadAssignment"), ("coordinator",))
+        seeds[proto.ASSIGNMENT_TOPIC] = ("LoadAssignment", _encode(assignment, "LoadAssignment"), ("coordinator",))
     if plan is not None:
-        seeds[ic.PLAN_TOPIC] = ("LoadAssignment", _encode(plan, "LoadAssignment"), tuple(g.compute_names))
+        seeds[proto.PLAN_TOPIC] = ("LoadAssignment", _encode(plan, "LoadAssignment"), tuple(g.compute_names))
     return seeds

@@ -170,7 +170,7 @@ class ChaosGraph:
     # --- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
         from kaitian_ros.launcher import start_on_free_port
-        from kaitian_ros.nodes import inference_common as ic
+        from kaitian_ros.nodes import protocol as proto
         from kaitian_ros.runtime.api import QoS
         from kaitian_ros.runtime.diagnostics import DIAGNOSTICS_TOPIC
         from kaitian_ros.runtime.embedded import EmbeddedRuntime
@@ -190,11 +190,11 @@ class ChaosGraph:
         self.rt = EmbeddedRuntime(NodeArgs("chaos_probe"), router=self.endpoint)
         r = self.rec
         self.rt.create_subscription(CAMERA_TOPIC, "Image", r.on_camera, QoS.BEST_EFFORT)
-        self.rt.create_subscription(ic.FUSED_TOPIC, "FusedOutput", r.on_fused)
-        self.rt.create_subscription(ic.PLAN_TOPIC, "LoadAssignment", r.on_plan, QoS.LATCHED)
-        self.rt.create_subscription(ic.ASSIGNMENT_TOPIC, "LoadAssignment", r.on_assignment, QoS.LATCHED)
-        self.rt.create_subscription(ic.PROFILES_TOPIC, "CostProfile", r.on_profile, QoS.LATCHED)
-        self.rt.create_subscription(ic.TELEMETRY_TOPIC, "NodeTelemetry", r.on_telemetry)
+        self.rt.create_subscription(proto.FUSED_TOPIC, "FusedOutput", r.on_fused)
+        self.rt.create_subscription(proto.PLAN_TOPIC, "LoadAssignment", r.on_plan, QoS.LATCHED)
+        self.rt.create_subscription(proto.ASSIGNMENT_TOPIC, "LoadAssignment", r.on_assignment, QoS.LATCHED)
+        self.rt.create_subscription(proto.PROFILES_TOPIC, "CostProfile", r.on_profile, QoS.LATCHED)
+        self.rt.create_subscription(proto.TELEMETRY_TOPIC, "NodeTelemetry", r.on_telemetry)
         self.rt.create_subscription(DIAGNOSTICS_TOPIC, "DiagnosticArray", r.on_diag)
         self._spin = threading.Thread(target=self.rt.spin, daemon=True)
         self._spin.start()

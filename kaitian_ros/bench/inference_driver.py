@@ -42,6 +42,7 @@ class Driver:
 
     def __init__(self, graph_proc: Graph, graph: Any) -> None:
         from kaitian_ros.nodes import inference_common as ic
+        from kaitian_ros.nodes import protocol as proto
         from kaitian_ros.runtime import interfaces
         from kaitian_ros.runtime.api import QoS
         from kaitian_ros.runtime.diagnostics import DIAGNOSTICS_TOPIC
@@ -66,13 +67,14 @@ class Driver:
         self.min_run_rows: dict[str, int] = {}  # what the driver last set on each compute node
         self.image_pub = self.rt.create_publisher("/camera/image_raw", "Image")
         self.lw_pubs = {w: self.rt.create_publisher(lw_topic(w), "BenchChunk") for w in graph_proc.workers}
-        self.rt.create_subscription(ic.FUSED_TOPIC, "FusedOutput", lambda m: self.fused.put((time.perf_counter(), m)))
+        self.rt.create_subscription(proto.FUSED_TOPIC, "FusedOutput",
+                                    lambda m: self.fused.put((time.perf_counter(), m)))
         self.rt.create_subscription(lw_topic(DRIVER), "BenchChunk",
                                     lambda m: self.lw_out.put((time.perf_counter(), m)))
-        self.rt.create_subscription(ic.TELEMETRY_TOPIC, "NodeTelemetry", self._on_tele)
+        self.rt.create_subscription(proto.TELEMETRY_TOPIC, "NodeTelemetry", self._on_tele)
         self.rt.create_subscription(LW_TELEMETRY, "NodeTelemetry", self._on_lw_tele)
-        self.rt.create_subscription(ic.PLAN_TOPIC, "LoadAssignment", self._on_plan, QoS.LATCHED)
-        self.rt.create_subscription(ic.PROFILES_TOPIC, "CostProfile", self._on_profile, QoS.LATCHED)
+        self.rt.create_subscription(proto.PLAN_TOPIC, "LoadAssignment", self._on_plan, QoS.LATCHED)
+        self.rt.create_subscription(proto.PROFILES_TOPIC, "CostProfile", self._on_profile, QoS.LATCHED)
         self.rt.create_subscription(DIAGNOSTICS_TOPIC, "DiagnosticArray", self._on_diagnostics)
         self.thread = threading.Thread(target=self.rt.spin, daemon=True)
         self.thread.start()

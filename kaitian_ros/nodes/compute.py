@@ -36,6 +36,7 @@ from kaitian_ros.core.plan import Plan
 from kaitian_ros.core.stripe import StripeRunner
 from kaitian_ros.core.tensors import normalise_input
 from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.nodes import protocol as proto
 from kaitian_ros.nodes.compute_params import PARAMETERS
 from kaitian_ros.nodes.compute_prepare import PREPARED, PreparedKey
 from kaitian_ros.runtime import interfaces, memory, run_node
@@ -94,13 +95,13 @@ class ComputeNode:
         self.coordinator = AuthorityTracker("coordinator")  # whose plan versions these are
         self.completed = 0
         self.pubs: dict[str, Any] = {}
-        self.telemetry = rt.create_publisher(ic.TELEMETRY_TOPIC, "NodeTelemetry")
+        self.telemetry = rt.create_publisher(proto.TELEMETRY_TOPIC, "NodeTelemetry")
         self.diagnostics = DiagnosticsPublisher(rt, hardware_id=self.params["device"])
         self._measure_costs()
-        self.profile_pub = rt.create_publisher(ic.PROFILES_TOPIC, "CostProfile", QoS.LATCHED)
+        self.profile_pub = rt.create_publisher(proto.PROFILES_TOPIC, "CostProfile", QoS.LATCHED)
         self._publish_profile("start-up measurement")
-        rt.create_subscription(ic.PLAN_TOPIC, "LoadAssignment", self._on_plan, QoS.LATCHED)
-        rt.create_subscription(ic.chunk_topic(self.node_id), "TensorChunk", self._on_chunk, with_info=True)
+        rt.create_subscription(proto.PLAN_TOPIC, "LoadAssignment", self._on_plan, QoS.LATCHED)
+        rt.create_subscription(proto.chunk_topic(self.node_id), "TensorChunk", self._on_chunk, with_info=True)
         rt.add_on_set_parameters_callback(self._on_set)
         self.hb_timer = rt.create_timer(1.0 / self.params["heartbeat_hz"], self._heartbeat)
         self.probe_timer = self._probe_timer()
@@ -216,7 +217,7 @@ class ComputeNode:
     # --- plans --------------------------------------------------------------------------
     def _on_plan(self, msg: Any) -> None:
         try:
-            pv = ic.assignment_from_msg(msg)
+            pv = proto.assignment_from_msg(msg)
         except ValueError as exc:
             self.rt.rejected.count(f"bad plan: {exc}")
             return
@@ -225,7 +226,7 @@ class ComputeNode:
         except ValueError as exc:
             self.rt.rejected.count(f"bad plan: v{pv.version}: {exc}")
             return
-        verdict = ic.accept_versioned(self.rt, self.coordinator, msg)
+        verdict = proto.accept_versioned(self.rt, self.coordinator, msg)
         if verdict is None:
             return
         if verdict.reset:
@@ -247,7 +248,7 @@ class ComputeNode:
     def _publisher(self, consumer: str) -> Any:
         pub = self.pubs.get(consumer)
         if pub is None:
-            pub = self.pubs[consumer] = self.rt.create_publisher(ic.chunk_topic(consumer), "TensorChunk")
+            pub = self.pubs[consumer] = self.rt.create_publisher(proto.chunk_topic(consumer), "TensorChunk")
         return pub
 
     def _on_chunk(self, msg: Any, info: MessageInfo | None = None) -> None:
@@ -265,7 +266,7 @@ class ComputeNode:
         if msg.consumer != self.node_id:
             self.rt.rejected.count(f"misaddressed: chunk for {msg.consumer!r}")
             return
-        if msg.role not in (ic.ROLE_INPUT, ic.ROLE_HALO):
+        if msg.role not in (proto.ROLE_INPUT, proto.ROLE_HALO):
             self.rt.rejected.count(f"bad role: {msg.role}")
             return
         version = int(msg.plan_version)
@@ -298,7 +299,7 @@ class ComputeNode:
             state = None  # re-dispatched under a newer plan: start over
         try:
             rows = ic.chunk_rows(msg)
-            if rows.dtype == torch.uint8 and msg.role == ic.ROLE_INPUT:
+            if rows.dtype == torch.uint8 and msg.role == proto.ROLE_INPUT:
                 # image rows travel as pixels; per-pixel normalisation makes a slab exact on its own
                 rows = normalise_input(rows, self.spec.input_shape[0], self.params["normalise"])
             if rows.dtype != torch.float32:  # the model computes in float32: another dtype would
@@ -319,7 +320,7 @@ class ComputeNode:
         outside = max(0.0, (time.perf_counter() - t_in - wall) * 1e3)
         self.message_ms += 0.1 * (outside - self.message_ms)
         self.requests[state.request_id] = state
-        if msg.role == ic.ROLE_INPUT:
+        if msg.role == proto.ROLE_INPUT:
             state.first_sent_s = min(state.first_sent_s or sent, sent)
             state.first_input_s = min(state.first_input_s or arrived, arrived)
             state.last_input_s = max(state.last_input_s, arrived)
@@ -373,11 +374,11 @@ class ComputeNode:
 
     def _publish(self, state: RequestState, plan: Plan, emissions: list) -> None:
         for e in emissions:
-            role = ic.ROLE_OF_NAME[e.role]
+            role = proto.ROLE_OF_NAME[e.role]
             key = (e.consumer, e.segment)
             index = state.slab_counts.get(key, 0)
             state.slab_counts[key] = index + 1
-            total = plan.output_shape[1] if role == ic.ROLE_OUTPUT else self.graph.value_shapes[
+            total = plan.output_shape[1] if role == proto.ROLE_OUTPUT else self.graph.value_shapes[
                 plan.segments[e.segment].in_value][1]
             msg = ic.chunk_message(request_id=state.request_id, plan_version=state.plan_version,
                                    producer=self.node_id, consumer=e.consumer, segment=e.segment, role=role,
@@ -385,7 +386,7 @@ class ComputeNode:
                                    slab_index=index, frame_id=state.frame_id)
             self._publisher(e.consumer).publish(msg)
             state.bytes_out += e.rows.numel() * e.rows.element_size()
-            if role == ic.ROLE_OUTPUT:
+            if role == proto.ROLE_OUTPUT:
                 now = time.time()
                 state.first_output_s = state.first_output_s or now
                 state.last_output_s = now

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.nodes import protocol as proto
 from kaitian_ros.runtime.api import ParameterDescriptor as P
 from kaitian_ros.runtime.api import ParameterType as T
 
@@ -13,7 +14,7 @@ PARAMETERS = ic.MODEL_PARAMETERS + (
     P("emulated_slowdown", T.DOUBLE, 1.0,
       "emulate a slower device: rows are released at s x their compute time (1.0 = real speed)", 1.0, 100.0),
     P("min_run_rows", T.INTEGER, 16, "defer conv runs shorter than this while more rows are coming", 1, 4096),
-    P("heartbeat_hz", T.DOUBLE, 4.0, "heartbeat telemetry rate", ic.MIN_HEARTBEAT_HZ, 100.0),
+    P("heartbeat_hz", T.DOUBLE, 4.0, "heartbeat telemetry rate", proto.MIN_HEARTBEAT_HZ, 100.0),
     P("request_timeout_s", T.DOUBLE, 10.0, "forget an unfinished request after this long", 0.1, 3600.0),
     P("max_plans", T.INTEGER, 8, "plan versions kept for requests still in flight", 2, 1000),
     # default: the coordinator's largest max_in_flight, so a real graph never evicts its own

@@ -36,6 +36,7 @@ from kaitian_ros.core.plan import Plan, same_spec
 from kaitian_ros.core.plan_memory import MEASURED_MIN, PlanMemory, same_speed
 from kaitian_ros.core.policy import Assignment
 from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.nodes import protocol as proto
 from kaitian_ros.nodes.coordinator_costs import planning_costs
 from kaitian_ros.nodes.coordinator_params import PARAMETERS, PLAN_SETTINGS
 from kaitian_ros.nodes.coordinator_report import report
@@ -56,7 +57,7 @@ class Coordinator(RequestFlow):
         self.rt = rt
         self.params = rt.declare_parameters(PARAMETERS)
         torch.set_num_threads(self.params["threads"])
-        problem = ic.static_shares_problem(self.params["static_shares"], self.params["compute_nodes"])
+        problem = proto.static_shares_problem(self.params["static_shares"], self.params["compute_nodes"])
         if problem:
             raise ValueError(problem)
         self.spec = ic.ModelSpec.from_params(self.params)
@@ -99,20 +100,20 @@ class Coordinator(RequestFlow):
         # on a new incarnation, and its request ids continue above the old run's
         self.incarnation = new_incarnation()
         self.guard = ImpersonationGuard("coordinator", self.incarnation)  # forged plans on our topic
-        self.next_request = ic.first_request_id()
+        self.next_request = proto.first_request_id()
         self.scheduler_authority = AuthorityTracker("scheduler")
         self.counts: collections.Counter[str] = collections.Counter()
         self.latencies: collections.deque = collections.deque(maxlen=200)
-        self.chunk_pubs = {n: rt.create_publisher(ic.chunk_topic(n), "TensorChunk") for n in self.nodes}
-        self.plan_pub = rt.create_publisher(ic.PLAN_TOPIC, "LoadAssignment", QoS.LATCHED)
-        self.fused_pub = rt.create_publisher(ic.FUSED_TOPIC, "FusedOutput")
+        self.chunk_pubs = {n: rt.create_publisher(proto.chunk_topic(n), "TensorChunk") for n in self.nodes}
+        self.plan_pub = rt.create_publisher(proto.PLAN_TOPIC, "LoadAssignment", QoS.LATCHED)
+        self.fused_pub = rt.create_publisher(proto.FUSED_TOPIC, "FusedOutput")
         self.diagnostics = DiagnosticsPublisher(rt, hardware_id="cpu")
         self._sendq: queue.SimpleQueue | None = None
-        rt.create_subscription(ic.TELEMETRY_TOPIC, "NodeTelemetry", self._on_telemetry, with_info=True)
-        rt.create_subscription(ic.ASSIGNMENT_TOPIC, "LoadAssignment", self._on_assignment, QoS.LATCHED)
-        rt.create_subscription(ic.PROFILES_TOPIC, "CostProfile", self._on_profile, QoS.LATCHED)
-        rt.create_subscription(ic.chunk_topic(ic.COORDINATOR), "TensorChunk", self._on_chunk, with_info=True)
-        rt.create_subscription(ic.PLAN_TOPIC, "LoadAssignment", self._on_plan_topic, QoS.LATCHED)
+        rt.create_subscription(proto.TELEMETRY_TOPIC, "NodeTelemetry", self._on_telemetry, with_info=True)
+        rt.create_subscription(proto.ASSIGNMENT_TOPIC, "LoadAssignment", self._on_assignment, QoS.LATCHED)
+        rt.create_subscription(proto.PROFILES_TOPIC, "CostProfile", self._on_profile, QoS.LATCHED)
+        rt.create_subscription(proto.chunk_topic(proto.COORDINATOR), "TensorChunk", self._on_chunk, with_info=True)
+        rt.create_subscription(proto.PLAN_TOPIC, "LoadAssignment", self._on_plan_topic, QoS.LATCHED)
         rt.on_node_gone(self._on_node_gone)
         rt.create_subscription(self.params["input_topic"], "Image", self._on_image, QoS.BEST_EFFORT)
         rt.add_on_set_parameters_callback(self._on_set)
@@ -126,7 +127,7 @@ class Coordinator(RequestFlow):
 
     def _on_set(self, changes: dict[str, Any]) -> SetParametersResult:
         if "static_shares" in changes:
-            problem = ic.static_shares_problem(changes["static_shares"], list(self.nodes))
+            problem = proto.static_shares_problem(changes["static_shares"], list(self.nodes))
             if problem:
                 return SetParametersResult(False, problem)
         if "threads" in changes:
@@ -203,15 +204,15 @@ class Coordinator(RequestFlow):
         if not self.params["use_scheduler"]:
             return
         try:
-            proposal = ic.assignment_from_msg(msg)
+            proposal = proto.assignment_from_msg(msg)
         except ValueError as exc:
             self.rt.rejected.count(f"bad assignment: {exc}")
             return
-        if proposal.effective_from_request > self.next_request + ic.MAX_EFFECTIVE_LEAD:
+        if proposal.effective_from_request > self.next_request + proto.MAX_EFFECTIVE_LEAD:
             self.rt.rejected.count(f"implausible effective_from_request: scheduler v{proposal.version} from request "
                                    f"{proposal.effective_from_request}, next request is {self.next_request}")
             return
-        if ic.accept_versioned(self.rt, self.scheduler_authority, msg) is None:
+        if proto.accept_versioned(self.rt, self.scheduler_authority, msg) is None:
             return
         previous, self.assignment = self.assignment, proposal
         self.assignment_s = time.monotonic()
@@ -414,8 +415,8 @@ class Coordinator(RequestFlow):
         plan = self.plans[version]
         self.memory.ran_with(self._settings(), plan)
         ru = self.choice.runner_up if self.choice is not None else None
-        msg = ic.assignment_msg(pv, self.incarnation, plan, ru.label if ru else "", ru.predicted_ms if ru else 0.0)
-        self.guard.published(version, ic.assignment_digest(msg))
+        msg = proto.assignment_msg(pv, self.incarnation, plan, ru.label if ru else "", ru.predicted_ms if ru else 0.0)
+        self.guard.published(version, proto.assignment_digest(msg))
         self.plan_pub.publish(msg)
         self.rt.logger.info(f"plan v{version}: {pv.reason}")
         in_use = {r.version for r in self.requests.values()} | {version} | (
@@ -461,7 +462,7 @@ class Coordinator(RequestFlow):
 
     def _on_plan_topic(self, msg: Any) -> None:
         """Our own topic: a plan we did not publish is forged (or a second coordinator runs)."""
-        reason, incarnation = ic.answer_on_own_topic(self.rt, self.guard, msg, ic.PLAN_TOPIC, time.monotonic())
+        reason, incarnation = proto.answer_on_own_topic(self.rt, self.guard, msg, proto.PLAN_TOPIC, time.monotonic())
         if incarnation is not None:
             self._reincarnate(incarnation, reason)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kaitian_ros.core import planner
 from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.nodes import protocol as proto
 from kaitian_ros.runtime.api import ParameterDescriptor as P
 from kaitian_ros.runtime.api import ParameterType as T
 
@@ -21,7 +22,7 @@ PARAMETERS = ic.MODEL_PARAMETERS + (
     P("max_in_flight", T.INTEGER, 2, "requests dispatched but not finished", 1, 64),
     P("request_timeout_s", T.DOUBLE, 5.0, "publish complete=false after this long", 0.05, 600.0),
     P("dead_after_s", T.DOUBLE, 1.5, "a compute node silent this long leaves the plan (>= 2 heartbeats)",
-      ic.MIN_DEAD_AFTER_S, 600.0),
+      proto.MIN_DEAD_AFTER_S, 600.0),
     P("late_after_s", T.DOUBLE, 0.5,
       "a compute node that still owes rows of a request this long after its inputs went out (and 4x the plan's "
       "predicted latency) leaves the plan for a while, the request goes to the others (0 = never)", 0.0, 600.0),

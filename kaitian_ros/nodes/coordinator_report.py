@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from kaitian_ros.core.graph import ModelGraph
 from kaitian_ros.core.plan import Plan
-from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.nodes import protocol as proto
 from kaitian_ros.runtime.diagnostics import Level
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ def report(c: Coordinator) -> None:
     if c.counts["timeouts"]:
         level, text = Level.WARN, text + f", {c.counts['timeouts']} timed out"
     if c.guard.impostor_within(time.monotonic(), IMPOSTOR_REPORT_S):
-        level, text = Level.ERROR, text + (f", forged plans on {ic.PLAN_TOPIC} ({c.guard.impostors}): "
+        level, text = Level.ERROR, text + (f", forged plans on {proto.PLAN_TOPIC} ({c.guard.impostors}): "
                                            f"re-announced as a new incarnation")
     silent_s = time.monotonic() - c.assignment_s
     if c.params["use_scheduler"] and c.assignment is None and c.alive and silent_s > NO_ASSIGNMENT_S:

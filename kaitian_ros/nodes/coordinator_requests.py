@@ -26,6 +26,7 @@ from kaitian_ros.core.plan import Plan
 from kaitian_ros.core.policy import Assignment
 from kaitian_ros.core.tensors import ImageFormatError, image_to_array, resize_pixels
 from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.nodes import protocol as proto
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime.api import MessageInfo, Publisher, Runtime
 
@@ -151,8 +152,8 @@ class RequestFlow:
                 if i < len(b):
                     node, a, z, last = b[i]
                     messages.append((node, ic.chunk_message(
-                        request_id=req.request_id, plan_version=req.version, producer=ic.COORDINATOR,
-                        consumer=node, segment=0, role=ic.ROLE_INPUT, row_offset=a, total_rows=total,
+                        request_id=req.request_id, plan_version=req.version, producer=proto.COORDINATOR,
+                        consumer=node, segment=0, role=proto.ROLE_INPUT, row_offset=a, total_rows=total,
                         rows=req.x[:, :, a:z], slab_index=i, last_slab=last, frame_id=req.frame_id)))
         pacing = self.params["input_pacing_ms"] / 1e3
         if pacing <= 0:
@@ -183,7 +184,7 @@ class RequestFlow:
         if info is not None and info.source_timestamp_s and msg.producer in self.nodes:
             meter = self.meters.setdefault(msg.producer, LinkMeter())
             meter.observe(len(msg.data), info.source_timestamp_s, info.received_s)
-        if msg.role != ic.ROLE_OUTPUT or msg.consumer != ic.COORDINATOR:
+        if msg.role != proto.ROLE_OUTPUT or msg.consumer != proto.COORDINATOR:
             self.rt.rejected.count(f"bad role: coordinator only takes OUTPUT chunks, got role {msg.role}")
             return
         req = self.requests.get(int(msg.request_id))

@@ -1,4 +1,5 @@
-"""What the coordinator and compute nodes share: model parameters, topics, messages.
+"""What the coordinator and compute nodes share beyond the protocol (`protocol`): model
+parameters, the model and its plans, cost profiles and tensor chunks.
 
 Both sides build the same model from the same parameters (the scenario file gives every
 inference node the same ``model``/``input_*``/``seed``/``weights``) and the same plan from a plan
@@ -8,7 +9,6 @@ plan version.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -19,51 +19,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from kaitian_ros.core.authority import AuthorityTracker, ImpersonationGuard, Verdict
 from kaitian_ros.core.costs import DeviceProfile, LinkEstimate, OpCost, model_key
 from kaitian_ros.core.graph import ModelGraph
 from kaitian_ros.core.models import build_model
 from kaitian_ros.core.plan import STRATEGIES, Plan, PlanSpec, build_plan
-from kaitian_ros.core.policy_state import Assignment
 from kaitian_ros.core.split import split_model
+from kaitian_ros.nodes.protocol import ROLE_INPUT, assignment_from_msg
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime.api import ParameterDescriptor as P
 from kaitian_ros.runtime.api import ParameterType as T
-
-COORDINATOR = "coordinator"
-CHUNK_TOPIC_PREFIX = "/kaitian/chunks/"
-TELEMETRY_TOPIC = "/kaitian/telemetry"
-PLAN_TOPIC = "/kaitian/plan"              # the plan versions actually executed (coordinator, latched)
-ASSIGNMENT_TOPIC = "/kaitian/assignment"  # the scheduler's proposals (latched)
-PROFILES_TOPIC = "/kaitian/profiles"      # compute nodes' measured costs (latched)
-FUSED_TOPIC = "/kaitian/fused"
-ROLE_INPUT, ROLE_HALO, ROLE_OUTPUT = 0, 1, 2
-ROLE_NAMES = {ROLE_INPUT: "INPUT", ROLE_HALO: "HALO", ROLE_OUTPUT: "OUTPUT"}
-ROLE_OF_NAME = {v: k for k, v in ROLE_NAMES.items()}
-
-# Request ids: a coordinator numbers its requests from its start time in microseconds, so the ids
-# of a restarted coordinator continue above the old ones (no run makes a request per microsecond)
-# and no id is ever far ahead of the wall clock: anything beyond REQUEST_ID_SKEW_S ahead is forged
-# or corrupt (one telemetry message with id 2**64-1 once wedged the scheduler for good).
-# compute nodes send heartbeats at heartbeat_hz >= MIN_HEARTBEAT_HZ; a node counts as dead after
-# dead_after_s of silence, which must span two of the slowest heartbeats or live nodes flap in
-# and out of the plan (a dead_after_s below the heartbeat period once made 106 flaps in 12 s)
-MIN_HEARTBEAT_HZ = 2.0
-MIN_DEAD_AFTER_S = 2.0 / MIN_HEARTBEAT_HZ
-REQUEST_ID_SKEW_S = 3600.0  # clocks of the graph's hosts may differ by this much
-MAX_EFFECTIVE_LEAD = 10_000  # an assignment takes effect at most this many requests ahead
-
-
-def first_request_id() -> int:
-    return time.time_ns() // 1000
-
-
-def request_id_problem(request_id: int, now_s: float | None = None) -> str:
-    """'' if ``request_id`` could come from a coordinator, else why not."""
-    limit = int(((time.time() if now_s is None else now_s) + REQUEST_ID_SKEW_S) * 1e6)
-    if not 0 < request_id <= limit:
-        return f"implausible request id: {request_id} (ids are a coordinator's start time in us plus a count)"
-    return ""
 
 MODEL_PARAMETERS = (
     P("model", T.STRING, "resnet18", "reference CNN name or 'package.module:callable'", read_only=True),
@@ -117,10 +81,6 @@ def load_labels(names: Sequence[str], path: str, num_classes: int) -> tuple[str,
     if len(names) != num_classes:
         raise ValueError(f"{where} has {len(names)} names, the model has num_classes {num_classes}")
     return tuple(names)
-
-
-def chunk_topic(node_id: str) -> str:
-    return CHUNK_TOPIC_PREFIX + node_id
 
 
 @dataclass(frozen=True)
@@ -206,50 +166,6 @@ def busy_clock(device: torch.device) -> Callable[[], float]:
     return time.perf_counter
 
 
-def assignment_msg(a: Assignment, incarnation: int, plan: Plan | None = None, runner_up: str = "",
-                   runner_up_ms: float = 0.0) -> Any:
-    """LoadAssignment message of a scheduler proposal, or with `plan` of an executed plan, from
-    the publisher's run `incarnation` (`core.authority`)."""
-    fields: dict[str, Any] = {}
-    if plan is not None:
-        spec = plan.spec
-        uniform = all(row == spec.segment_shares[0] for row in spec.segment_shares)
-        fields = {"strategy": spec.strategy, "cut_values": np.asarray(spec.cuts, np.uint16),
-                  "segment_shares": np.asarray([] if uniform and spec.strategy == "stripes" else
-                                               [x for row in spec.segment_shares for x in row], np.float64),
-                  "runner_up": runner_up, "runner_up_ms": float(runner_up_ms)}
-    return interfaces.make("LoadAssignment", incarnation=incarnation, version=a.version,
-                           effective_from_request=a.effective_from_request,
-                           node_ids=list(a.node_ids), shares=np.asarray(a.shares, np.float64),
-                           policy=a.policy, reason=a.reason, predicted_makespan_ms=a.predicted_makespan_ms,
-                           **fields)
-
-
-def accept_versioned(rt: Any, tracker: AuthorityTracker, msg: Any) -> Verdict | None:
-    """The tracker's verdict on a LoadAssignment's (incarnation, version) if accepted (a restart
-    is logged); None if not, a refusal counted with its reason (a re-delivery is not)."""
-    verdict = tracker.check(int(msg.incarnation), int(msg.version))
-    if not verdict.accept:
-        if verdict.rejected:
-            rt.rejected.count(verdict.reason)
-        return None
-    if verdict.reset:
-        rt.logger.info(verdict.reason)
-    return verdict
-
-
-def assignment_from_msg(msg: Any) -> Assignment:
-    """Validated assignment from a LoadAssignment message (ValueError with the reason)."""
-    shares = tuple(float(s) for s in msg.shares)
-    node_ids = tuple(msg.node_ids)
-    if len(shares) != len(node_ids) or not node_ids:
-        raise ValueError(f"assignment v{msg.version}: {len(node_ids)} nodes but {len(shares)} shares")
-    if any(not math.isfinite(s) or s < 0 for s in shares) or sum(shares) <= 0:
-        raise ValueError(f"assignment v{msg.version}: invalid shares {shares}")
-    return Assignment(int(msg.version), int(msg.effective_from_request), node_ids, shares, msg.policy,
-                      msg.reason, float(msg.predicted_makespan_ms))
-
-
 def spec_from_msg(msg: Any) -> PlanSpec:
     """The plan spec a /kaitian/plan message carries (ValueError with the reason).
 
@@ -317,61 +233,6 @@ def chunk_message(*, request_id: int, plan_version: int, producer: str, consumer
                            plan_version=plan_version, producer=producer, consumer=consumer,
                            segment=segment, role=role, row_offset=row_offset, total_rows=total_rows,
                            slab_index=slab_index, last_slab=last_slab, **interfaces.tensor_fields(rows))
-
-
-def static_shares_problem(shares: list[float], nodes: list[str], *, empty_ok: bool = False) -> str:
-    """'' if ``shares`` fit ``nodes`` (one per node, not all zero), else why not: the
-    coordinator and the scheduler refuse the same values with the same words."""
-    if empty_ok and not shares:
-        return ""
-    if len(shares) != len(nodes):
-        return f"static_shares has {len(shares)} values for {len(nodes)} compute nodes"
-    if sum(shares) <= 0:
-        return "static_shares must not all be zero"
-    return ""
-
-
-MAX_TELEMETRY_MS = 3_600_000.0  # an hour: no request measures more
-
-
-def telemetry_problem(msg: Any) -> str:
-    """Why a request's NodeTelemetry cannot be a real measurement ('' if it can): every number
-    the scheduler's estimates are built from must be finite and in range (a NaN compute time
-    would poison the speed estimate for good)."""
-    for name in ("compute_ms", "transfer_ms", "wait_ms"):
-        value = float(getattr(msg, name))
-        if not (math.isfinite(value) and 0.0 <= value <= MAX_TELEMETRY_MS):
-            return f"implausible telemetry: {name} {value!r}"
-    work = float(msg.work)
-    if not (math.isfinite(work) and work >= 0.0):
-        return f"implausible telemetry: work {work!r}"
-    share = float(msg.share)
-    if not (math.isfinite(share) and 0.0 <= share <= 1.0):
-        return f"implausible telemetry: share {share!r}"
-    if int(msg.rows) > 1_000_000:
-        return f"implausible telemetry: rows {int(msg.rows)}"
-    return ""
-
-
-def assignment_digest(msg: Any) -> bytes:
-    """A LoadAssignment's identity as an authority checks it: the digest of its CDR bytes (a
-    decoded message encodes to the same bytes, field for field)."""
-    return hashlib.blake2b(bytes(interfaces.encode(msg, "LoadAssignment")), digest_size=16).digest()
-
-
-def answer_on_own_topic(rt: Any, guard: ImpersonationGuard, msg: Any, topic: str,
-                        now_s: float) -> tuple[str, int | None]:
-    """What an authority (coordinator, scheduler) makes of a LoadAssignment on its own topic:
-    ('', None) for its own; else why it is forged (counted as rejected) and the incarnation to
-    re-announce under (None while the guard's rate bound holds: it owes one then)."""
-    try:
-        reason = guard.check(int(msg.incarnation), int(msg.version), assignment_digest(msg))
-    except (ValueError, OverflowError, TypeError) as exc:  # a decoded message re-encodes; be safe
-        reason = f"impostor: unencodable message on {topic}: {exc}"
-    if not reason:
-        return "", None
-    rt.rejected.count(reason)
-    return reason, guard.answer(now_s)
 
 
 FRAME_BATCH = 1  # a request is one camera frame: every chunk of it carries batch size 1

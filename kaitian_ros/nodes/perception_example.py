@@ -14,15 +14,14 @@ from typing import Any
 
 import numpy as np
 
+from kaitian_ros.nodes import protocol as proto
 from kaitian_ros.runtime import interfaces, run_node
 from kaitian_ros.runtime.api import ParameterDescriptor as P
 from kaitian_ros.runtime.api import ParameterType as T
 from kaitian_ros.runtime.api import QoS, Runtime, SetParametersResult
 
-# inference_common.FUSED_TOPIC names the same topic, but importing it would load torch into a
-# node that needs numpy only
 PARAMETERS = (
-    P("input_topic", T.STRING, "/kaitian/fused", "FusedOutput topic to read", read_only=True),
+    P("input_topic", T.STRING, proto.FUSED_TOPIC, "FusedOutput topic to read", read_only=True),
 )
 
 

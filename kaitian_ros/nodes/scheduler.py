@@ -19,7 +19,7 @@ from kaitian_ros.core import policy_config
 from kaitian_ros.core.authority import ImpersonationGuard, new_incarnation
 from kaitian_ros.core.policy_config import config_from_params
 from kaitian_ros.core.policy_state import Assignment, TelemetrySample
-from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.nodes import protocol as proto
 from kaitian_ros.runtime import run_node
 from kaitian_ros.runtime.api import ParameterDescriptor as P
 from kaitian_ros.runtime.api import ParameterType as T
@@ -33,7 +33,7 @@ POLICY_PARAMETERS = tuple(
       d.description,
       # a node is live if its heartbeats come: the policy itself takes any timeout, the node
       # no less than two of the slowest heartbeats
-      ic.MIN_DEAD_AFTER_S if d.name == "dead_after_s" else d.min, d.max, choices=d.choices)
+      proto.MIN_DEAD_AFTER_S if d.name == "dead_after_s" else d.min, d.max, choices=d.choices)
     for d in policy_config.PARAMETERS)
 NODE_PARAMETERS = (
     P("compute_nodes", T.STRING_ARRAY, ["compute_0", "compute_1"], "compute node ids in row order",
@@ -53,7 +53,7 @@ class Scheduler:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.params = rt.declare_parameters(PARAMETERS)
-        problem = ic.static_shares_problem(self.params["static_shares"], self.params["compute_nodes"],
+        problem = proto.static_shares_problem(self.params["static_shares"], self.params["compute_nodes"],
                                            empty_ok=True)
         if problem:
             raise ValueError(problem)
@@ -68,10 +68,10 @@ class Scheduler:
         self.decide_errors = 0
         self.last_decide_error = ""
         self.last: Assignment | None = None
-        self.pub = rt.create_publisher(ic.ASSIGNMENT_TOPIC, "LoadAssignment", QoS.LATCHED)
+        self.pub = rt.create_publisher(proto.ASSIGNMENT_TOPIC, "LoadAssignment", QoS.LATCHED)
         self.diagnostics = DiagnosticsPublisher(rt, hardware_id="cpu")
-        rt.create_subscription(ic.TELEMETRY_TOPIC, "NodeTelemetry", self._on_telemetry)
-        rt.create_subscription(ic.ASSIGNMENT_TOPIC, "LoadAssignment", self._on_assignment_topic, QoS.LATCHED)
+        rt.create_subscription(proto.TELEMETRY_TOPIC, "NodeTelemetry", self._on_telemetry)
+        rt.create_subscription(proto.ASSIGNMENT_TOPIC, "LoadAssignment", self._on_assignment_topic, QoS.LATCHED)
         rt.add_on_set_parameters_callback(self._on_set)
         self.timer = rt.create_timer(self.params["decide_period_s"], self._decide)
         rt.create_timer(1.0, self._report)
@@ -79,7 +79,7 @@ class Scheduler:
 
     def _on_set(self, changes: dict[str, Any]) -> SetParametersResult:
         if "static_shares" in changes:
-            problem = ic.static_shares_problem(changes["static_shares"], self.params["compute_nodes"], empty_ok=True)
+            problem = proto.static_shares_problem(changes["static_shares"], self.params["compute_nodes"], empty_ok=True)
             if problem:
                 return SetParametersResult(False, problem)
         policy_changes = {k: v for k, v in changes.items() if k in {d.name for d in policy_config.PARAMETERS}}
@@ -101,7 +101,7 @@ class Scheduler:
         if msg.request_id == 0:
             self.state = pol.heartbeat(self.state, msg.node_id, now, self.config)
             return
-        problem = ic.request_id_problem(int(msg.request_id)) or ic.telemetry_problem(msg)
+        problem = proto.request_id_problem(int(msg.request_id)) or proto.telemetry_problem(msg)
         if problem:
             self.rt.rejected.count(f"{problem} from {msg.node_id}")
             return
@@ -126,7 +126,7 @@ class Scheduler:
             self.decided_s = time.monotonic()
             if assignment is None:
                 return
-            msg = ic.assignment_msg(assignment, self.incarnation)
+            msg = proto.assignment_msg(assignment, self.incarnation)
         except Exception as exc:  # noqa: BLE001 - one bad input must not end adaptation: reported, tried again
             self.decide_errors += 1
             self.last_decide_error = f"{type(exc).__name__}: {exc}"
@@ -139,13 +139,14 @@ class Scheduler:
     def _publish(self, assignment: Assignment, msg: Any) -> None:
         self.last = assignment
         self.published += 1
-        self.guard.published(assignment.version, ic.assignment_digest(msg))
+        self.guard.published(assignment.version, proto.assignment_digest(msg))
         self.pub.publish(msg)
 
     def _on_assignment_topic(self, msg: Any) -> None:
         """Our own topic: an assignment we did not publish is forged; publish ours again under a
         new incarnation, which the coordinator follows as a restart (retiring the impostor's)."""
-        reason, incarnation = ic.answer_on_own_topic(self.rt, self.guard, msg, ic.ASSIGNMENT_TOPIC, time.monotonic())
+        reason, incarnation = proto.answer_on_own_topic(self.rt, self.guard, msg, proto.ASSIGNMENT_TOPIC,
+                                                        time.monotonic())
         if incarnation is not None:
             self._reincarnate(incarnation, reason)
 
@@ -157,7 +158,7 @@ class Scheduler:
                                         effective_from_request=self.newest_request + self.params["lead_requests"],
                                         reason=f"re-announced after an impostor: {self.last.reason}")
             self.state = dataclasses.replace(self.state, assignment=again)  # the policy numbers on from it
-            self._publish(again, ic.assignment_msg(again, self.incarnation))
+            self._publish(again, proto.assignment_msg(again, self.incarnation))
 
     def _report(self) -> None:
         values: dict[str, Any] = {"policy": self.config.policy, "published": self.published,
@@ -182,7 +183,7 @@ class Scheduler:
             values["decisions_stalled_s"] = f"{stalled_s:.1f}"
             text, level = f"no decision for {stalled_s:.1f} s although telemetry flows", Level.ERROR
         if self.guard.impostor_within(time.monotonic(), IMPOSTOR_REPORT_S):
-            text, level = (f"forged assignments on {ic.ASSIGNMENT_TOPIC} ({self.guard.impostors}): "
+            text, level = (f"forged assignments on {proto.ASSIGNMENT_TOPIC} ({self.guard.impostors}): "
                            f"re-announced as a new incarnation"), Level.ERROR
         if self.decide_errors:
             values |= {"decide_errors": self.decide_errors, "last_decide_error": self.last_decide_error}

@@ -22,12 +22,13 @@ from kaitian_ros.training.stealing import StepClaims, forget_step, sides_of, sta
 from kaitian_ros.training.trainer import RankTrainer
 
 
-def _claim_all(counts: list[int], order_seed: int, stop_after: dict[int, int] | None = None
-               ) -> tuple[list[list[tuple[int, int]]], list[StepClaims]]:
+def _claim_all(counts: list[int], order_seed: int, stop_after: dict[int, int] | None = None,
+               **bounds: int) -> tuple[list[list[tuple[int, int]]], list[StepClaims]]:
     """Every rank claims until done, in a random interleaving; ``stop_after[r]`` = number
-    of claims after which rank r stalls (a rank that is stuck in its last chunk)."""
+    of claims after which rank r stalls (a rank that is stuck in its last chunk); ``bounds``:
+    StepClaims' min_chunk/max_chunk."""
     store = dist.HashStore()
-    claims = [StepClaims(store, "7", counts, r) for r in range(len(counts))]
+    claims = [StepClaims(store, "7", counts, r, **bounds) for r in range(len(counts))]
     got: list[list[tuple[int, int]]] = [[] for _ in counts]
     live = set(range(len(counts)))
     rng = random.Random(order_seed)
@@ -83,6 +84,32 @@ def test_a_stalled_rank_loses_its_unclaimed_samples_to_its_neighbours(
             cover[lo:hi] += 1
     assert (cover == 1).all()  # the others took everything it did not claim
     assert claims[stalled].count <= counts[stalled]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 600), min_size=2, max_size=4).filter(lambda c: sum(c) > 0),
+       st.integers(0, 10_000), st.sampled_from([(1, 0), (8, 32), (32, 128), (16, 16)]))
+def test_chunk_bounds_hold_and_every_sample_is_still_claimed_once(
+        counts: list[int], seed: int, bounds: tuple[int, int]) -> None:
+    """Every claim is within [min_chunk, max_chunk] except one cut to what was left of its gap."""
+    lo_b, hi_b = bounds
+    got, _ = _claim_all(counts, seed, min_chunk=lo_b, max_chunk=hi_b)
+    cover = np.zeros(sum(counts), dtype=int)
+    short = 0
+    for ranges in got:
+        for lo, hi in ranges:
+            cover[lo:hi] += 1
+            assert hi_b == 0 or hi - lo <= max(hi_b, lo_b)
+            short += hi - lo < lo_b
+    assert (cover == 1).all()
+    assert short <= len(counts) - 1  # at most one cut claim per gap
+
+
+def test_chunk_bounds_are_checked() -> None:
+    with pytest.raises(ValueError, match="min_chunk"):
+        StepClaims(dist.HashStore(), "k", [3, 3], 0, min_chunk=0)
+    with pytest.raises(ValueError, match="min_chunk"):
+        StepClaims(dist.HashStore(), "k", [3, 3], 0, min_chunk=8, max_chunk=4)
 
 
 def test_balanced_claims_meet_at_the_planned_boundaries() -> None:

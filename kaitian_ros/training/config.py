@@ -67,8 +67,8 @@ class TrainingConfig:
     timeout_s: float = 60.0
     max_steps: int | None = None  # stop after this many steps in total (benchmarks)
     # a rank computes its slice in forward/backward passes of at most this many samples,
-    # accumulating the gradient (same gradient; 0: the whole slice in one pass). Without work
-    # stealing only: stealing already computes in chunks
+    # accumulating the gradient (same gradient; 0: the whole slice in one pass). With work
+    # stealing every claim is one pass: claims are then between a quarter of this and this
     micro_batch: int = 0
     evaluate_every_epoch: bool = True
 

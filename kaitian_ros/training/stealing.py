@@ -94,14 +94,21 @@ class StepClaims:
     """
 
     def __init__(self, store: CounterStore, key: str, counts: Sequence[int], rank: int, *,
-                 first_fraction: float = 0.5, min_fraction: float = 0.02) -> None:
+                 first_fraction: float = 0.5, min_fraction: float = 0.02, min_chunk: int = 1,
+                 max_chunk: int = 0) -> None:
+        """``min_chunk``/``max_chunk`` (samples; 0 = no cap) bound every claim besides the
+        fractions: a claim is one forward/backward pass, and a pass of a few samples costs
+        far more per sample than one of the device's best pass size (``micro_batch``)."""
         if not 0 < first_fraction <= 1 or not 0 < min_fraction <= 1:
             raise ValueError("first_fraction and min_fraction must be in (0, 1]")
+        if min_chunk < 1 or max_chunk < 0 or (max_chunk and max_chunk < min_chunk):
+            raise ValueError(f"need 1 <= min_chunk <= max_chunk (or max_chunk 0), got {min_chunk}, {max_chunk}")
         self.store, self.key = store, key
         self.first_fraction = first_fraction
         planned = int(counts[rank])
         self.sides = sides_of(counts, rank) if planned > 0 else ()
-        self.min_chunk = max(1, math.ceil(min_fraction * planned))
+        self.min_chunk = max(min_chunk, math.ceil(min_fraction * planned))
+        self.max_chunk = max(max_chunk, self.min_chunk) if max_chunk else 0
         self.taken = [0] * len(self.sides)  # samples this rank claimed on each side
         self.seen = [0] * len(self.sides)  # the gap's claimed total at this rank's last claim
         self.done = [s.size == 0 for s in self.sides]
@@ -110,8 +117,8 @@ class StepClaims:
         side = self.sides[i]
         frac = max(side.planned, 0) / side.size  # open sides are never empty
         left = side.size - self.seen[i]
-        want = math.ceil(self.first_fraction * frac * left)
-        return max(self.min_chunk, want)
+        want = max(self.min_chunk, math.ceil(self.first_fraction * frac * left))
+        return min(want, self.max_chunk) if self.max_chunk else want
 
     def _pick_side(self) -> int | None:
         open_ = [i for i in range(len(self.sides)) if not self.done[i]]

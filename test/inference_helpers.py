@@ -78,10 +78,6 @@ def image_msg(pixels: np.ndarray, index: int, encoding: str = "rgb8") -> Any:
                            data=np.ascontiguousarray(pixels).reshape(-1))
 
 
-def stamp_key(stamp: Any) -> tuple[int, int]:
-    return int(stamp.sec), int(stamp.nanosec)
-
-
 class TimedCollector(Collector):
     """A Collector that also keeps each message's arrival time (time.monotonic())."""
 
@@ -255,9 +251,10 @@ class InferenceGraph:
             self.publish(msg)
             if on_sent is not None:
                 on_sent(i)
-        wanted = {stamp_key(m.header.stamp) for _, m in frames}
+        wanted = {interfaces.stamp_key(m.header.stamp) for _, m in frames}
         try:
-            wait_until(lambda: wanted <= {stamp_key(f.header.stamp) for f in self.fused.snapshot()[already:]},
+            wait_until(lambda: wanted <= {interfaces.stamp_key(f.header.stamp)
+                                          for f in self.fused.snapshot()[already:]},
                        f"a FusedOutput for each of {len(frames)} frames", timeout_s, interval_s=0.02)
         except AssertionError as exc:
             got = [(int(f.request_id), f.header.frame_id, f.status) for f in self.fused.snapshot()[already:]]
@@ -266,7 +263,7 @@ class InferenceGraph:
                                  f"\n--- launcher output ---\n{self.out.text()}") from None
         by_stamp: dict[tuple[int, int], Any] = {}
         for f in self.fused.snapshot()[already:]:
-            key = stamp_key(f.header.stamp)
+            key = interfaces.stamp_key(f.header.stamp)
             assert key not in by_stamp, f"two FusedOutputs for frame stamp {key}"
             by_stamp[key] = f
         return by_stamp
@@ -293,7 +290,7 @@ class InferenceGraph:
         """Every frame's FusedOutput is complete and equals the reference; request ids unique."""
         outputs = []
         for pixels, msg in frames:
-            fused = by_stamp[stamp_key(msg.header.stamp)]
+            fused = by_stamp[interfaces.stamp_key(msg.header.stamp)]
             assert fused.complete, f"frame {msg.header.frame_id}: incomplete ({fused.status})"
             assert fused.status == "ok", fused.status
             assert fused.header.frame_id == msg.header.frame_id
@@ -348,7 +345,6 @@ __all__ = [
     "InferenceGraph",
     "image_msg",
     "scenario_dict",
-    "stamp_key",
     "synthetic_image",
     "wait_until",
 ]

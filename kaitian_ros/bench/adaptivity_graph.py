@@ -15,13 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from kaitian_ros.runtime.interfaces import stamp_key
+
 CAMERA_TOPIC = "/camera/image_raw"
 UNTIL_POLL_S = 0.05  # drive(until=...): how often the predicate is asked while no answer arrives
-
-
-def stamp_key(msg: Any) -> tuple[int, int]:
-    """A camera frame's identity: its header stamp (a FusedOutput carries the frame's)."""
-    return int(msg.header.stamp.sec), int(msg.header.stamp.nanosec)
 
 
 class _Log:
@@ -268,7 +265,7 @@ class AdaptivityGraph:
             now = time.monotonic()
             snap = self.fused.snapshot()
             for _, f in snap[seen:]:
-                answered_stamps.add(stamp_key(f))
+                answered_stamps.add(stamp_key(f.header.stamp))
             seen = len(snap)
             done = len(snap) - start
             while pending and pending[0][0] <= done:
@@ -290,7 +287,7 @@ class AdaptivityGraph:
                 del outstanding[key]
             if len(outstanding) < window and now - last_send >= period_s:
                 msg = self._frame()
-                key = stamp_key(msg)
+                key = stamp_key(msg.header.stamp)
                 self.camera.publish(msg)
                 last_send = now
                 outstanding[key] = now
@@ -313,13 +310,13 @@ class AdaptivityGraph:
                         "complete": bool(f.complete), "status": f.status, "latency_ms": float(f.latency_ms),
                         "node_ids": list(f.node_ids), "node_rows": [int(r) for r in f.node_rows],
                         "shares": shares, "arrived_s": t,
-                        "sent_s": self.sent.get(stamp_key(f))})
+                        "sent_s": self.sent.get(stamp_key(f.header.stamp))})
         return out
 
     def first_request_sent_after(self, t: float) -> int | None:
         """The first request id whose frame was sent at or after ``t`` (time.monotonic())."""
         ids = [int(f.request_id) for _, f in self.fused.snapshot()
-               if (sent := self.sent.get(stamp_key(f))) is not None and sent >= t]
+               if (sent := self.sent.get(stamp_key(f.header.stamp))) is not None and sent >= t]
         return min(ids) if ids else None
 
     def first_request_with_slowdown(self, node: str, slowdown: float, after_request: int = 0) -> int | None:

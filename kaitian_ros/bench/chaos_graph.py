@@ -25,6 +25,7 @@ from kaitian_ros.bench.chaos_settings import (
     Settings,
 )
 from kaitian_ros.processes import CapturedOutput
+from kaitian_ros.runtime import interfaces
 
 
 # =========================================================================== recording
@@ -67,15 +68,11 @@ class Recorder:
         self.telemetry_sample: Any = None
         self.diags: dict[str, list[tuple[float, int, str, dict[str, str]]]] = {}
 
-    @staticmethod
-    def _stamp(msg: Any) -> cm.Stamp:
-        return int(msg.header.stamp.sec), int(msg.header.stamp.nanosec)
-
     def on_camera(self, msg: Any) -> None:
         t = time.monotonic()
         if msg.header.frame_id != self.frame_id:
             return
-        stamp = self._stamp(msg)
+        stamp = interfaces.stamp_key(msg.header.stamp)
         with self.lock:
             if stamp not in self.frame_t:
                 self.frame_t[stamp] = t
@@ -85,7 +82,7 @@ class Recorder:
         t = time.monotonic()
         if msg.header.frame_id != self.frame_id:
             return
-        stamp = self._stamp(msg)
+        stamp = interfaces.stamp_key(msg.header.stamp)
         with self.lock:
             sent = self.frame_t.get(stamp)
             self.answers.append(cm.Answer(stamp, t, bool(msg.complete), None if sent is None else (t - sent) * 1e3))

@@ -152,6 +152,12 @@ def stamp_to_s(stamp: Any) -> float:
     return stamp.sec + stamp.nanosec * 1e-9
 
 
+def stamp_key(stamp: Any) -> tuple[int, int]:
+    """A builtin_interfaces/Time as a hashable key: a camera frame's identity, which every
+    FusedOutput of that frame carries in its header."""
+    return int(stamp.sec), int(stamp.nanosec)
+
+
 def header(frame_id: str = "", stamp: Any = None) -> Any:
     return msg_class("Header")(stamp=stamp or stamp_now(), frame_id=frame_id)
 

@@ -40,6 +40,9 @@ def test_solo_tail_invariants_and_exactness(graphs, name: str) -> None:
             last = p.segments[-1]
             assert last.out_rows[fastest] == (0, g.value_shapes[last.out_value][1])  # solo tail
             assert all(r == (0, 0) for i, r in enumerate(last.out_rows) if i != fastest)
+            # the nodes before the tail own no output rows: they only feed it
+            assert p.feeder_nodes() == tuple(n for i, n in enumerate(ids) if i != fastest
+                                             and n in p.active_nodes())
             assert p.num_segments >= 2 and any(  # the front is still split
                 sum(1 for r in s.out_rows if r[0] < r[1]) > 1 for s in p.segments)
             for k, seg in enumerate(p.segments):

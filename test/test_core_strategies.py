@@ -60,7 +60,7 @@ def test_single_plans_are_exact(name: str) -> None:
     for node in ("a", "b"):
         plan = build_plan(g, PlanSpec.single(node), slab_rows=4)
         assert_plan_invariants(g, plan)
-        assert plan.strategy == "single" and plan.active_nodes() == (node,)
+        assert plan.strategy == "single" and plan.active_nodes() == (node,) and plan.feeder_nodes() == ()
         assert plan.input_rows_for(node) == (0, SHAPE[1])
         assert plan.output_rows_for(node) == (0, g.trunk_output_shape[1])
         assert plan.shares == (1.0,) and plan.num_segments == 1
@@ -82,6 +82,7 @@ def test_layerwise_plans_are_exact_at_every_cut_in_both_orders(name: str) -> Non
             assert_plan_invariants(g, plan)
             assert plan.strategy == "layerwise" and plan.cut_values == (cut,)
             assert plan.node_ids == (first, second) and plan.active_nodes() == (first, second)
+            assert plan.feeder_nodes() == (first,)  # it owns no output rows
             # the first runs the whole first segment and reads the whole image, the second
             # reads nothing from the coordinator and receives the whole cut activation
             assert plan.input_rows_for(first) == (0, SHAPE[1])

@@ -171,6 +171,11 @@ class Plan:
         return tuple(n for i, n in enumerate(self.node_ids)
                      if any(s.out_rows[i][0] < s.out_rows[i][1] for s in self.segments))
 
+    def feeder_nodes(self) -> tuple[str, ...]:
+        """Active nodes that own no output rows: a layer-wise plan's first device, a stripes
+        plan's nodes before a solo tail. The rows others owe may be waiting for them."""
+        return tuple(n for n in self.active_nodes() if (rows := self.output_rows_for(n))[0] >= rows[1])
+
     def flops_for(self, node_id: str) -> float:
         i = self.index(node_id)
         return float(sum(s.flops[i] for s in self.segments))

@@ -325,9 +325,8 @@ class RequestFlow:
         thresholds = {n: lateness.late_threshold_s(req.predicted_ms, late_after, req.first_of_version, n in busy)
                       for n in owners if n in self.delivered}
         late: dict[str, str] = {}
-        active = req.plan.active_nodes()
-        feeders = [n for n in active if req.plan.output_rows_for(n)[0] == req.plan.output_rows_for(n)[1]]
-        for n in lateness.late_owners(owners, active, self.alive, elapsed, thresholds, busy, feeders):
+        feeders = req.plan.feeder_nodes()
+        for n in lateness.late_owners(owners, req.plan.active_nodes(), self.alive, elapsed, thresholds, busy, feeders):
             held = f", {self.in_progress[n]} requests in progress on it" if n in busy else ""
             late[n] = (f"late: rows of request {req.request_id} still missing {elapsed:.2f} s after its inputs "
                        f"(predicted {req.predicted_ms:.0f} ms{held})")

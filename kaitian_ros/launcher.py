@@ -18,6 +18,9 @@ keeps one ready from ``WARM_START_AFTER_S`` after the graph started (``warm_star
 one per command prefix that nodes start under (a network namespace in the benchmarks): a node
 respawns from the interpreter started under its own prefix.
 
+Nodes start as forks of one interpreter that imported torch once (``kaitian_ros.fork_server``;
+``fork=False``: each a fresh interpreter), except the router and nodes under a command prefix.
+
 A graph may span hosts (docs/deployment.md): one launcher hosts the router, on an address the
 other hosts reach, and the others join it (``host_router=False``), each starting its share of
 the scenario's nodes.
@@ -42,6 +45,7 @@ from typing import Any
 import yaml
 
 from kaitian_ros import warm_start
+from kaitian_ros.fork_server import ForkedProcess, ForkServer
 from kaitian_ros.ports import free_port
 from kaitian_ros.processes import LineOut, start_child, stop_children
 from kaitian_ros.runtime import security
@@ -75,7 +79,7 @@ class Child:
     """One of the launcher's children (a node or the router) and its respawn bookkeeping."""
 
     spec: NodeSpec
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedProcess
     reader: threading.Thread
     restarts: int = 0          # respawns so far
     restarted_at: float = 0.0  # monotonic time of the last respawn (0: never)
@@ -107,7 +111,8 @@ class WarmSlot:
 class Launcher:
     def __init__(self, scenario: Scenario, router_endpoint: str, *, out: LineOut = sys.stdout,
                  host_router: bool = True, node_prefix: Mapping[str, Sequence[str]] | None = None,
-                 node_env: Mapping[str, Mapping[str, str]] | None = None, warm_start: bool = True) -> None:
+                 node_env: Mapping[str, Mapping[str, str]] | None = None, warm_start: bool = True,
+                 fork: bool = True) -> None:
         self.scenario = scenario
         # per node: a command prefix and extra environment, kept on respawn (benchmarks run a
         # node inside a network namespace: `ip netns exec NS`, its own listen address)
@@ -131,6 +136,8 @@ class Launcher:
         # a warm interpreter per command prefix that a node may be respawned under (module docstring)
         self.warm_slots = {p: WarmSlot(p) for p in sorted({self._prefix_of(n.name) for n in scenario.nodes
                                                            if n.respawn.enabled})} if warm_start else {}
+        self.fork = fork
+        self.fork_server: ForkServer | None = None
 
     def say(self, line: str) -> None:
         with self._print_lock:
@@ -143,6 +150,10 @@ class Launcher:
         if self.host_router:
             self.children.append(self._start_router())
         self.params_file.write_text(yaml.safe_dump(self.scenario.parameter_file_dict(), sort_keys=False))
+        if self.fork and any(self._forkable(spec) for spec in self.scenario.nodes):
+            self.fork_server = ForkServer.start(self._base_env())
+            if self.fork_server is None:
+                self.say("[launch] no fork server: every node starts a fresh interpreter")
         for spec in self.scenario.nodes:
             process, reader = self.spawn(spec)
             self.children.append(Child(spec, process, reader))
@@ -176,18 +187,29 @@ class Launcher:
         """What a node's environment adds to the base one: its role's certificate, its own."""
         return security.child_env(self.security, spec.executable) | self.node_env.get(spec.name, {})
 
-    def spawn(self, spec: NodeSpec, ready: threading.Event | None = None) -> tuple[subprocess.Popen, threading.Thread]:
-        """A fresh process of `spec` whose output the launcher prints under its name."""
+    def _forkable(self, spec: NodeSpec) -> bool:
+        """A fork shares the server's namespaces: a node under a command prefix starts fresh."""
+        return spec.executable != ROUTER and not self.node_prefix.get(spec.name)
+
+    def spawn(self, spec: NodeSpec, ready: threading.Event | None = None
+              ) -> tuple[subprocess.Popen | ForkedProcess, threading.Thread]:
+        """A process of `spec` - forked from the fork server, else a fresh one - whose output
+        the launcher prints under its name."""
         command = self.node_prefix.get(spec.name, []) + node_command(spec, self.params_file)
-        process = start_child(command, ignore_sigint=True, env=self._base_env() | self._node_env(spec),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                              text=True, bufsize=1)
+        env = self._base_env() | self._node_env(spec)
+        process: subprocess.Popen | ForkedProcess | None = None
+        if self.fork_server is not None and self._forkable(spec):
+            process = self.fork_server.fork(command[3], command[4:], env, spec.name)  # after: python -u -m
+        if process is None:
+            process = start_child(command, ignore_sigint=True, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1)
         reader = threading.Thread(target=self._pump, args=(lambda: spec.name, process, ready), daemon=True)
         reader.start()
         self.say(f"[launch] started {spec.name} ({spec.executable}) pid {process.pid}")
         return process, reader
 
-    def _pump(self, name: Callable[[], str], process: subprocess.Popen, ready: threading.Event | None = None) -> None:
+    def _pump(self, name: Callable[[], str], process: subprocess.Popen | ForkedProcess,
+              ready: threading.Event | None = None) -> None:
         assert process.stdout is not None
         for line in process.stdout:
             self.say(f"[{name()}] {line.rstrip()}")
@@ -228,7 +250,7 @@ class Launcher:
                     and not self._stopping.is_set():
                 self._start_warm(slot)
 
-    def _respawn(self, spec: NodeSpec, now: float) -> tuple[subprocess.Popen, threading.Thread]:
+    def _respawn(self, spec: NodeSpec, now: float) -> tuple[subprocess.Popen | ForkedProcess, threading.Thread]:
         """The node's new process: the warm interpreter under its prefix becoming it if one is
         ready, else a fresh one."""
         slot = self.warm_slots.get(self._prefix_of(spec.name))
@@ -329,6 +351,8 @@ class Launcher:
             for child in group:
                 child.process.wait()
                 child.reader.join(timeout=1.0)
+        if self.fork_server is not None:
+            self.fork_server.close()
         self._tmpdir.cleanup()
 
 

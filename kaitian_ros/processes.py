@@ -35,6 +35,17 @@ class LineOut(Protocol):
     def flush(self) -> None: ...
 
 
+class ChildProcess(Protocol):
+    """What stopping a child needs of it: a ``subprocess.Popen``, or a node forked by the fork
+    server (``fork_server.ForkedProcess``)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def send_signal(self, sig: int, /) -> None: ...
+
+
 def _load_prctl() -> Callable[..., int] | None:
     try:
         return ctypes.CDLL("libc.so.6", use_errno=True).prctl
@@ -105,7 +116,7 @@ def tie_to_parent() -> None:
 DEFAULT_ESCALATION = ((signal.SIGINT, STOP_GRACE_S), (signal.SIGTERM, 2.0), (signal.SIGKILL, 2.0))
 
 
-def _send(process: subprocess.Popen, sig: int) -> None:
+def _send(process: ChildProcess, sig: int) -> None:
     """``sig`` to the child's process group where it leads one, else to the child alone."""
     with contextlib.suppress(ProcessLookupError):
         if os.getpgid(process.pid) == process.pid:
@@ -114,7 +125,7 @@ def _send(process: subprocess.Popen, sig: int) -> None:
             process.send_signal(sig)
 
 
-def stop_children(processes: Sequence[subprocess.Popen],
+def stop_children(processes: Sequence[ChildProcess],
                   escalation: tuple[tuple[int, float], ...] = DEFAULT_ESCALATION) -> None:
     """Signal each live child (its process group, where it leads one), escalating (signal, grace
     seconds) until all exit."""

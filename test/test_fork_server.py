@@ -1,0 +1,59 @@
+"""The fork server the launcher forks its nodes from (kaitian_ros.fork_server): orders, exit
+codes as Popen reports them, output, process names, and no child left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from helpers import pid_running, wait_until
+
+from kaitian_ros.fork_server import ForkOrder, ForkServer
+
+
+def test_an_order_round_trips_and_a_foreign_module_is_refused():
+    order = ForkOrder("kaitian_ros.nodes.scheduler", ("--ros-args",), {"A": "1"}, "/", "scheduler")
+    assert ForkOrder.from_bytes(order.to_bytes()) == order
+    with pytest.raises(ValueError, match="kaitian_ros node"):
+        ForkOrder.from_bytes(ForkOrder("os", (), {}, "/", "x").to_bytes())
+    with pytest.raises(ValueError, match="not an order"):
+        ForkOrder.from_bytes(b"{")
+
+
+@pytest.mark.e2e
+def test_forked_nodes_report_output_exit_codes_and_names_and_die_with_the_server(router):
+    env = dict(os.environ, KAITIAN_RUNTIME="embedded", KAITIAN_ROUTER=router.endpoint, PYTHONUNBUFFERED="1")
+    server = ForkServer.start(env)
+    assert server is not None
+    try:
+        # bad parameters: the node's one-line refusal comes through its own pipe, exit code 2
+        bad = server.fork("kaitian_ros.nodes.scheduler",
+                          ["--ros-args", "-r", "__node:=sched_bad", "-p", "ewma_alpha:=7.0"], env, "sched_bad")
+        assert bad is not None and bad.wait(timeout=60) == 2
+        assert bad.stdout is not None and "ewma_alpha" in bad.stdout.read()
+        # a node that runs: its process name is its node name, SIGKILL is reported as Popen does
+        live = server.fork("kaitian_ros.nodes.scheduler", ["--ros-args", "-r", "__node:=sched_live"], env,
+                           "sched_live")
+        assert live is not None and live.poll() is None
+        wait_until(lambda: Path(f"/proc/{live.pid}/comm").read_text().strip() == "sched_live",
+                   "the forked node named after itself")
+        assert os.getpgid(live.pid) == live.pid  # its own process group, as a launched node
+        live.kill()
+        assert live.wait(timeout=10) == -signal.SIGKILL
+        # a node still running when the server ends gets SIGTERM from the kernel
+        orphan = server.fork("kaitian_ros.nodes.scheduler", ["--ros-args", "-r", "__node:=sched_orphan"],
+                             env, "sched_orphan")
+        assert orphan is not None
+    finally:
+        server.close()
+    wait_until(lambda: not pid_running(orphan.pid), "the orphaned node ended", 15.0)
+    assert orphan.poll() is not None
+    assert server.fork("kaitian_ros.nodes.scheduler", [], env, "late") is None  # a closed server forks nothing
+
+
+@pytest.mark.e2e
+def test_a_server_that_cannot_start_is_none():
+    broken = dict(os.environ, PYTHONHOME="/nonexistent")  # the interpreter cannot even start
+    assert ForkServer.start(broken, timeout_s=30.0) is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kaitian_ros.core import lateness
@@ -76,6 +78,18 @@ def test_quarantine_doubles_while_the_node_keeps_being_late_and_is_forgotten_lat
     assert q.until_s - q.since_s == lateness.QUARANTINE_MAX_S
     fresh = quarantine_after(q, q.until_s + lateness.STRIKES_FORGOTTEN_S + 1.0, "late")
     assert fresh.strikes == 1
+
+
+def test_an_ended_quarantine_no_longer_holds_the_node_out_but_keeps_its_strikes():
+    """One table of each node's latest quarantine: `held_out` is the nodes out of the plan now;
+    a node back in the plan (or a new process of it) that is late again soon is out for longer."""
+    q = quarantine_after(None, 100.0, "late")
+    table = {"compute_0": q, "compute_1": quarantine_after(None, 100.0, "late")}
+    assert set(lateness.held_out(table)) == {"compute_0", "compute_1"}
+    table["compute_0"] = dataclasses.replace(q, ended=True)
+    assert set(lateness.held_out(table)) == {"compute_1"}
+    again = quarantine_after(table["compute_0"], q.until_s + 1.0, "late")
+    assert again.strikes == 2 and not again.ended
 
 
 def test_rejoin_needs_the_time_served_and_a_plausible_number_of_requests_in_progress():

@@ -45,6 +45,12 @@ class Quarantine:
     until_s: float
     strikes: int  # times late in a row (each within STRIKES_FORGOTTEN_S of the previous)
     reason: str
+    ended: bool = False  # the node is back (or a new process of it came): kept for its strikes
+
+
+def held_out(quarantines: Mapping[str, Quarantine]) -> dict[str, Quarantine]:
+    """The nodes out of the plan for lateness now, of each node's latest quarantine."""
+    return {n: q for n, q in quarantines.items() if not q.ended}
 
 
 def late_threshold_s(predicted_ms: float, late_after_s: float, first_of_version: bool,

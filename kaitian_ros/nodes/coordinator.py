@@ -72,7 +72,6 @@ class Coordinator(RequestFlow):
         # compute node -> (monotonic, wall) time its session's end was handled
         self.departed: dict[str, tuple[float, float]] = {}
         # late nodes out of the plan for now, each node's latest quarantine (its strikes)
-        self.quarantined: dict[str, lateness.Quarantine] = {}
         self.quarantines: dict[str, lateness.Quarantine] = {}
         self.delivered: set[str] = set()  # nodes that delivered rows: warm, judged by lateness
         self.in_progress: dict[str, int] = {}  # requests in progress on each node (its telemetry)
@@ -430,7 +429,8 @@ class Coordinator(RequestFlow):
         name = fqn.rsplit("/", 1)[-1]
         if name in self.nodes:
             self.departed[name] = (time.monotonic(), time.time())
-            self.quarantined.pop(name, None)  # a new process of it is not the late one
+            if name in self.quarantines:  # a new process of it is not the late one
+                self.quarantines[name] = dataclasses.replace(self.quarantines[name], ended=True)
         if name in self.alive:
             self.counts["departures"] += 1
             self._drop([name], "left the graph")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from kaitian_ros.core import lateness
 from kaitian_ros.core.graph import ModelGraph
 from kaitian_ros.core.plan import Plan
 from kaitian_ros.nodes import protocol as proto
@@ -45,8 +46,8 @@ def report(c: Coordinator) -> None:
     plan = c.running_plan()
     if plan is not None:
         text += f", {plan_text(c.graph, plan)} (predicted {c.predicted_ms:.1f} ms)"
-    if c.quarantined:
-        level, text = Level.WARN, text + ", late and out of the plan for now: " + ", ".join(sorted(c.quarantined))
+    if held := lateness.held_out(c.quarantines):
+        level, text = Level.WARN, text + ", late and out of the plan for now: " + ", ".join(sorted(held))
     if c.counts["timeouts"]:
         level, text = Level.WARN, text + f", {c.counts['timeouts']} timed out"
     if c.guard.impostor_within(time.monotonic(), IMPOSTOR_REPORT_S):
@@ -76,7 +77,8 @@ def report(c: Coordinator) -> None:
                              sorted(c.meters.items()) if (e := m.estimate()) is not None),
         "planner": planner_state(c), "plan_round_ms": f"{c.planner.last_round_ms:.0f}",
         "alive": ",".join(c.alive), "in_flight": len(c.requests),
-        "late": ",".join(f"{n}:{_quarantine_left(q.until_s)}" for n, q in sorted(c.quarantined.items())),
+        "late": ",".join(f"{n}:{_quarantine_left(q.until_s)}"
+                         for n, q in sorted(lateness.held_out(c.quarantines).items())),
         "latency_p50_ms": f"{p50:.1f}", "latency_p95_ms": f"{p95:.1f}"}
         | dict(c.counts))
 

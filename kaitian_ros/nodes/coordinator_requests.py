@@ -9,6 +9,7 @@ out and re-dispatches requests. The coordinator sets its state up and chooses th
 from __future__ import annotations
 
 import collections
+import dataclasses
 import queue
 import threading
 import time
@@ -68,10 +69,9 @@ class RequestFlow:
     predicted_ms: float  # the running plan's latency as last predicted
     delivered: set[str]  # compute nodes that delivered OUTPUT rows at least once (warm)
     alive: tuple[str, ...]
-    quarantined: dict[str, lateness.Quarantine]  # late nodes out of the plan for now
     in_progress: dict[str, int]  # compute node -> requests in progress on it (its latest telemetry)
     last_finished_s: float  # wall time the latest request completed or timed out
-    quarantines: dict[str, lateness.Quarantine]  # each node's latest (its strikes)
+    quarantines: dict[str, lateness.Quarantine]  # each node's latest (held out until it ends)
     requests: dict[int, Request]
     waiting: Any  # newest image waiting for an in-flight slot
     next_request: int
@@ -285,12 +285,12 @@ class RequestFlow:
         """A node's telemetry reports `in_progress` requests: whether it stays out of the plan
         (quarantined for lateness; it is let back once `core.lateness.may_rejoin`)."""
         self.in_progress[node] = in_progress
-        q = self.quarantined.get(node)
-        if q is None:
+        q = self.quarantines.get(node)
+        if q is None or q.ended:
             return False
         if not lateness.may_rejoin(q, time.monotonic(), in_progress, self.params["max_in_flight"]):
             return True
-        del self.quarantined[node]
+        self.quarantines[node] = dataclasses.replace(q, ended=True)
         self.rt.logger.info(f"{node} back after {time.monotonic() - q.since_s:.1f} s out of the plan ({q.reason}); "
                             f"{in_progress} requests in progress on it")
         return False
@@ -300,8 +300,7 @@ class RequestFlow:
         for n, why in self._late_nodes().items():
             if n in dead or n not in self.alive or not any(m != n and m not in dead for m in self.alive):
                 continue  # nobody left to take its rows
-            q = self.quarantined[n] = self.quarantines[n] = lateness.quarantine_after(self.quarantines.get(n), now_m,
-                                                                                      why)
+            q = self.quarantines[n] = lateness.quarantine_after(self.quarantines.get(n), now_m, why)
             self.counts["late_drops"] += 1
             self._drop([n], f"{why}: out of the plan for {q.until_s - q.since_s:.0f} s at least", "late")
 

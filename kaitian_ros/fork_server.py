@@ -23,7 +23,6 @@ enter another namespace.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import importlib
 import json
@@ -37,14 +36,14 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO
 
-from kaitian_ros.processes import start_child
+from kaitian_ros.processes import die_with_parent, name_process, start_child
+from kaitian_ros.warm_start import PRELOAD, check_node, run_node_main
 
 READY = b"ready"
 MAX_MESSAGE = 1 << 20  # an order: argv and environment, far below this
 REPLY_TIMEOUT_S = 10.0
-_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 
 
 @dataclass(frozen=True)
@@ -69,10 +68,7 @@ class ForkOrder:
             order = ForkOrder(raw["module"], tuple(raw["argv"]), dict(raw["env"]), raw["cwd"], raw["name"])
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"not an order: {exc}") from None
-        if not order.module.startswith("kaitian_ros.nodes.") or \
-                not all(isinstance(a, str) for a in order.argv) or \
-                not all(isinstance(k, str) and isinstance(v, str) for k, v in order.env.items()):
-            raise ValueError("not an order: module must be a kaitian_ros node, argv and env strings")
+        check_node(order.module, order.argv, order.env)
         return order
 
 
@@ -89,7 +85,6 @@ def _send(sock: socket.socket, message: dict) -> None:
 def _serve(sock: socket.socket) -> ForkOrder | None:
     """Fork a child per order until the launcher closes its end; returns the order in a forked
     child (which then becomes that node), None in the server when it is done."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)  # resolved before any fork
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -121,7 +116,7 @@ def _serve(sock: socket.socket) -> ForkOrder | None:
                 continue
             pid = os.fork()
             if pid == 0:
-                _become_child(order, fds[0], libc)
+                _become_child(order, fds[0])
                 selector.close()
                 sock.close()
                 for fd in (wake_r, wake_w):
@@ -139,16 +134,14 @@ def _serve(sock: socket.socket) -> ForkOrder | None:
                 _send(sock, {"exit": pid, "code": _returncode(status)})
 
 
-def _become_child(order: ForkOrder, out_fd: int, libc: Any) -> None:
+def _become_child(order: ForkOrder, out_fd: int) -> None:
     """In the forked child: the process state a freshly started node would have."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    os.setsid()  # its own process group, as the launcher's fresh children have
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    die_with_parent()  # tied to the server, its own process group, SIGINT ignored: as launched
     if os.getppid() == 1:  # the server died between the fork and the tie
         os._exit(1)
-    libc.prctl(_PR_SET_NAME, order.name.encode()[:15])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # until run_node installs its handler, as launched
+    name_process(order.name)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os.dup2(out_fd, 1)
@@ -160,7 +153,6 @@ def _become_child(order: ForkOrder, out_fd: int, libc: Any) -> None:
     os.environ.clear()
     os.environ.update(order.env)
     os.chdir(order.cwd)
-    sys.argv = [order.module, *order.argv]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -168,8 +160,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args) != 1 or not args[0].isdigit():
         print("fork server: expects the launcher's socket descriptor", file=sys.stderr)
         return 2
-    from kaitian_ros.warm_start import PRELOAD
-
     for name in PRELOAD:
         with contextlib.suppress(ImportError):  # a node that needs it reports it when it imports it
             importlib.import_module(name)
@@ -180,8 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     order = _serve(sock)
     if order is None:
         return 0
-    node: Any = importlib.import_module(order.module)
-    return int(node.main(list(order.argv)) or 0)
+    return run_node_main(order.module, order.argv)
 
 
 # =========================================================================== launcher side

@@ -24,6 +24,7 @@ STOP_GRACE_S = 5.0
 
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
 class LineOut(Protocol):
@@ -82,6 +83,12 @@ def die_with_parent() -> None:
     # seconds would otherwise print a KeyboardInterrupt traceback per node still importing torch
     # (the stop escalates to SIGTERM after STOP_GRACE_S, which ends such a node quietly)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def name_process(name: str) -> None:
+    """The name `ps` and `top` show for this process (the kernel keeps 15 bytes of it)."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_NAME, name.encode()[:15])
 
 
 def start_child(command: Sequence[str], *, own_group: bool = True, ignore_sigint: bool = False,

@@ -58,11 +58,25 @@ class Order:
             module, argv, env = raw["module"], raw["argv"], raw["env"]
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"not an order: {exc}") from None
-        if not isinstance(module, str) or not module.startswith("kaitian_ros.nodes.") or \
-                not all(isinstance(a, str) for a in argv) or \
-                not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-            raise ValueError("not an order: module must be a kaitian_ros node, argv and env strings")
+        check_node(module, argv, env)
         return Order(module, tuple(argv), dict(env))
+
+
+def check_node(module: Any, argv: Any, env: Any) -> None:
+    """ValueError unless `module` names a kaitian_ros node and `argv`, `env` are strings: what
+    an interpreter told which node to become (a warm one, a fork) may run."""
+    if not isinstance(module, str) or not module.startswith("kaitian_ros.nodes.") or \
+            not all(isinstance(a, str) for a in argv) or \
+            not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise ValueError("not an order: module must be a kaitian_ros node, argv and env strings")
+
+
+def run_node_main(module: str, argv: Sequence[str]) -> int:
+    """Become the node: run `module`'s ``main(argv)`` with ``sys.argv`` as its own command line
+    would have set it; its exit code."""
+    sys.argv = [module, *argv]
+    node: Any = importlib.import_module(module)
+    return int(node.main(list(argv)) or 0)
 
 
 def _preload(modules: Sequence[str], compute_argvs: Sequence[Sequence[str]] = ()) -> None:
@@ -122,9 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # prepared model (ResNet-18 at 224x224: about 200 MB)
         sys.modules["kaitian_ros.nodes.compute_prepare"].drop_prepared()
     os.environ.update(order.env)
-    sys.argv = [order.module, *order.argv]
-    node: Any = importlib.import_module(order.module)
-    return int(node.main(list(order.argv)) or 0)
+    return run_node_main(order.module, order.argv)
 
 
 if __name__ == "__main__":

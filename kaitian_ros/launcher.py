@@ -67,11 +67,17 @@ ROUTER_READY_LINE = "router listening on"
 ROUTER = "router"  # name and executable of the router's child process
 
 
-def node_command(spec: NodeSpec, params_file: Path) -> list[str]:
+def node_module(spec: NodeSpec, params_file: Path) -> tuple[str, list[str]]:
+    """The module a node's process runs and its arguments (its command line after ``-m``)."""
     if spec.executable == ROUTER:
-        return [sys.executable, "-u", "-m", "kaitian_ros.cli", "router", "--listen", spec.parameters["listen"]]
-    return [sys.executable, "-u", "-m", f"kaitian_ros.nodes.{spec.executable}", "--ros-args",
-            "-r", f"__node:={spec.name}", "--params-file", str(params_file)]
+        return "kaitian_ros.cli", ["router", "--listen", spec.parameters["listen"]]
+    return f"kaitian_ros.nodes.{spec.executable}", ["--ros-args", "-r", f"__node:={spec.name}",
+                                                      "--params-file", str(params_file)]
+
+
+def node_command(spec: NodeSpec, params_file: Path) -> list[str]:
+    module, argv = node_module(spec, params_file)
+    return [sys.executable, "-u", "-m", module, *argv]
 
 
 @dataclass
@@ -195,12 +201,12 @@ class Launcher:
               ) -> tuple[subprocess.Popen | ForkedProcess, threading.Thread]:
         """A process of `spec` - forked from the fork server, else a fresh one - whose output
         the launcher prints under its name."""
-        command = self.node_prefix.get(spec.name, []) + node_command(spec, self.params_file)
         env = self._base_env() | self._node_env(spec)
         process: subprocess.Popen | ForkedProcess | None = None
         if self.fork_server is not None and self._forkable(spec):
-            process = self.fork_server.fork(command[3], command[4:], env, spec.name)  # after: python -u -m
+            process = self.fork_server.fork(*node_module(spec, self.params_file), env, spec.name)
         if process is None:
+            command = self.node_prefix.get(spec.name, []) + node_command(spec, self.params_file)
             process = start_child(command, ignore_sigint=True, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1)
         reader = threading.Thread(target=self._pump, args=(lambda: spec.name, process, ready), daemon=True)
@@ -222,7 +228,7 @@ class Launcher:
     def _warm_command(self, prefix: tuple[str, ...] = ()) -> list[str]:
         """The command line of the warm interpreter under `prefix`: it prepares (model, start-up
         costs) for every compute node under that prefix it may become."""
-        compute = [node_command(n, self.params_file)[4:] for n in self.scenario.nodes
+        compute = [node_module(n, self.params_file)[1] for n in self.scenario.nodes
                    if n.executable == "compute" and n.respawn.enabled and self._prefix_of(n.name) == prefix]
         return [*prefix, sys.executable, "-u", "-m", "kaitian_ros.warm_start"] + (
             ["--prepare-compute", json.dumps(compute)] if compute else [])
@@ -258,8 +264,8 @@ class Launcher:
         if slot is None or warm is None or warm.process.poll() is not None or spec.executable == ROUTER:
             return self.spawn(spec)
         slot.warm, slot.due = None, now + WARM_REFILL_AFTER_S
-        argv = node_command(spec, self.params_file)[4:]  # after: python -u -m MODULE
-        order = warm_start.Order(f"kaitian_ros.nodes.{spec.executable}", tuple(argv), self._node_env(spec))
+        module, argv = node_module(spec, self.params_file)
+        order = warm_start.Order(module, tuple(argv), self._node_env(spec))
         try:
             assert warm.process.stdin is not None
             warm.process.stdin.write(order.to_line())

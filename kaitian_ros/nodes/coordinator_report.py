@@ -46,7 +46,8 @@ def report(c: Coordinator) -> None:
     plan = c.running_plan()
     if plan is not None:
         text += f", {plan_text(c.graph, plan)} (predicted {c.predicted_ms:.1f} ms)"
-    if held := lateness.held_out(c.quarantines):
+    held = lateness.held_out(c.quarantines)
+    if held:
         level, text = Level.WARN, text + ", late and out of the plan for now: " + ", ".join(sorted(held))
     if c.counts["timeouts"]:
         level, text = Level.WARN, text + f", {c.counts['timeouts']} timed out"
@@ -77,8 +78,7 @@ def report(c: Coordinator) -> None:
                              sorted(c.meters.items()) if (e := m.estimate()) is not None),
         "planner": planner_state(c), "plan_round_ms": f"{c.planner.last_round_ms:.0f}",
         "alive": ",".join(c.alive), "in_flight": len(c.requests),
-        "late": ",".join(f"{n}:{_quarantine_left(q.until_s)}"
-                         for n, q in sorted(lateness.held_out(c.quarantines).items())),
+        "late": ",".join(f"{n}:{_quarantine_left(q.until_s)}" for n, q in sorted(held.items())),
         "latency_p50_ms": f"{p50:.1f}", "latency_p95_ms": f"{p95:.1f}"}
         | dict(c.counts))
 

@@ -73,6 +73,48 @@ def test_the_planner_process_chooses_what_a_round_in_process_chooses() -> None:
     assert not proc.alive()
 
 
+PREFORKED = """
+import json, sys, threading, time
+sys.path.insert(0, "test")
+import test_planner_process as t
+from kaitian_ros.nodes import planner_process as pp
+pp.prefork()  # a fresh interpreter: no thread yet
+forked = pp._prefork
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+pp.prefork()  # another thread runs now: no second fork
+made = pp.planner_for(t.SPEC)
+spawned = pp.planner_for(t.SPEC)  # the prefork is used once
+graph = t.ic.build_graph(t.SPEC)
+request = t._request(t._costs(graph))
+made.submit(request)
+_, choice, _ = t._wait(made)
+here, _ = pp.plan_round(graph, request)
+print(json.dumps({"forked": forked is made, "made": type(made._proc).__name__,
+                  "spawned": type(spawned._proc).__name__, "same": choice.best.spec == here.best.spec}))
+made.close(); spawned.close()
+print(json.dumps({"closed": not made.alive() and not spawned.alive()}))
+"""
+
+
+def test_a_planner_forked_before_the_node_starts_plans_as_a_spawned_one() -> None:
+    """`prefork` in a process without threads (a node's main before its runtime exists) forks
+    the planner, which gets its spec later and chooses what a round in-process chooses; once a
+    thread runs it forks nothing, and a second planner is spawned."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    out = subprocess.run([sys.executable, "-c", PREFORKED], cwd=str(REPO), capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    first, last = (json.loads(line) for line in out.stdout.splitlines()[-2:])
+    assert first["forked"] and first["same"]
+    assert (first["made"], first["spawned"]) == ("ForkProcess", "SpawnProcess")
+    assert last["closed"]
+
+
 def test_inputs_that_moved_less_than_their_noise_plan_the_same_round_and_real_changes_do_not() -> None:
     graph = ic.build_graph(SPEC)
     costs = _costs(graph)

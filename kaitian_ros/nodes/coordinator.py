@@ -41,7 +41,7 @@ from kaitian_ros.nodes.coordinator_costs import planning_costs
 from kaitian_ros.nodes.coordinator_params import PARAMETERS, PLAN_SETTINGS
 from kaitian_ros.nodes.coordinator_report import report
 from kaitian_ros.nodes.coordinator_requests import Request, RequestFlow
-from kaitian_ros.nodes.planner_process import PlannerProcess, PlanRequest, plan_round
+from kaitian_ros.nodes.planner_process import PlanRequest, plan_round, planner_for, prefork
 from kaitian_ros.runtime import run_node
 from kaitian_ros.runtime.api import MessageInfo, QoS, Runtime, SetParametersResult
 from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher
@@ -88,8 +88,7 @@ class Coordinator(RequestFlow):
         self.memory = PlanMemory()  # what plans really took lately, the plans nodes left
         self.unmeasured_version: int | None = None  # the newest plan version until its first request completes
         self.predicted_ms = 0.0  # the newest plan's latency as last predicted
-        self.planner = PlannerProcess(self.spec)  # planning rounds off the executor
-        self.planner_lost = False
+        self.planner, self.planner_lost = planner_for(self.spec), False  # planning rounds off the executor
         self._replan_again: tuple[str, int] | None = None
         self.last_replan = 0.0
         self.last_material: tuple | None = None  # inputs of the last planning round submitted
@@ -493,6 +492,7 @@ def _members(a: Assignment) -> frozenset:
 
 
 def main(argv: list[str] | None = None) -> int:
+    prefork()  # before the middleware's threads start (planner_process docstring)
     return run_node(Coordinator, "coordinator", argv)
 
 

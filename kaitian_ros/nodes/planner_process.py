@@ -8,12 +8,21 @@ slabs, gathering rows, the head - waited for it: 6-10 ms more latency per frame 
 ran (measured: MobileNetV2 over three nodes). `PlannerProcess` runs rounds in a child process
 that builds the same model graph; the coordinator hands it requests and picks up results
 without ever waiting for one.
+
+A spawned child starts a fresh interpreter and imports torch again: 2 s of CPU and ~200 MB of
+memory of its own on this machine, at every coordinator start. So the coordinator's ``main``
+forks the child (`prefork`) before the node opens its middleware session - while no thread
+of the middleware or of torch runs, the only moment a fork is safe - and the child shares the imported
+modules' pages with it; the model spec follows over the pipe once the node has read its
+parameters (`planner_for`). Where the process already runs other threads (the coordinator
+built inside another program) the child is spawned as before.
 """
 
 from __future__ import annotations
 
 import math
 import multiprocessing
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -22,7 +31,7 @@ from kaitian_ros.core import planner
 from kaitian_ros.core.costs import Costs
 from kaitian_ros.core.graph import ModelGraph
 from kaitian_ros.core.plan import PlanSpec
-from kaitian_ros.processes import tie_to_parent
+from kaitian_ros.processes import name_process, tie_to_parent
 
 
 @dataclass(frozen=True)
@@ -115,7 +124,8 @@ def plan_round(graph: ModelGraph, r: PlanRequest) -> tuple[planner.Choice | None
 
 
 def _serve(conn: Any, spec: Any) -> None:
-    """The child: build the graph, then answer requests until the coordinator goes away."""
+    """The child: build the graph (of `spec`, or of the spec the pipe brings first when it was
+    forked before the coordinator knew it), then answer requests until the coordinator goes away."""
     import signal
 
     import torch
@@ -128,6 +138,12 @@ def _serve(conn: Any, spec: Any) -> None:
     # SIGTERM when the coordinator dies, even by SIGKILL: no orphan keeps a respawned
     # coordinator's output pipe or a core busy
     tie_to_parent()
+    name_process("planner")  # not its parent's name in ps and top, when forked
+    if spec is None:
+        try:
+            spec = conn.recv()
+        except (EOFError, OSError):  # the coordinator ended before it needed a planner
+            return
     torch.set_num_threads(1)
     graph = ic.build_graph(spec)
     try:
@@ -149,12 +165,39 @@ def _serve(conn: Any, spec: Any) -> None:
             return
 
 
+_prefork: PlannerProcess | None = None
+
+
+def prefork() -> None:
+    """Fork the planner's process now, unless a Python thread runs (module docstring); the
+    next `planner_for` hands it its model spec. Called before the node's runtime exists: the
+    only other threads then are those native ones an import starts (OpenBLAS's pool), which
+    stop and restart themselves around a fork, as the launcher's fork server relies on too."""
+    global _prefork
+    if _prefork is None and threading.active_count() == 1:
+        _prefork = PlannerProcess(None)
+
+
+def planner_for(spec: Any) -> PlannerProcess:
+    """A planner process for `spec`: the one `prefork` made (once), else a spawned one."""
+    global _prefork
+    made, _prefork = _prefork, None
+    if made is not None and made.alive():
+        made._conn.send(spec)
+        return made
+    if made is not None:
+        made.close()
+    return PlannerProcess(spec)
+
+
 class PlannerProcess:
     """One child process running planning rounds, one at a time (`submit`, then `result`)."""
 
     def __init__(self, spec: Any) -> None:
-        # spawn, not fork: the coordinator has middleware and torch threads running
-        ctx = multiprocessing.get_context("spawn")
+        """With `spec` None the child is forked and waits for its spec on the pipe (`prefork`,
+        in a process of one thread only); with a spec it is spawned: a fork of a process with
+        middleware and torch threads running could inherit a lock one of them held."""
+        ctx: Any = multiprocessing.get_context("spawn" if spec is not None else "fork")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(child, spec), name="kaitian-planner", daemon=True)
         self._proc.start()

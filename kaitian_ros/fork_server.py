@@ -9,11 +9,14 @@ its pages of imported code and data stay shared with the server's until written.
 
 Protocol, over a ``SOCK_SEQPACKET`` socket pair (one message per datagram): the launcher sends an
 order (JSON: module, argv, environment, working directory) with the write end of the node's
-output pipe attached; the server forks, answers ``{"pid": N}``, and later ``{"exit": N,
+output pipe attached (and the read end of its input pipe, for a warm interpreter, which reads
+the node it becomes from its standard input); the server forks, answers ``{"pid": N}``, and later ``{"exit": N,
 "code": C}`` when it reaped that child (``C`` as ``Popen.returncode``: negative for a signal).
 The child leads a process group of its own, gets SIGTERM when the server dies (the server gets
 SIGTERM when the launcher dies: no orphans), has the order's environment, working directory
-and output, and runs the node module's ``main`` as the warm interpreter does.
+and output, and runs the node module's ``main`` as the warm interpreter does - or the warm
+interpreter's own (``WARM``): the launcher's warm interpreter then costs a fork and its
+preparation instead of a fresh interpreter's imports.
 
 The launcher falls back to a fresh process per node whenever the server is unusable, and nodes
 under a command prefix (a network namespace in the benchmarks) never fork from it: a fork cannot
@@ -42,6 +45,7 @@ from kaitian_ros.processes import die_with_parent, name_process, start_child
 from kaitian_ros.warm_start import PRELOAD, check_node, run_node_main
 
 READY = b"ready"
+WARM = "kaitian_ros.warm_start"  # the one module an order may name besides the nodes
 MAX_MESSAGE = 1 << 20  # an order: argv and environment, far below this
 REPLY_TIMEOUT_S = 10.0
 
@@ -68,7 +72,7 @@ class ForkOrder:
             order = ForkOrder(raw["module"], tuple(raw["argv"]), dict(raw["env"]), raw["cwd"], raw["name"])
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"not an order: {exc}") from None
-        check_node(order.module, order.argv, order.env)
+        check_node(order.module if order.module != WARM else "kaitian_ros.nodes.", order.argv, order.env)
         return order
 
 
@@ -100,15 +104,15 @@ def _serve(sock: socket.socket) -> ForkOrder | None:
                     os.read(wake_r, 4096)
                 continue
             try:
-                data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
+                data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
             except OSError:
                 data, fds = b"", []
             if not data:  # the launcher closed its end (or died): the children go with this server
                 return None
             try:
                 order = ForkOrder.from_bytes(data)
-                if len(fds) != 1:
-                    raise ValueError("an order needs the output pipe attached")
+                if len(fds) != 1 + (order.module == WARM):
+                    raise ValueError("an order needs the output pipe attached (a warm interpreter's also its input)")
             except ValueError as exc:
                 for fd in fds:
                     os.close(fd)
@@ -116,13 +120,14 @@ def _serve(sock: socket.socket) -> ForkOrder | None:
                 continue
             pid = os.fork()
             if pid == 0:
-                _become_child(order, fds[0])
+                _become_child(order, *fds)
                 selector.close()
                 sock.close()
                 for fd in (wake_r, wake_w):
                     os.close(fd)
                 return order
-            os.close(fds[0])
+            for fd in fds:
+                os.close(fd)
             children.add(pid)
             _send(sock, {"pid": pid})
         for pid in list(children):  # reap: each exit goes to the launcher
@@ -134,7 +139,7 @@ def _serve(sock: socket.socket) -> ForkOrder | None:
                 _send(sock, {"exit": pid, "code": _returncode(status)})
 
 
-def _become_child(order: ForkOrder, out_fd: int) -> None:
+def _become_child(order: ForkOrder, out_fd: int, in_fd: int | None = None) -> None:
     """In the forked child: the process state a freshly started node would have."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -147,9 +152,9 @@ def _become_child(order: ForkOrder, out_fd: int) -> None:
     os.dup2(out_fd, 1)
     os.dup2(out_fd, 2)
     os.close(out_fd)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
+    source = os.open(os.devnull, os.O_RDONLY) if in_fd is None else in_fd
+    os.dup2(source, 0)
+    os.close(source)
     os.environ.clear()
     os.environ.update(order.env)
     os.chdir(order.cwd)
@@ -186,10 +191,10 @@ def _running(pid: int) -> bool:
 class ForkedProcess:
     """A node forked by the server, with the part of ``subprocess.Popen`` the launcher uses."""
 
-    def __init__(self, pid: int, stdout: IO[str], server: ForkServer) -> None:
+    def __init__(self, pid: int, stdout: IO[str], server: ForkServer, stdin: IO[str] | None = None) -> None:
         self.pid = pid
         self.stdout: IO[str] | None = stdout
-        self.stdin = None
+        self.stdin = stdin
         self.returncode: int | None = None
         self._server = server
         self._exited = threading.Event()
@@ -291,26 +296,37 @@ class ForkServer:
             self._reply.notify_all()
 
     def fork(self, module: str, argv: Sequence[str], env: Mapping[str, str], name: str) -> ForkedProcess | None:
-        """The node forked, or None when the server cannot (the caller starts it the usual way)."""
+        """The node (or with `module` ``WARM`` a warm interpreter, its ``stdin`` open for the
+        order) forked, or None when the server cannot (the caller starts it the usual way)."""
         if not self.alive():
             return None
         read_fd, write_fd = os.pipe()
+        theirs, ours = [write_fd], [read_fd]
+        if module == WARM:
+            child_in, feed = os.pipe()
+            theirs.append(child_in)
+            ours.append(feed)
         order = ForkOrder(module, tuple(argv), dict(env), os.getcwd(), name)
         with self._lock:
             try:
-                socket.send_fds(self._sock, [order.to_bytes()], [write_fd])
+                socket.send_fds(self._sock, [order.to_bytes()], theirs)
             except OSError:
-                os.close(read_fd)
+                for fd in ours:
+                    os.close(fd)
                 return None
             finally:
-                os.close(write_fd)
+                for fd in theirs:
+                    os.close(fd)
             with self._reply:
                 got = self._reply.wait_for(lambda: self._replies or not self.alive(), REPLY_TIMEOUT_S)
                 reply = self._replies.pop(0) if got and self._replies else {}
                 if "pid" not in reply:
-                    os.close(read_fd)
+                    for fd in ours:
+                        os.close(fd)
                     return None
-                child = ForkedProcess(reply["pid"], os.fdopen(read_fd, "r", buffering=1, errors="replace"), self)
+                stdin = os.fdopen(ours[1], "w", buffering=1) if len(ours) == 2 else None
+                child = ForkedProcess(reply["pid"], os.fdopen(read_fd, "r", buffering=1, errors="replace"), self,
+                                      stdin)
                 early = self._early_exits.pop(child.pid, None)
                 if early is None:
                     self._children[child.pid] = child

@@ -45,7 +45,7 @@ from typing import Any
 import yaml
 
 from kaitian_ros import warm_start
-from kaitian_ros.fork_server import ForkedProcess, ForkServer
+from kaitian_ros.fork_server import WARM, ForkedProcess, ForkServer
 from kaitian_ros.ports import free_port
 from kaitian_ros.processes import LineOut, start_child, stop_children
 from kaitian_ros.runtime import security
@@ -99,7 +99,7 @@ class WarmInterpreter:
     """A started ``kaitian_ros.warm_start`` process; `name` labels its output (the node it
     became, once it became one)."""
 
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedProcess
     reader: threading.Thread
     name: str = "warm"
 
@@ -225,18 +225,22 @@ class Launcher:
     def _prefix_of(self, name: str) -> tuple[str, ...]:
         return tuple(self.node_prefix.get(name, ()))
 
-    def _warm_command(self, prefix: tuple[str, ...] = ()) -> list[str]:
-        """The command line of the warm interpreter under `prefix`: it prepares (model, start-up
-        costs) for every compute node under that prefix it may become."""
+    def _warm_args(self, prefix: tuple[str, ...] = ()) -> list[str]:
+        """The warm interpreter's arguments under `prefix`: it prepares (model, start-up costs)
+        for every compute node under that prefix it may become."""
         compute = [node_module(n, self.params_file)[1] for n in self.scenario.nodes
                    if n.executable == "compute" and n.respawn.enabled and self._prefix_of(n.name) == prefix]
-        return [*prefix, sys.executable, "-u", "-m", "kaitian_ros.warm_start"] + (
-            ["--prepare-compute", json.dumps(compute)] if compute else [])
+        return ["--prepare-compute", json.dumps(compute)] if compute else []
 
     def _start_warm(self, slot: WarmSlot) -> None:
-        process = start_child(self._warm_command(slot.prefix), ignore_sigint=True, env=self._base_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
-                              text=True, bufsize=1)
+        """A fork of the fork server where it can (its imports done), else a fresh interpreter."""
+        process: subprocess.Popen | ForkedProcess | None = None
+        if self.fork_server is not None and not slot.prefix:
+            process = self.fork_server.fork(WARM, self._warm_args(slot.prefix), self._base_env(), "warm")
+        if process is None:
+            process = start_child([*slot.prefix, sys.executable, "-u", "-m", WARM, *self._warm_args(slot.prefix)],
+                                  ignore_sigint=True, env=self._base_env(), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, stdin=subprocess.PIPE, text=True, bufsize=1)
         warm = WarmInterpreter(process, threading.Thread())
         warm.reader = threading.Thread(target=self._pump, args=(lambda: warm.name, process), daemon=True)
         warm.reader.start()

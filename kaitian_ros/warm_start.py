@@ -33,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kaitian_ros.processes import name_process
+
 PRELOAD = ("torch", "numpy", "yaml", "zenoh", "kaitian_ros.runtime.embedded", "kaitian_ros.nodes.inference_common")
 # nice 10: a tenth of a core against normal-priority work - the imports finish within seconds
 # on a busy machine instead of starving behind every other background job, as at 19
@@ -136,6 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # prepared model (ResNet-18 at 224x224: about 200 MB)
         sys.modules["kaitian_ros.nodes.compute_prepare"].drop_prepared()
     os.environ.update(order.env)
+    # named after the node it became in ps and top (a fork of the launcher's fork server was "warm")
+    name_process(next((a.split(":=", 1)[1] for a in order.argv if a.startswith("__node:=")),
+                      order.module.rsplit(".", 1)[-1]))
     return run_node_main(order.module, order.argv)
 
 

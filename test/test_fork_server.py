@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from helpers import pid_running, wait_until
 
-from kaitian_ros.fork_server import ForkOrder, ForkServer
+from kaitian_ros.fork_server import WARM, ForkOrder, ForkServer
+from kaitian_ros.warm_start import Order
 
 
 def test_an_order_round_trips_and_a_foreign_module_is_refused():
@@ -20,6 +21,8 @@ def test_an_order_round_trips_and_a_foreign_module_is_refused():
         ForkOrder.from_bytes(ForkOrder("os", (), {}, "/", "x").to_bytes())
     with pytest.raises(ValueError, match="not an order"):
         ForkOrder.from_bytes(b"{")
+    warm = ForkOrder(WARM, (), {}, "/", "warm")  # the warm interpreter, the one other module allowed
+    assert ForkOrder.from_bytes(warm.to_bytes()) == warm
 
 
 @pytest.mark.e2e
@@ -46,6 +49,14 @@ def test_forked_nodes_report_output_exit_codes_and_names_and_die_with_the_server
         orphan = server.fork("kaitian_ros.nodes.scheduler", ["--ros-args", "-r", "__node:=sched_orphan"],
                              env, "sched_orphan")
         assert orphan is not None
+        # a warm interpreter: it reads the node to become on its input, here one that refuses
+        warm = server.fork(WARM, [], env, "warm")
+        assert warm is not None and warm.stdin is not None and warm.poll() is None
+        warm.stdin.write(Order("kaitian_ros.nodes.scheduler", ("--ros-args", "-r", "__node:=sched_warm", "-p",
+                                                             "ewma_alpha:=7.0"), {}).to_line())
+        warm.stdin.close()
+        assert warm.wait(timeout=60) == 2
+        assert warm.stdout is not None and "ewma_alpha" in warm.stdout.read()
     finally:
         server.close()
     wait_until(lambda: not pid_running(orphan.pid), "the orphaned node ended", 15.0)

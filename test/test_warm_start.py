@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -99,6 +100,7 @@ def test_a_compute_node_respawned_from_a_warm_interpreter_takes_the_model_and_co
             lines.append(line)
             if "slowdown 2.0" in line:  # the node's start-up done
                 break
+        assert Path(f"/proc/{proc.pid}/comm").read_text().strip() == "compute_0"  # in ps: the node it became
     finally:
         watchdog.cancel()
         proc.kill()
@@ -114,15 +116,14 @@ def test_the_launchers_warm_interpreter_prepares_for_the_compute_nodes_it_may_be
 
     launcher = Launcher(load_scenario("hetero_inference"), "tcp/127.0.0.1:1",
                         node_prefix={"compute_2": ["ip", "netns", "exec", "x"]})
-    command = launcher._warm_command()
-    assert command[-2] == "--prepare-compute"
-    names = [next(a.split(":=")[1] for a in argv if a.startswith("__node:=")) for argv in json.loads(command[-1])]
+    args = launcher._warm_args()
+    assert args[0] == "--prepare-compute"
+    names = [next(a.split(":=")[1] for a in argv if a.startswith("__node:=")) for argv in json.loads(args[1])]
     assert names == ["compute_0", "compute_1"]  # compute_2 has the interpreter under its prefix
-    assert all(str(launcher.params_file) in argv for argv in json.loads(command[-1]))
+    assert all(str(launcher.params_file) in argv for argv in json.loads(args[1]))
     assert sorted(launcher.warm_slots) == [(), ("ip", "netns", "exec", "x")]
-    inside = launcher._warm_command(("ip", "netns", "exec", "x"))
-    assert inside[:4] == ["ip", "netns", "exec", "x"] and inside[4] == sys.executable
-    assert [next(a.split(":=")[1] for a in argv if a.startswith("__node:=")) for argv in json.loads(inside[-1])] \
+    inside = launcher._warm_args(("ip", "netns", "exec", "x"))
+    assert [next(a.split(":=")[1] for a in argv if a.startswith("__node:=")) for argv in json.loads(inside[1])] \
         == ["compute_2"]
     off = Launcher(load_scenario("hetero_inference", ["respawn:=false"]), "tcp/127.0.0.1:1")
-    assert "--prepare-compute" not in off._warm_command()
+    assert off._warm_args() == []

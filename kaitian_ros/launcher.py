@@ -118,7 +118,10 @@ class Launcher:
     def __init__(self, scenario: Scenario, router_endpoint: str, *, out: LineOut = sys.stdout,
                  host_router: bool = True, node_prefix: Mapping[str, Sequence[str]] | None = None,
                  node_env: Mapping[str, Mapping[str, str]] | None = None, warm_start: bool = True,
-                 fork: bool = True) -> None:
+                 fork: bool | ForkServer = True) -> None:
+        """`fork`: start a fork server for the nodes (True), none (False), or fork them from
+        this running one, which the launcher then leaves running when it stops (a program
+        that launches many graphs, such as the test suite, pays the server's imports once)."""
         self.scenario = scenario
         # per node: a command prefix and extra environment, kept on respawn (benchmarks run a
         # node inside a network namespace: `ip netns exec NS`, its own listen address)
@@ -142,8 +145,9 @@ class Launcher:
         # a warm interpreter per command prefix that a node may be respawned under (module docstring)
         self.warm_slots = {p: WarmSlot(p) for p in sorted({self._prefix_of(n.name) for n in scenario.nodes
                                                            if n.respawn.enabled})} if warm_start else {}
-        self.fork = fork
-        self.fork_server: ForkServer | None = None
+        self.fork = bool(fork)
+        self.fork_server: ForkServer | None = fork if isinstance(fork, ForkServer) else None
+        self._owns_fork_server = self.fork_server is None
 
     def say(self, line: str) -> None:
         with self._print_lock:
@@ -156,7 +160,7 @@ class Launcher:
         if self.host_router:
             self.children.append(self._start_router())
         self.params_file.write_text(yaml.safe_dump(self.scenario.parameter_file_dict(), sort_keys=False))
-        if self.fork and any(self._forkable(spec) for spec in self.scenario.nodes):
+        if self.fork_server is None and self.fork and any(self._forkable(spec) for spec in self.scenario.nodes):
             self.fork_server = ForkServer.start(self._base_env())
             if self.fork_server is None:
                 self.say("[launch] no fork server: every node starts a fresh interpreter")
@@ -361,7 +365,7 @@ class Launcher:
             for child in group:
                 child.process.wait()
                 child.reader.join(timeout=1.0)
-        if self.fork_server is not None:
+        if self.fork_server is not None and self._owns_fork_server:
             self.fork_server.close()
         self._tmpdir.cleanup()
 

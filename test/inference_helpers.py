@@ -5,6 +5,9 @@ The graph is started with :class:`kaitian_ros.launcher.Launcher` on a router bou
 port. The launcher is never asked to ``wait()``, so a compute node killed by a test does not
 stop the graph (the launcher only treats a death as fatal while supervising); ``close()``
 stops whatever is still running.
+
+The graphs of one test process fork their nodes from one fork server (`shared_fork_server`):
+its imports (about 2 s of CPU) are paid once per pytest worker instead of once per graph.
 """
 
 from __future__ import annotations
@@ -30,6 +33,28 @@ from kaitian_ros.runtime.api import QoS
 
 CAMERA_TOPIC = "/camera/image_raw"
 TOLERANCE = 1e-4  # max abs error relative to the reference's max magnitude (docs/planner.md, "Strategies")
+_fork_server: Any = None
+
+
+def shared_fork_server() -> Any:
+    """This test process's fork server, started on first use from the main thread (a server
+    dies with the thread that started it), or True - the launcher starts its own - elsewhere or
+    when it cannot start. Ended by `atexit`."""
+    import atexit
+
+    from kaitian_ros.fork_server import ForkServer
+
+    global _fork_server
+    if threading.current_thread() is not threading.main_thread():
+        return True
+    if _fork_server is None or not _fork_server.alive():
+        _fork_server = ForkServer.start(dict(os.environ, KAITIAN_RUNTIME="embedded", PYTHONUNBUFFERED="1"))
+        if _fork_server is None:
+            return True
+        atexit.register(_fork_server.close)
+    return _fork_server
+
+
 STARTUP_S = 45.0  # liveness deadline for a graph to come up on 2 busy cores (not a perf check)
 
 
@@ -137,7 +162,7 @@ class InferenceGraph:
         self.out = CapturedOutput(echo=bool(os.environ.get("KT_ECHO")))  # KT_ECHO=1: print the nodes
         self.probe: Camera | None = None
         self._client: Any = None
-        self.launcher = start_on_free_port(self.scenario, out=self.out)
+        self.launcher = start_on_free_port(self.scenario, out=self.out, fork=shared_fork_server())
         self.endpoint = self.launcher.router_endpoint
         self.supervisor: threading.Thread | None = None
         if supervise:

@@ -3,9 +3,14 @@ pixel path, standardised), batches gathered by index and test-set accuracy."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.metadata
+import importlib.util
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,22 +29,47 @@ class DataSplit:
 
 
 def _digits(seed_split: int = 0) -> DataSplit:
-    try:
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
-    except ImportError:
+    xtr, xte, ytr, yte = _digits_split(seed_split)
+    return DataSplit(train=(torch.from_numpy(xtr), torch.from_numpy(ytr)),
+                     test=(torch.from_numpy(xte), torch.from_numpy(yte)),
+                     num_classes=10, in_channels=1)
+
+
+DIGITS_SPLIT = ("x_train", "x_test", "y_train", "y_test")
+
+
+def _digits_split(seed_split: int) -> tuple[np.ndarray, ...]:
+    """scikit-learn's digits, split; kept in the user's cache directory once made. Importing
+    scikit-learn took 1.3 s of every training rank's start-up here (each rank is its own
+    process), far more than the rank's first epoch; the cached split is read with numpy alone.
+    The cache is keyed by scikit-learn's version: another version may split differently."""
+    if importlib.util.find_spec("sklearn") is None:
         raise ValueError("the digits dataset comes with scikit-learn, which is not installed: "
-                         "pip install 'kaitian_ros[digits]'") from None
+                         "pip install 'kaitian_ros[digits]'")
+    cache = _cache_dir() / f"digits-split{seed_split}-sklearn{importlib.metadata.version('scikit-learn')}.npz"
+    try:
+        with np.load(cache, allow_pickle=False) as f:
+            return tuple(f[k] for k in DIGITS_SPLIT)
+    except (OSError, ValueError, KeyError):  # not made yet, or unreadable: make it again
+        pass
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
 
     d = load_digits()
     x = (d.images / 16.0).astype(np.float32)[:, None, :, :]  # (N, 1, 8, 8) in [0, 1]
     y = d.target.astype(np.int64)
     # fixed random_state: the split must not depend on the training seed
-    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.25, random_state=seed_split,
-                                          stratify=y)
-    return DataSplit(train=(torch.from_numpy(xtr), torch.from_numpy(ytr)),
-                     test=(torch.from_numpy(xte), torch.from_numpy(yte)),
-                     num_classes=10, in_channels=1)
+    split = tuple(train_test_split(x, y, test_size=0.25, random_state=seed_split, stratify=y))
+    with contextlib.suppress(OSError):  # a read-only home: no cache, the same split every time
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_name(f"{cache.stem}.{os.getpid()}.tmp.npz")
+        np.savez(partial, **dict(zip(DIGITS_SPLIT, split)))
+        os.replace(partial, cache)  # whole or not at all: ranks start together and race
+    return split
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kaitian_ros"
 
 
 class _Resized(torch.utils.data.Dataset):

@@ -66,7 +66,8 @@ def _tie() -> None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _tie_own_group() -> None:
+def tie_own_group() -> None:
+    """Child side: the parent-death tie, in a process group of its own (SIGINT kept)."""
     _tie()
     os.setsid()  # own process group: a terminal's Ctrl-C reaches only the parent, which forwards it
 
@@ -78,7 +79,7 @@ def die_with_parent() -> None:
     Runs as ``preexec_fn`` although the parent has threads (PLW1509): only the child itself can
     ask for the kernel's parent-death signal. So it does as little as it can: no imports and no
     library loading, a prctl, setsid and one signal disposition."""
-    _tie_own_group()
+    tie_own_group()
     # SIGINT ignored until the node's run_node installs its handler: a graph stopped in its first
     # seconds would otherwise print a KeyboardInterrupt traceback per node still importing torch
     # (the stop escalates to SIGTERM after STOP_GRACE_S, which ends such a node quietly)
@@ -105,7 +106,7 @@ def start_child(command: Sequence[str], *, own_group: bool = True, ignore_sigint
     not would never see Ctrl-C)."""
     if ignore_sigint and not own_group:
         raise ValueError("ignore_sigint needs own_group: the terminal's SIGINT would reach the child")
-    preexec = die_with_parent if ignore_sigint else (_tie_own_group if own_group else _tie)
+    preexec = die_with_parent if ignore_sigint else (tie_own_group if own_group else _tie)
     return subprocess.Popen(command, preexec_fn=preexec, **popen)  # noqa: PLW1509 - see die_with_parent
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import wait_until
+from helpers import pid_running, wait_until
 
 from kaitian_ros.training.config import TrainingConfig
 from kaitian_ros.training.launch import main_train
@@ -60,7 +60,8 @@ def _spawn(args: list[str], env_extra: dict[str, str]) -> subprocess.Popen:
 
 
 def _children(pid: int) -> dict[int, int]:
-    """rank -> pid of the launcher's children (read from /proc)."""
+    """rank -> pid of the launcher's children (read from /proc): CPU ranks are forks named
+    kaitian-rankN; a rank started as a fresh interpreter has RANK in its environment."""
     out: dict[int, int] = {}
     try:
         kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
@@ -68,9 +69,12 @@ def _children(pid: int) -> dict[int, int]:
         return out
     for k in kids:
         try:
+            comm = Path(f"/proc/{k}/comm").read_text().strip()
             env = Path(f"/proc/{k}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
+        if comm.startswith("kaitian-rank"):
+            out[int(comm.removeprefix("kaitian-rank"))] = int(k)
         for kv in env:
             if kv.startswith(b"RANK="):
                 out[int(kv[5:])] = int(k)
@@ -122,6 +126,25 @@ def test_killed_rank_is_named_and_others_fail_then_resume(tmp_path: Path) -> Non
     # rank 0 told the epochs on stderr (the last one always), stdout kept for the result
     assert f"[progress] kaitian train epochs: {ep + 2}/{ep + 2} - test acc " in err2, err2
     assert "[progress]" not in out
+
+
+@pytest.mark.e2e
+def test_ctrl_c_stops_the_forked_ranks_in_one_line() -> None:
+    """CPU ranks are forks of `kaitian train` named kaitian-rankN; Ctrl-C (SIGINT to it) ends
+    them all: exit 130, one line, no rank's traceback, no rank left."""
+    p = _spawn(["--ranks", "2", "--devices", "cpu", "--epochs", "500", "--global-batch", "64"], {})
+    try:
+        kids = wait_until(lambda: _children(p.pid) if len(_children(p.pid)) == 2 else None, "two ranks", 60.0)
+        assert sorted(Path(f"/proc/{k}/comm").read_text().strip() for k in kids.values()) == \
+            ["kaitian-rank0", "kaitian-rank1"]
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=40)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "kaitian train: interrupted" and "Traceback" not in err, err
+    assert not any(pid_running(k) for k in kids.values())
 
 
 @pytest.mark.e2e

@@ -19,18 +19,27 @@ Failure handling, two layers:
 * on one host the parent additionally watches its children: when one dies, it gives the
   others a grace period to report, then terminates them, prints one line naming the dead
   rank and returns non-zero.
+
+Ranks on CPUs are forked from this process (`_fork_rank`): a fresh interpreter per rank spent
+about 3 s of CPU here importing torch and the optimizer's lazily imported torch._dynamo before
+its first step, more than a short run's training. A fork is safe while this process runs no
+thread and has not touched CUDA or run a tensor op (the parent only parses the configuration);
+ranks with another device are started as fresh interpreters, as torchrun does.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import multiprocessing
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from kaitian_ros.ports import free_port
-from kaitian_ros.processes import start_child, stop_children
+from kaitian_ros.processes import name_process, start_child, stop_children, tie_own_group
 from kaitian_ros.training import netif
 from kaitian_ros.training.process_group import DistEnv, init_distributed, shutdown_distributed
 
@@ -287,6 +296,48 @@ def _run_one_rank(cfg: Any) -> int:
     return 0
 
 
+class _ForkedRank:
+    """A rank forked from this process, with the part of ``subprocess.Popen`` the watch loop
+    and ``stop_children`` use (``poll`` gives -N for a signal N, as Popen does)."""
+
+    def __init__(self, process: Any) -> None:
+        self._process = process
+        self.pid: int = process.pid
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+
+def _forked_rank_main(cfg: Any, env: dict[str, str]) -> None:
+    tie_own_group()  # as start_child's children: ended with this process, Ctrl-C forwarded by it
+    name_process(f"kaitian-rank{env['RANK']}")  # in ps and top (a fork keeps its parent's name)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        code = _run_one_rank(cfg)
+    except KeyboardInterrupt:  # Ctrl-C, forwarded by the parent, which says so: no traceback
+        code = 130
+    sys.exit(code)
+
+
+def _can_fork_ranks(cfg: Any) -> bool:
+    """Whether this process may fork its ranks (module docstring)."""
+    return threading.active_count() == 1 and not torch.cuda.is_initialized() and \
+        all(str(d).split(":")[0] == "cpu" for d in cfg.devices)
+
+
+def _fork_rank(cfg: Any, env: dict[str, str]) -> _ForkedRank:
+    process = multiprocessing.get_context("fork").Process(target=_forked_rank_main, args=(cfg, env),
+                                                          name="kaitian-rank")
+    process.start()
+    return _ForkedRank(process)
+
+
 def _spawn_local(argv: list[str], cfg: Any, placement: Placement, as_json: bool) -> int:
     """Spawn this host's ranks with torchrun env; watch them; aggregate their results."""
     ranks = placement.ranks
@@ -298,13 +349,19 @@ def _spawn_local(argv: list[str], cfg: Any, placement: Placement, as_json: bool)
                   f"{e.strerror}", file=sys.stderr)
             return 2
     tmp = Path(tempfile.mkdtemp(prefix="kaitian-train-"))
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen | _ForkedRank] = []
+    fork = _can_fork_ranks(cfg)
+    if fork:  # what every rank imports on its first step, imported once for all of them
+        import torch._dynamo  # noqa: F401 - the optimizer's step imports it (torch._disable_dynamo)
+
+        from kaitian_ros.training import trainer  # noqa: F401
     for r in range(ranks):
         env = dict(os.environ, **placement.child_env(r))
         env[_CHILD_RESULT_ENV] = str(tmp / f"rank{r}.json")
         # tied to this process (no orphan rank when it dies), in process groups of their own
         # (a terminal's Ctrl-C reaches this process, which forwards it below)
-        procs.append(start_child([sys.executable, "-m", "kaitian_ros.training.launch", *argv], env=env))
+        procs.append(_fork_rank(cfg, env) if fork else
+                     start_child([sys.executable, "-m", "kaitian_ros.training.launch", *argv], env=env))
     first_dead: tuple[int, int] | None = None
     dead_at = 0.0
     try:
@@ -377,6 +434,8 @@ def main_train(argv: list[str]) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         try:
             return _run_one_rank(cfg)
+        except KeyboardInterrupt:  # Ctrl-C, forwarded by the parent, which says so: no traceback
+            return 130
         except Exception as e:  # noqa: BLE001 - e.g. a bad MASTER_PORT: one error line, exit code 1
             print(f"kaitian train: error: {e}", file=sys.stderr)
             return 1

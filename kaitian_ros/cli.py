@@ -13,10 +13,14 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from kaitian_ros.cli_error import CliError
 from kaitian_ros.cli_graph import cmd_bag, cmd_node, cmd_param, cmd_topic
+
+if TYPE_CHECKING:  # imported where used: `kaitian` starts without them
+    from kaitian_ros.fork_server import ForkServer
+    from kaitian_ros.scenario import Scenario
 
 BENCHES = ("transport", "inference", "adaptivity", "training", "chaos", "digits")
 
@@ -29,9 +33,7 @@ class _Parser(argparse.ArgumentParser):
 def cmd_launch(args: argparse.Namespace) -> int:
     import os
 
-    from kaitian_ros.launcher import launch, router_seen_here
-    from kaitian_ros.preflight import preflight
-    from kaitian_ros.runtime import security
+    from kaitian_ros.fork_server import ForkServer
     from kaitian_ros.runtime import zenoh_session as zs
     from kaitian_ros.scenario import (
         SECURITY_KEY,
@@ -73,7 +75,27 @@ def cmd_launch(args: argparse.Namespace) -> int:
             os.environ["KAITIAN_LISTEN"] = listen
     except ValueError as exc:
         raise CliError(f"kaitian launch: {exc}") from None
-    problem = preflight(scenario)
+    # the launch's fork server, started first: the checks run in a fork of it (this process
+    # never imports torch), then the nodes fork from it
+    server = ForkServer.start(dict(os.environ, KAITIAN_RUNTIME="embedded", PYTHONUNBUFFERED="1"))
+    try:
+        return _launch_checked(args, scenario, router, host_router, server)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _launch_checked(args: argparse.Namespace, scenario: Scenario, router: str, host_router: bool,
+                    server: ForkServer | None) -> int:
+    """`cmd_launch` once the scenario and the router are settled: the checks, then the graph."""
+    import os
+
+    from kaitian_ros.launcher import launch, router_seen_here
+    from kaitian_ros.preflight import forked_preflight
+    from kaitian_ros.runtime import security
+    from kaitian_ros.runtime import zenoh_session as zs
+
+    problem = forked_preflight(scenario, server, dict(os.environ, KAITIAN_RUNTIME="embedded"))
     if problem:
         raise CliError(f"kaitian launch {scenario.name}: {problem}")
     try:
@@ -99,7 +121,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     try:
         code = launch(scenario, router, duration_s=args.duration, on_tick=view.tick if view else None,
                       out=view.output if view else sys.stdout, warm_start=not args.no_warm_start,
-                      host_router=host_router)
+                      host_router=host_router, fork=server if server is not None else True)
     except RuntimeError as exc:
         raise CliError(str(exc), 1) from None
     finally:

@@ -45,7 +45,8 @@ from kaitian_ros.processes import die_with_parent, name_process, start_child
 from kaitian_ros.warm_start import PRELOAD, check_node, run_node_main
 
 READY = b"ready"
-WARM = "kaitian_ros.warm_start"  # the one module an order may name besides the nodes
+WARM = "kaitian_ros.warm_start"  # the modules an order may name besides the nodes': a warm interpreter,
+PREFLIGHT = "kaitian_ros.preflight"  # the launch's checks (they need torch; the launcher does not import it)
 MAX_MESSAGE = 1 << 20  # an order: argv and environment, far below this
 REPLY_TIMEOUT_S = 10.0
 
@@ -72,7 +73,8 @@ class ForkOrder:
             order = ForkOrder(raw["module"], tuple(raw["argv"]), dict(raw["env"]), raw["cwd"], raw["name"])
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"not an order: {exc}") from None
-        check_node(order.module if order.module != WARM else "kaitian_ros.nodes.", order.argv, order.env)
+        check_node(order.module if order.module not in (WARM, PREFLIGHT) else "kaitian_ros.nodes.", order.argv,
+                   order.env)
         return order
 
 

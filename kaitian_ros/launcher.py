@@ -460,10 +460,12 @@ def start_on_free_port(scenario: Scenario, *, out: LineOut = sys.stdout, attempt
 
 def launch(scenario: Scenario, router_endpoint: str, *, duration_s: float | None = None,
            on_tick: Callable[[], None] | None = None, out: LineOut = sys.stdout, warm_start: bool = True,
-           host_router: bool = True) -> int:
+           host_router: bool = True, fork: bool | ForkServer = True) -> int:
     """Run a scenario until Ctrl-C/SIGTERM (or ``duration_s``); the exit code for the CLI.
-    ``host_router``: host the graph's router on ``router_endpoint`` (else join the one there)."""
-    launcher = Launcher(scenario, router_endpoint, out=out, warm_start=warm_start, host_router=host_router)
+    ``host_router``: host the graph's router on ``router_endpoint`` (else join the one there);
+    ``fork`` as `Launcher` takes it."""
+    launcher = Launcher(scenario, router_endpoint, out=out, warm_start=warm_start, host_router=host_router,
+                        fork=fork)
 
     def forward(signum: int, frame: Any) -> None:
         launcher.say(f"[launch] {signal.Signals(signum).name} received, stopping nodes")

@@ -68,3 +68,38 @@ def test_forked_nodes_report_output_exit_codes_and_names_and_die_with_the_server
 def test_a_server_that_cannot_start_is_none():
     broken = dict(os.environ, PYTHONHOME="/nonexistent")  # the interpreter cannot even start
     assert ForkServer.start(broken, timeout_s=30.0) is None
+
+
+LAUNCH_CHECKS = """
+import json, os, sys
+from kaitian_ros.fork_server import ForkServer
+from kaitian_ros.preflight import forked_preflight
+from kaitian_ros.scenario import load_scenario
+env = dict(os.environ, KAITIAN_RUNTIME="embedded")
+server = ForkServer.start(env)
+try:
+    bad = forked_preflight(load_scenario("hetero_inference", [("model", "nope")]), server, env)
+    good = forked_preflight(load_scenario("hetero_inference"), server, env)
+finally:
+    server.close()
+print(json.dumps({"bad": bad, "good": good, "torch": "torch" in sys.modules}))
+"""
+
+
+@pytest.mark.e2e
+def test_the_launch_checks_run_in_a_fork_and_the_launcher_never_imports_torch():
+    """`kaitian launch`'s checks (preflight) in a fork of the fork server: the answer of the
+    in-process checks, and the launching process has not imported torch."""
+    import json
+    import subprocess
+    import sys
+
+    from kaitian_ros.preflight import preflight
+    from kaitian_ros.scenario import load_scenario
+
+    out = subprocess.run([sys.executable, "-c", LAUNCH_CHECKS], capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["bad"] == preflight(load_scenario("hetero_inference", [("model", "nope")])) != ""
+    assert "unknown model 'nope'" in got["bad"] and got["good"] == "" and got["torch"] is False

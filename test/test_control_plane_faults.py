@@ -117,7 +117,8 @@ class TestSupervisedGraph:
 def scheduled(tmp_path_factory):
     """Coordinator taking the scheduler's shares as the stripes; the test plays the scheduler."""
     g = InferenceGraph(tmp_path_factory.mktemp("scheduled"), **MODEL, slowdowns=[1.0, 1.0], shares=[1.0, 1.0],
-                       coordinator={"use_scheduler": True, "strategy": "stripes", "share_search": False})
+                       coordinator={"use_scheduler": True, "strategy": "stripes", "share_search": False,
+                                    "assignment_warn_s": 3.0})
     try:
         g.wait_ready()
         g.assignments = g.probe.rt.create_publisher(proto.ASSIGNMENT_TOPIC, "LoadAssignment", QoS.LATCHED)

@@ -19,6 +19,8 @@ PARAMETERS = ic.MODEL_PARAMETERS + (
     P("static_shares", T.DOUBLE_ARRAY, [1.0, 1.0], "shares used until/unless a scheduler assigns (one per node)",
       0.0, 1e6),
     P("use_scheduler", T.BOOL, True, "adopt LoadAssignment from /kaitian/assignment when one is published"),
+    P("assignment_warn_s", T.DOUBLE, 15.0,
+      "with use_scheduler, WARN on /diagnostics when no assignment was accepted this long", 1.0, 3600.0),
     P("max_in_flight", T.INTEGER, 2, "requests dispatched but not finished", 1, 64),
     P("request_timeout_s", T.DOUBLE, 5.0, "publish complete=false after this long", 0.05, 600.0),
     P("dead_after_s", T.DOUBLE, 1.5, "a compute node silent this long leaves the plan (>= 2 heartbeats)",

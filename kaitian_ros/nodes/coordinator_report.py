@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from kaitian_ros.nodes.coordinator import Coordinator
 
 IMPOSTOR_REPORT_S = 30.0  # ERROR on /diagnostics this long after a forged plan was seen
-NO_ASSIGNMENT_S = 15.0  # use_scheduler without any accepted assignment this long: WARN
 
 
 def plan_text(graph: ModelGraph, plan: Plan) -> str:
@@ -55,7 +54,7 @@ def report(c: Coordinator) -> None:
         level, text = Level.ERROR, text + (f", forged plans on {proto.PLAN_TOPIC} ({c.guard.impostors}): "
                                            f"re-announced as a new incarnation")
     silent_s = time.monotonic() - c.assignment_s
-    if c.params["use_scheduler"] and c.assignment is None and c.alive and silent_s > NO_ASSIGNMENT_S:
+    if c.params["use_scheduler"] and c.assignment is None and c.alive and silent_s > c.params["assignment_warn_s"]:
         # a latched topic: a running scheduler's assignment reaches a new coordinator at once
         level, text = Level.WARN, (text + f", no assignment from the scheduler in {silent_s:.0f} s "
                                           "although compute nodes report (scheduler down or refused?)")

@@ -332,8 +332,10 @@ def _can_fork_ranks(cfg: Any) -> bool:
 
 
 def _fork_rank(cfg: Any, env: dict[str, str]) -> _ForkedRank:
+    # daemon: should this process end otherwise than through the watch loop, multiprocessing
+    # terminates the ranks at exit instead of waiting for them to finish training
     process = multiprocessing.get_context("fork").Process(target=_forked_rank_main, args=(cfg, env),
-                                                          name="kaitian-rank")
+                                                          name="kaitian-rank", daemon=True)
     process.start()
     return _ForkedRank(process)
 
@@ -355,16 +357,16 @@ def _spawn_local(argv: list[str], cfg: Any, placement: Placement, as_json: bool)
         import torch._dynamo  # noqa: F401 - the optimizer's step imports it (torch._disable_dynamo)
 
         from kaitian_ros.training import trainer  # noqa: F401
-    for r in range(ranks):
-        env = dict(os.environ, **placement.child_env(r))
-        env[_CHILD_RESULT_ENV] = str(tmp / f"rank{r}.json")
-        # tied to this process (no orphan rank when it dies), in process groups of their own
-        # (a terminal's Ctrl-C reaches this process, which forwards it below)
-        procs.append(_fork_rank(cfg, env) if fork else
-                     start_child([sys.executable, "-m", "kaitian_ros.training.launch", *argv], env=env))
     first_dead: tuple[int, int] | None = None
     dead_at = 0.0
-    try:
+    try:  # from the first rank on: a Ctrl-C while the others start stops the started ones
+        for r in range(ranks):
+            env = dict(os.environ, **placement.child_env(r))
+            env[_CHILD_RESULT_ENV] = str(tmp / f"rank{r}.json")
+            # tied to this process (no orphan rank when it dies), in process groups of their own
+            # (a terminal's Ctrl-C reaches this process, which forwards it below)
+            procs.append(_fork_rank(cfg, env) if fork else
+                         start_child([sys.executable, "-m", "kaitian_ros.training.launch", *argv], env=env))
         while True:
             codes = [p.poll() for p in procs]
             if first_dead is None:

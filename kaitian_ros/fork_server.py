@@ -73,8 +73,7 @@ class ForkOrder:
             order = ForkOrder(raw["module"], tuple(raw["argv"]), dict(raw["env"]), raw["cwd"], raw["name"])
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"not an order: {exc}") from None
-        check_node(order.module if order.module not in (WARM, PREFLIGHT) else "kaitian_ros.nodes.", order.argv,
-                   order.env)
+        check_node(order.module, order.argv, order.env, also=(WARM, PREFLIGHT))
         return order
 
 

@@ -64,10 +64,11 @@ class Order:
         return Order(module, tuple(argv), dict(env))
 
 
-def check_node(module: Any, argv: Any, env: Any) -> None:
-    """ValueError unless `module` names a kaitian_ros node and `argv`, `env` are strings: what
-    an interpreter told which node to become (a warm one, a fork) may run."""
-    if not isinstance(module, str) or not module.startswith("kaitian_ros.nodes.") or \
+def check_node(module: Any, argv: Any, env: Any, also: Sequence[str] = ()) -> None:
+    """ValueError unless `module` names a kaitian_ros node (or one of the modules `also`
+    allows) and `argv`, `env` are strings: what an interpreter told which node to become (a
+    warm one, a fork) may run."""
+    if not isinstance(module, str) or not (module.startswith("kaitian_ros.nodes.") or module in also) or \
             not all(isinstance(a, str) for a in argv) or \
             not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise ValueError("not an order: module must be a kaitian_ros node, argv and env strings")

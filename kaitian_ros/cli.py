@@ -77,16 +77,17 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise CliError(f"kaitian launch: {exc}") from None
     # the launch's fork server, started first: the checks run in a fork of it (this process
     # never imports torch), then the nodes fork from it
-    server = ForkServer.start(dict(os.environ, KAITIAN_RUNTIME="embedded", PYTHONUNBUFFERED="1"))
+    env = dict(os.environ, KAITIAN_RUNTIME="embedded", PYTHONUNBUFFERED="1")
+    server = ForkServer.start(env)
     try:
-        return _launch_checked(args, scenario, router, host_router, server)
+        return _launch_checked(args, scenario, router, host_router, server, env)
     finally:
         if server is not None:
             server.close()
 
 
 def _launch_checked(args: argparse.Namespace, scenario: Scenario, router: str, host_router: bool,
-                    server: ForkServer | None) -> int:
+                    server: ForkServer | None, env: dict[str, str]) -> int:
     """`cmd_launch` once the scenario and the router are settled: the checks, then the graph."""
     import os
 
@@ -95,7 +96,7 @@ def _launch_checked(args: argparse.Namespace, scenario: Scenario, router: str, h
     from kaitian_ros.runtime import security
     from kaitian_ros.runtime import zenoh_session as zs
 
-    problem = forked_preflight(scenario, server, dict(os.environ, KAITIAN_RUNTIME="embedded"))
+    problem = forked_preflight(scenario, server, env)
     if problem:
         raise CliError(f"kaitian launch {scenario.name}: {problem}")
     try:

@@ -239,11 +239,12 @@ class Launcher:
     def _start_warm(self, slot: WarmSlot) -> None:
         """A fork of the fork server where it can (its imports done), else a fresh interpreter."""
         process: subprocess.Popen | ForkedProcess | None = None
+        args, env = self._warm_args(slot.prefix), self._base_env()
         if self.fork_server is not None and not slot.prefix:
-            process = self.fork_server.fork(WARM, self._warm_args(slot.prefix), self._base_env(), "warm")
+            process = self.fork_server.fork(WARM, args, env, "warm")
         if process is None:
-            process = start_child([*slot.prefix, sys.executable, "-u", "-m", WARM, *self._warm_args(slot.prefix)],
-                                  ignore_sigint=True, env=self._base_env(), stdout=subprocess.PIPE,
+            process = start_child([*slot.prefix, sys.executable, "-u", "-m", WARM, *args],
+                                  ignore_sigint=True, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, stdin=subprocess.PIPE, text=True, bufsize=1)
         warm = WarmInterpreter(process, threading.Thread())
         warm.reader = threading.Thread(target=self._pump, args=(lambda: warm.name, process), daemon=True)

@@ -159,6 +159,9 @@ def concurrent_solo(slowdowns: Sequence[float], base: Any, steps: int) -> list[f
     """
     import multiprocessing as mp
 
+    from kaitian_ros.training.trainer import import_lazy_dependencies
+
+    import_lazy_dependencies()  # once here, not in every solo job's ranks
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     top = max(slowdowns)

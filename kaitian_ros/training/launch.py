@@ -353,10 +353,10 @@ def _spawn_local(argv: list[str], cfg: Any, placement: Placement, as_json: bool)
     tmp = Path(tempfile.mkdtemp(prefix="kaitian-train-"))
     procs: list[subprocess.Popen | _ForkedRank] = []
     fork = _can_fork_ranks(cfg)
-    if fork:  # what every rank imports on its first step, imported once for all of them
-        import torch._dynamo  # noqa: F401 - the optimizer's step imports it (torch._disable_dynamo)
+    if fork:  # what every rank imports to train, imported once for all of them
+        from kaitian_ros.training.trainer import import_lazy_dependencies
 
-        from kaitian_ros.training import trainer  # noqa: F401
+        import_lazy_dependencies()
     first_dead: tuple[int, int] | None = None
     dead_at = 0.0
     try:  # from the first rank on: a Ctrl-C while the others start stops the started ones

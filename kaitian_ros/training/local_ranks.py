@@ -10,7 +10,7 @@ import queue
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,9 +18,6 @@ import torch.distributed as dist
 from kaitian_ros.ports import free_port
 from kaitian_ros.processes import tie_to_parent
 from kaitian_ros.training.process_group import DistEnv, init_distributed, shutdown_distributed
-
-if TYPE_CHECKING:  # imported at run time where used, as the functions below do
-    pass
 
 
 def _local_child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple,
@@ -49,14 +46,20 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any,
               timeout_s: float = 60.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes with gloo.
 
-    Without CUDA the ranks are forked (fast: no second import of torch). Where CUDA exists
+    Without CUDA the ranks are forked (fast: no second import of torch, and what training
+    imports lazily is imported here first, once). Where CUDA exists
     they are spawned: a forked child can neither use CUDA once this process has initialised
     it, nor run autograd once this process has (autograd then keeps a thread per device), so
     ``fn`` and ``args`` must be picklable (a module-level function) for code that may run
     there. ``fn`` returns picklable values. Returns the results in rank order; raises
     RuntimeError with the first failing rank's error.
     """
-    ctx = mp.get_context("spawn") if torch.cuda.is_available() else mp.get_context("fork")
+    fork = not torch.cuda.is_available()
+    ctx = mp.get_context("fork") if fork else mp.get_context("spawn")
+    if fork:  # each rank would import it on its own, per run (bench: a dozen runs)
+        from kaitian_ros.training.trainer import import_lazy_dependencies
+
+        import_lazy_dependencies()
     q = ctx.Queue()
     port = free_port()
     procs = []

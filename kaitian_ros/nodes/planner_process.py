@@ -123,10 +123,14 @@ def plan_round(graph: ModelGraph, r: PlanRequest) -> tuple[planner.Choice | None
         return None, exc
 
 
-def _serve(conn: Any, spec: Any) -> None:
+def _serve(conn: Any, spec: Any, parent_end: Any = None) -> None:
     """The child: build the graph (of `spec`, or of the spec the pipe brings first when it was
-    forked before the coordinator knew it), then answer requests until the coordinator goes away."""
+    forked before the coordinator knew it), then answer requests until the coordinator goes away.
+    `parent_end`: the coordinator's end of the pipe, which a forked child holds a copy of."""
     import signal
+
+    if parent_end is not None:  # else the coordinator closing its end would never end our recv
+        parent_end.close()
 
     import torch
 
@@ -199,7 +203,9 @@ class PlannerProcess:
         middleware and torch threads running could inherit a lock one of them held."""
         ctx: Any = multiprocessing.get_context("spawn" if spec is not None else "fork")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, spec), name="kaitian-planner", daemon=True)
+        # a forked child gets its copy of our end too (not pickled: only spawn pickles arguments)
+        args = (child, spec) if spec is not None else (child, None, self._conn)
+        self._proc = ctx.Process(target=_serve, args=args, name="kaitian-planner", daemon=True)
         self._proc.start()
         child.close()
         self.ready = False

@@ -300,3 +300,43 @@ def test_a_node_leaving_is_reported_and_a_copied_token_withdrawn_is_not(router):
         observer.close()
         forger.close()
         watcher.close()
+
+
+SLOW_TO_BUILD = """
+import sys, time
+from kaitian_ros.runtime import run_node
+
+def slow_node(rt):
+    print("building", flush=True)
+    end = time.monotonic() + 60.0  # a model and its cost measurement, much longer than here
+    while time.monotonic() < end:
+        sum(range(10_000))
+    print("built", flush=True)
+    return object()
+
+sys.exit(run_node(slow_node, "slow_node", ["--ros-args", "-r", "__node:=slow_node"]))
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_node_stopped_while_it_is_built_gives_up_building_and_exits_0(router, sig):
+    """Ctrl-C (or the launcher's SIGTERM) during a node's construction ends it then, quietly:
+    it does not finish building first, prints no traceback and exits 0."""
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import child_env
+
+    p = subprocess.Popen([sys.executable, "-u", "-c", SLOW_TO_BUILD], env=child_env(router.endpoint),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "building"
+        p.send_signal(getattr(signal, sig))
+        out, err = p.communicate(timeout=30)  # liveness bound: building alone takes 60 s
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, err
+    assert "built" not in out and "Traceback" not in err, (out, err)

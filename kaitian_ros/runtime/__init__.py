@@ -38,6 +38,11 @@ def create_runtime(default_name: str, argv: Sequence[str] | None = None) -> Any:
     return EmbeddedRuntime(parse_node_args(argv, default_name))
 
 
+class _StoppedWhileStarting(BaseException):
+    """SIGINT or SIGTERM while a node was being built (not an Exception: no handler of the
+    node's own may swallow it)."""
+
+
 def run_node(node_factory: Callable[[Runtime], Any], default_name: str,
              argv: Sequence[str] | None = None) -> int:
     """Entry point body of every node executable: build, spin until SIGINT/SIGTERM, clean up."""
@@ -50,13 +55,23 @@ def run_node(node_factory: Callable[[Runtime], Any], default_name: str,
         print(f"{default_name}: cannot start runtime: {exc}", file=sys.stderr)
         return 1
 
+    starting = True
+
     def stop(signum: int, frame: Any) -> None:
         rt.shutdown()
+        if starting:  # building a node takes seconds (a model, its cost measurement): give that up
+            raise _StoppedWhileStarting
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     try:
-        node = node_factory(rt)
+        try:
+            node = node_factory(rt)
+        finally:
+            starting = False
+    except _StoppedWhileStarting:
+        rt.close()
+        return 0
     except ValueError as exc:  # bad parameters: one clear line, non-zero exit
         rt.logger.error(f"refusing to start: {exc}")
         rt.close()

@@ -24,7 +24,7 @@ runtime (``RosRuntime``: the same codec, raw CDR through rclpy and the RMW, Fast
 same run, side by side. It needs rclpy and this package's generated messages importable (a
 sourced ROS 2 workspace, or ``tools/ros2_from_pypi.sh`` then ``source .ros2/env.sh``). A reliable
 keep-last-10 DDS writer may overwrite samples a slow reader has not taken: the rclpy rows report
-what arrived (``lost``) rather than waiting forever.
+what arrived (``lost``) once nothing more arrived for ``IDLE_S`` after the publisher finished.
 
 Usage: ``kaitian bench transport [--json PATH] [--quick] [--repeats N] [--runtime embedded|ros]``
 """
@@ -57,7 +57,10 @@ MODES = ("raw_4mib", "ours_4mib", "raw_256b", "ours_256b")
 TCP_MODES = ("raw_4mib_tcp", "ours_4mib_tcp")  # the pair without shared memory
 ROS_HINT = ("--runtime ros needs rclpy and this package's generated messages: source a ROS 2 workspace "
             "with kaitian_ros built, or run tools/ros2_from_pypi.sh and source .ros2/env.sh")
-SETTLE_S = 5.0  # after the publisher is done, how long a trial may still be arriving
+# after the publisher is done, a trial that still misses samples ends once nothing arrived for
+# IDLE_S (a lost sample never comes: keep-last DDS writers overwrite them), at most SETTLE_S
+IDLE_S = 1.0
+SETTLE_S = 5.0
 
 
 def _size(mode: str) -> int:
@@ -132,11 +135,20 @@ class _Trials:
             if goal is not None and st[0] == goal[0]:
                 self._report(trial)
 
-    def flush(self, trial: int) -> None:
-        """Report a trial with what arrived (some samples were lost)."""
-        with self.lock:
-            if trial in self.expect:
-                self._report(trial)
+    def settle(self, trial: int, idle_s: float, max_s: float) -> None:
+        """Wait until the trial is reported, or report it with what arrived once nothing came for
+        ``idle_s`` (at most ``max_s`` from now): some samples were lost."""
+        start = time.perf_counter()
+        while True:
+            now = time.perf_counter()
+            with self.lock:
+                if trial not in self.expect:
+                    return
+                last = max(self.state.get(trial, [0, start, start])[2], start)
+                if now - last >= idle_s or now - start >= max_s:
+                    self._report(trial)
+                    return
+            time.sleep(0.02)
 
     def _report(self, trial: int) -> None:
         n, mode = self.expect.pop(trial)
@@ -172,8 +184,8 @@ def _role_sub(kind: str) -> int:
             if cmd["cmd"] == "expect":
                 with trials.lock:
                     trials.expect[cmd["trial"]] = (cmd["n"], cmd["mode"])
-            elif cmd["cmd"] == "flush":
-                trials.flush(cmd["trial"])
+            elif cmd["cmd"] == "settle":
+                trials.settle(cmd["trial"], IDLE_S, SETTLE_S)
             elif cmd["cmd"] == "quit":
                 rt.shutdown()
                 return
@@ -352,13 +364,8 @@ def measure(repeats: int, n_big: int, n_small: int, log: Any = print,
                 time.sleep(0.05)
                 pub.send(cmd="run", mode=mode, trial=trial, n=n)
                 sent = pub.expect("sent")
-                try:
-                    result = sub.expect("gbytes_per_s", timeout_s=SETTLE_S)
-                except RuntimeError:
-                    if sub.p.poll() is not None:
-                        raise
-                    sub.send(cmd="flush", trial=trial)  # some samples never came: report what did
-                    result = sub.expect("gbytes_per_s")
+                sub.send(cmd="settle", trial=trial)  # the trial as it is, if samples were lost
+                result = sub.expect("gbytes_per_s")
                 result["pub_msgs_per_s"] = sent["pub_msgs_per_s"]
                 results[mode].append(result)
                 lost = f", {result['lost']} lost" if result["lost"] else ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import struct
 import threading
 from dataclasses import dataclass
@@ -135,9 +136,29 @@ def open_session(mode: str = "peer", *, connect: str | None = None, listen: str 
     return zenoh.open(config)
 
 
+def _refused(endpoint: str) -> bool:
+    """Whether the host of a TCP-based endpoint (``tcp/`` or ``tls/``) refuses a connection to
+    its port: nobody listens there, which a peer session would only report after its connect
+    timeout, retrying all along."""
+    proto, _, address = endpoint.partition("/")
+    host, _, port = address.split("#", 1)[0].split("?", 1)[0].rpartition(":")
+    if proto not in ("tcp", "tls") or not host or not port.isdigit():
+        return False
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_MS / 1000):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:  # unreachable, unresolvable, filtered: the session's own attempt says so
+        return False
+
+
 def router_problem(endpoint: str, security: security_.Security | str | None = FROM_ENV) -> str:
     """'' when a peer session connects to the router at ``endpoint``, else one line saying
     why not (checked before starting nodes that would each fail to connect on their own)."""
+    if _refused(endpoint):
+        return (f"no router reachable at {endpoint}: connection refused (is the other host's "
+                f"`kaitian launch --router ...` running on that port?)")
     try:
         session = open_session("peer", connect=endpoint, listen="tcp/127.0.0.1:0", security=security)
     except zenoh.ZError as exc:

@@ -383,7 +383,10 @@ def _spawn_local(argv: list[str], cfg: Any, placement: Placement, as_json: bool)
                 break
             time.sleep(0.1)
     except KeyboardInterrupt:
-        stop_children(procs, ((signal.SIGINT, 10.0), (signal.SIGKILL, 2.0)))
+        # a rank in Python stops on SIGINT at once; one blocked in C++ (its rendezvous waiting
+        # for a peer that stopped first, a collective with a peer gone) only when that call times
+        # out: SIGTERM (no handler in a rank: the default action) ends it there
+        stop_children(procs, ((signal.SIGINT, 2.0), (signal.SIGTERM, 2.0), (signal.SIGKILL, 2.0)))
         print("kaitian train: interrupted", file=sys.stderr)
         return 130
     if first_dead is not None:

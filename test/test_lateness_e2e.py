@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+from inference_helpers import shared_fork_server
 
 from kaitian_ros.bench.adaptivity_graph import AdaptivityGraph, check_requests, scenario_config
 from kaitian_ros.processes import start_child
@@ -36,7 +37,7 @@ def _active(plan_msg) -> set[str]:
 def test_flooded_node_leaves_the_plan_every_frame_is_answered_and_it_comes_back():
     cfg = scenario_config(**MODEL, slowdowns=[1.0, 1.0], policy="adaptive", dead_after_s=2.0,
                           coordinator=BOTH_NODES)
-    with AdaptivityGraph(cfg) as g:
+    with AdaptivityGraph(cfg, fork=shared_fork_server()) as g:
         g.wait_ready(timeout_s=90.0)
         g.drive(10, window=1, timeout_s=90.0)
         latest = g.latest_plan()

@@ -19,6 +19,7 @@ import time
 
 import pytest
 from helpers import wait_until
+from inference_helpers import shared_fork_server
 
 from kaitian_ros.bench.adaptivity_graph import AdaptivityGraph, check_requests, scenario_config
 
@@ -55,7 +56,7 @@ def test_slowed_node_gets_a_smaller_share(tmp_path):
     cfg = scenario_config(**MODEL, slowdowns=[1.0, 1.0], policy="adaptive", dead_after_s=2.0,
                           coordinator=SCHEDULER_STRIPES)
     t0 = time.monotonic()
-    with AdaptivityGraph(cfg) as g:
+    with AdaptivityGraph(cfg, fork=shared_fork_server()) as g:
         g.wait_ready(timeout_s=90.0)
         g.drive(12, window=1, timeout_s=90.0)  # cold start: warm-up samples, the equalised plan
 
@@ -140,7 +141,7 @@ def test_killed_node_leaves_the_plan_and_a_restarted_node_rejoins(tmp_path):
                           scheduler={"probe_share": 0.05, "dead_after_s": 1.0}, coordinator=SCHEDULER_STRIPES)
     decide_period_s = cfg["scheduler"]["ros__parameters"]["decide_period_s"]
     t0 = time.monotonic()
-    with AdaptivityGraph(cfg) as g:
+    with AdaptivityGraph(cfg, fork=shared_fork_server()) as g:
         g.wait_ready(timeout_s=90.0)
         g.drive(8, window=2, timeout_s=90.0)
         killed: list[float] = []
@@ -214,7 +215,7 @@ def test_forged_new_incarnations_are_caught_by_the_authorities_they_impersonate(
 
     cfg = scenario_config(**MODEL, slowdowns=[1.0, 1.0], policy="adaptive", dead_after_s=2.0,
                           coordinator=SCHEDULER_STRIPES)
-    with AdaptivityGraph(cfg) as g:
+    with AdaptivityGraph(cfg, fork=shared_fork_server()) as g:
         g.wait_ready(timeout_s=90.0)
         g.drive(6, window=1, timeout_s=90.0)
         plan, proposal = g.latest_plan(), g.latest_assignment()

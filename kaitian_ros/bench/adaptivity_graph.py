@@ -75,9 +75,10 @@ class AdaptivityGraph:
     """coordinator + scheduler + compute nodes as real processes, the driver in this process."""
 
     def __init__(self, config: dict[str, Any], *, echo: bool = False,
-                 frames: Callable[[int], Any] | None = None) -> None:
+                 frames: Callable[[int], Any] | None = None, fork: Any = True) -> None:
         """``frames(i)``: the i-th camera Image to publish, with a stamp of its own (default:
-        random rgb8 pixels of the model's input size)."""
+        random rgb8 pixels of the model's input size). ``fork``: as `Launcher` takes it (a
+        running fork server to fork the nodes from, kept running)."""
         from kaitian_ros.launcher import start_on_free_port
         from kaitian_ros.nodes import protocol as proto
         from kaitian_ros.processes import CapturedOutput
@@ -100,7 +101,7 @@ class AdaptivityGraph:
         self.out = CapturedOutput(echo)
         self.launcher: Any = None
         self.rt: Any = None
-        self.launcher = start_on_free_port(self.scenario, out=self.out)
+        self.launcher = start_on_free_port(self.scenario, out=self.out, fork=fork)
         self.endpoint = self.launcher.router_endpoint
         try:
             self.rt = EmbeddedRuntime(NodeArgs("adaptivity_driver"), router=self.endpoint)

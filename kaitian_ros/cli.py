@@ -33,7 +33,7 @@ class _Parser(argparse.ArgumentParser):
 def cmd_launch(args: argparse.Namespace) -> int:
     import os
 
-    from kaitian_ros.fork_server import ForkServer
+    from kaitian_ros.fork_server import ForkServer, preload_modules
     from kaitian_ros.runtime import zenoh_session as zs
     from kaitian_ros.scenario import (
         SECURITY_KEY,
@@ -78,7 +78,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     # the launch's fork server, started first: the checks run in a fork of it (this process
     # never imports torch), then the nodes fork from it
     env = dict(os.environ, KAITIAN_RUNTIME="embedded", PYTHONUNBUFFERED="1")
-    server = ForkServer.start(env)
+    server = ForkServer.start(env, preload_modules(n.executable for n in scenario.nodes))
     try:
         return _launch_checked(args, scenario, router, host_router, server, env)
     finally:

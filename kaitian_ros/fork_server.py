@@ -3,9 +3,10 @@
 Every node process of a graph imports torch, numpy, the middleware and the package before it
 does anything of its own: about 2 s of CPU each on this machine, 10 s for the five
 torch-importing nodes of ``hetero_inference``, all at once on a robot's few cores. `kaitian
-launch` instead starts one *fork server* that imports what every node imports (`PRELOAD`, the
-warm interpreter's list) and then forks each node: the node starts with its imports done, and
-its pages of imported code and data stay shared with the server's until written.
+launch` instead starts one *fork server* that imports what the scenario's nodes import
+(`preload_modules`: the node modules and the middleware; torch only where a node needs it) and
+then forks each node: the node starts with its imports done, and its pages of imported code and
+data stay shared with the server's until written.
 
 Protocol, over a ``SOCK_SEQPACKET`` socket pair (one message per datagram): the launcher sends an
 order (JSON: module, argv, environment, working directory) with the write end of the node's
@@ -37,7 +38,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
@@ -49,6 +50,19 @@ WARM = "kaitian_ros.warm_start"  # the modules an order may name besides the nod
 PREFLIGHT = "kaitian_ros.preflight"  # the launch's checks (they need torch; the launcher does not import it)
 MAX_MESSAGE = 1 << 20  # an order: argv and environment, far below this
 REPLY_TIMEOUT_S = 10.0
+# what every node imports; each executable's own module comes with it, and what it imports only
+# once it runs (a trainer imports torch when it builds its model)
+BASE_PRELOAD = ("numpy", "yaml", "zenoh", "kaitian_ros.runtime.embedded")
+RUNTIME_IMPORTS = {"trainer": ("torch",)}
+
+
+def preload_modules(executables: Iterable[str]) -> tuple[str, ...]:
+    """The modules a fork server imports for nodes of these executables: a camera and a monitor
+    need no torch (1.4 s of CPU and ~100 MB the server would otherwise load for nothing)."""
+    names = list(BASE_PRELOAD)
+    for exe in dict.fromkeys(executables):
+        names += [*RUNTIME_IMPORTS.get(exe, ()), f"kaitian_ros.nodes.{exe}"]
+    return tuple(dict.fromkeys(names))
 
 
 @dataclass(frozen=True)
@@ -163,10 +177,10 @@ def _become_child(order: ForkOrder, out_fd: int, in_fd: int | None = None) -> No
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1 or not args[0].isdigit():
-        print("fork server: expects the launcher's socket descriptor", file=sys.stderr)
+    if not args or not args[0].isdigit():
+        print("fork server: expects the launcher's socket descriptor (then the modules to import)", file=sys.stderr)
         return 2
-    for name in PRELOAD:
+    for name in args[1:] or PRELOAD:
         with contextlib.suppress(ImportError):  # a node that needs it reports it when it imports it
             importlib.import_module(name)
     gc.collect()
@@ -246,10 +260,13 @@ class ForkServer:
         self._reader.start()
 
     @staticmethod
-    def start(env: Mapping[str, str], timeout_s: float = 60.0) -> ForkServer | None:
+    def start(env: Mapping[str, str], preload: Sequence[str] = (), timeout_s: float = 60.0) -> ForkServer | None:
+        """A running server that imported ``preload`` (`preload_modules`; by default what every
+        node may import, torch included), or None if it could not start."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            process = start_child([sys.executable, "-u", "-m", "kaitian_ros.fork_server", str(theirs.fileno())],
+            process = start_child([sys.executable, "-u", "-m", "kaitian_ros.fork_server", str(theirs.fileno()),
+                                   *preload],
                                   ignore_sigint=True, env=dict(env), pass_fds=(theirs.fileno(),),
                                   stdin=subprocess.DEVNULL)
         except OSError:

@@ -45,7 +45,7 @@ from typing import Any
 import yaml
 
 from kaitian_ros import warm_start
-from kaitian_ros.fork_server import WARM, ForkedProcess, ForkServer
+from kaitian_ros.fork_server import WARM, ForkedProcess, ForkServer, preload_modules
 from kaitian_ros.ports import free_port
 from kaitian_ros.processes import LineOut, start_child, stop_children
 from kaitian_ros.runtime import security
@@ -161,7 +161,8 @@ class Launcher:
             self.children.append(self._start_router())
         self.params_file.write_text(yaml.safe_dump(self.scenario.parameter_file_dict(), sort_keys=False))
         if self.fork_server is None and self.fork and any(self._forkable(spec) for spec in self.scenario.nodes):
-            self.fork_server = ForkServer.start(self._base_env())
+            self.fork_server = ForkServer.start(self._base_env(),
+                                                preload_modules(n.executable for n in self.scenario.nodes))
             if self.fork_server is None:
                 self.say("[launch] no fork server: every node starts a fresh interpreter")
         for spec in self.scenario.nodes:

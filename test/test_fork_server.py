@@ -103,3 +103,34 @@ def test_the_launch_checks_run_in_a_fork_and_the_launcher_never_imports_torch():
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["bad"] == preflight(load_scenario("hetero_inference", [("model", "nope")])) != ""
     assert "unknown model 'nope'" in got["bad"] and got["good"] == "" and got["torch"] is False
+
+
+def _loaded_torch(pid: int) -> bool:
+    return "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.e2e
+def test_the_server_imports_what_the_scenarios_nodes_import_and_torch_only_for_them(router):
+    """A camera and a monitor need no torch: their server does not load it, and forks them all
+    the same; a server for compute nodes has torch (and the compute module) loaded before the
+    first fork."""
+    from kaitian_ros.fork_server import preload_modules
+
+    camera = preload_modules(["image_source", "monitor", "image_source"])
+    assert "torch" not in camera and camera.count("kaitian_ros.nodes.image_source") == 1
+    assert "kaitian_ros.nodes.compute" in preload_modules(["compute"])
+    assert "torch" in preload_modules(["trainer"])  # a trainer imports it only once it builds its model
+    env = dict(os.environ, KAITIAN_RUNTIME="embedded", KAITIAN_ROUTER=router.endpoint, PYTHONUNBUFFERED="1")
+    light, heavy = ForkServer.start(env, camera), ForkServer.start(env, preload_modules(["compute"]))
+    assert light is not None and heavy is not None
+    try:
+        assert not _loaded_torch(light.process.pid) and _loaded_torch(heavy.process.pid)
+        monitor = light.fork("kaitian_ros.nodes.monitor", ["--ros-args", "-r", "__node:=mon"], env, "mon")
+        assert monitor is not None
+        wait_until(lambda: Path(f"/proc/{monitor.pid}/comm").read_text().strip() == "mon", "the monitor forked")
+        monitor.send_signal(signal.SIGINT)
+        assert monitor.wait(timeout=30) == 0
+        assert monitor.stdout is not None and "Traceback" not in monitor.stdout.read()
+    finally:
+        light.close()
+        heavy.close()

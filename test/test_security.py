@@ -462,8 +462,10 @@ def test_secure_hetero_inference_delivers_fused_results(cert_dir: Path) -> None:
     from kaitian_ros.runtime.node_args import NodeArgs
 
     endpoint = f"tcp/127.0.0.1:{free_port()}"
+    # a smaller input than the file's 224x224: what is checked is who may publish, not the model
     launch = Proc([sys.executable, "-u", "-m", "kaitian_ros.cli", "--router", endpoint, "launch", "hetero_inference",
-                   "compute_nodes:=2", "--secure", str(cert_dir), "--no-view"], _plain_env(endpoint))
+                   "compute_nodes:=2", "input_height:=128", "input_width:=128", "num_classes:=10", "--secure",
+                   str(cert_dir), "--no-view"], _plain_env(endpoint))
     rt, spinner = None, None
     try:
         launch.wait_for(r"\[launch\] security on: TLS \+ access control")

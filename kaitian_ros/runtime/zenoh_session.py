@@ -136,36 +136,45 @@ def open_session(mode: str = "peer", *, connect: str | None = None, listen: str 
     return zenoh.open(config)
 
 
-def _refused(endpoint: str) -> bool:
-    """Whether the host of a TCP-based endpoint (``tcp/`` or ``tls/``) refuses a connection to
-    its port: nobody listens there, which a peer session would only report after its connect
-    timeout, retrying all along."""
-    proto, _, address = endpoint.partition("/")
-    host, _, port = address.split("#", 1)[0].split("?", 1)[0].rpartition(":")
-    if proto not in ("tcp", "tls") or not host or not port.isdigit():
-        return False
+def _tcp_answer(endpoint: str) -> str:
+    """How the host of a TCP-based endpoint (``tcp/`` or ``tls/``) answers a plain connection to
+    its port: "refused" (nobody listens: a peer session would only say so after its connect
+    timeout, retrying all along), "timeout" (no answer within that timeout, which the session
+    would wait out again) or "" (it accepted, or the session's own attempt says what is wrong)."""
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_MS / 1000):
-            return False
+        proto, address, port = split_endpoint(endpoint)
+    except ValueError:
+        return ""
+    if proto not in ("tcp", "tls"):
+        return ""
+    try:
+        with socket.create_connection((address.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_MS / 1000):
+            return ""
     except ConnectionRefusedError:
-        return True
-    except OSError:  # unreachable, unresolvable, filtered: the session's own attempt says so
-        return False
+        return "refused"
+    except TimeoutError:
+        return "timeout"
+    except OSError:  # unreachable, unresolvable: the session's own attempt says so
+        return ""
 
 
 def router_problem(endpoint: str, security: security_.Security | str | None = FROM_ENV) -> str:
     """'' when a peer session connects to the router at ``endpoint``, else one line saying
     why not (checked before starting nodes that would each fail to connect on their own)."""
-    if _refused(endpoint):
+    unreachable = (f"no router reachable at {endpoint} within {CONNECT_TIMEOUT_MS / 1000:g} s (is the other "
+                   f"host's `kaitian launch --router ...` running, and its port open in the firewall?)")
+    answer = _tcp_answer(endpoint)
+    if answer == "refused":
         return (f"no router reachable at {endpoint}: connection refused (is the other host's "
                 f"`kaitian launch --router ...` running on that port?)")
+    if answer == "timeout":
+        return unreachable
     try:
         session = open_session("peer", connect=endpoint, listen="tcp/127.0.0.1:0", security=security)
     except zenoh.ZError as exc:
         first = " ".join(str(exc).split())
         if "Timeout" in first or "Unable to connect" in first:
-            return (f"no router reachable at {endpoint} within {CONNECT_TIMEOUT_MS / 1000:g} s (is the other "
-                    f"host's `kaitian launch --router ...` running, and its port open in the firewall?)")
+            return unreachable
         return f"cannot connect to the router at {endpoint}: {first.split(' at /')[0]}"
     session.close()
     return ""

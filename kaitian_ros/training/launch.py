@@ -318,11 +318,18 @@ def _forked_rank_main(cfg: Any, env: dict[str, str]) -> None:
     name_process(f"kaitian-rank{env['RANK']}")  # in ps and top (a fork keeps its parent's name)
     os.environ.clear()
     os.environ.update(env)
+    sys.exit(_rank_main(cfg))
+
+
+def _rank_main(cfg: Any) -> int:
+    """One rank, forked or a fresh interpreter: its exit code, its failure in one line."""
     try:
-        code = _run_one_rank(cfg)
+        return _run_one_rank(cfg)
     except KeyboardInterrupt:  # Ctrl-C, forwarded by the parent, which says so: no traceback
-        code = 130
-    sys.exit(code)
+        return 130
+    except Exception as e:  # noqa: BLE001 - e.g. a bad MASTER_PORT: one error line, exit code 1
+        print(f"kaitian train: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _can_fork_ranks(cfg: Any) -> bool:
@@ -437,13 +444,7 @@ def main_train(argv: list[str]) -> int:
         print(f"kaitian train: error: {e}", file=sys.stderr)
         return 2
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        try:
-            return _run_one_rank(cfg)
-        except KeyboardInterrupt:  # Ctrl-C, forwarded by the parent, which says so: no traceback
-            return 130
-        except Exception as e:  # noqa: BLE001 - e.g. a bad MASTER_PORT: one error line, exit code 1
-            print(f"kaitian train: error: {e}", file=sys.stderr)
-            return 1
+        return _rank_main(cfg)
     return _spawn_local(argv, cfg, placement, a.json)
 
 

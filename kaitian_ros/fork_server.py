@@ -43,23 +43,22 @@ from dataclasses import dataclass
 from typing import IO
 
 from kaitian_ros.processes import die_with_parent, name_process, start_child
-from kaitian_ros.warm_start import PRELOAD, check_node, run_node_main
+from kaitian_ros.warm_start import NODE_IMPORTS, PRELOAD, check_node, run_node_main
 
 READY = b"ready"
 WARM = "kaitian_ros.warm_start"  # the modules an order may name besides the nodes': a warm interpreter,
 PREFLIGHT = "kaitian_ros.preflight"  # the launch's checks (they need torch; the launcher does not import it)
 MAX_MESSAGE = 1 << 20  # an order: argv and environment, far below this
 REPLY_TIMEOUT_S = 10.0
-# what every node imports; each executable's own module comes with it, and what it imports only
-# once it runs (a trainer imports torch when it builds its model)
-BASE_PRELOAD = ("numpy", "yaml", "zenoh", "kaitian_ros.runtime.embedded")
+# what an executable imports only once it runs, beside its module (a trainer imports torch when
+# it builds its model)
 RUNTIME_IMPORTS = {"trainer": ("torch",)}
 
 
 def preload_modules(executables: Iterable[str]) -> tuple[str, ...]:
     """The modules a fork server imports for nodes of these executables: a camera and a monitor
     need no torch (1.4 s of CPU and ~100 MB the server would otherwise load for nothing)."""
-    names = list(BASE_PRELOAD)
+    names = list(NODE_IMPORTS)
     for exe in dict.fromkeys(executables):
         names += [*RUNTIME_IMPORTS.get(exe, ()), f"kaitian_ros.nodes.{exe}"]
     return tuple(dict.fromkeys(names))

@@ -35,7 +35,9 @@ from typing import Any
 
 from kaitian_ros.processes import name_process
 
-PRELOAD = ("torch", "numpy", "yaml", "zenoh", "kaitian_ros.runtime.embedded", "kaitian_ros.nodes.inference_common")
+# what every node imports (the fork server adds each scenario's node modules to it)
+NODE_IMPORTS = ("numpy", "yaml", "zenoh", "kaitian_ros.runtime.embedded")
+PRELOAD = ("torch", *NODE_IMPORTS, "kaitian_ros.nodes.inference_common")
 # nice 10: a tenth of a core against normal-priority work - the imports finish within seconds
 # on a busy machine instead of starving behind every other background job, as at 19
 IDLE_NICE = 10

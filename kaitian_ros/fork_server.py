@@ -157,7 +157,7 @@ def _become_child(order: ForkOrder, out_fd: int, in_fd: int | None = None) -> No
     """In the forked child: the process state a freshly started node would have."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    die_with_parent()  # tied to the server, its own process group, SIGINT ignored: as launched
+    die_with_parent()  # tied to the server, its own process group, SIGINT held back: as launched
     if os.getppid() == 1:  # the server died between the fork and the tie
         os._exit(1)
     name_process(order.name)
@@ -266,7 +266,7 @@ class ForkServer:
         try:
             process = start_child([sys.executable, "-u", "-m", "kaitian_ros.fork_server", str(theirs.fileno()),
                                    *preload],
-                                  ignore_sigint=True, env=dict(env), pass_fds=(theirs.fileno(),),
+                                  defer_sigint=True, env=dict(env), pass_fds=(theirs.fileno(),),
                                   stdin=subprocess.DEVNULL)
         except OSError:
             ours.close()

@@ -212,7 +212,7 @@ class Launcher:
             process = self.fork_server.fork(*node_module(spec, self.params_file), env, spec.name)
         if process is None:
             command = self.node_prefix.get(spec.name, []) + node_command(spec, self.params_file)
-            process = start_child(command, ignore_sigint=True, env=env, stdout=subprocess.PIPE,
+            process = start_child(command, defer_sigint=True, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1)
         reader = threading.Thread(target=self._pump, args=(lambda: spec.name, process, ready), daemon=True)
         reader.start()
@@ -245,7 +245,7 @@ class Launcher:
             process = self.fork_server.fork(WARM, args, env, "warm")
         if process is None:
             process = start_child([*slot.prefix, sys.executable, "-u", "-m", WARM, *args],
-                                  ignore_sigint=True, env=env, stdout=subprocess.PIPE,
+                                  defer_sigint=True, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, stdin=subprocess.PIPE, text=True, bufsize=1)
         warm = WarmInterpreter(process, threading.Thread())
         warm.reader = threading.Thread(target=self._pump, args=(lambda: warm.name, process), daemon=True)

@@ -74,16 +74,24 @@ def tie_own_group() -> None:
 
 def die_with_parent() -> None:
     """Child side: get SIGTERM if the parent disappears, even by SIGKILL (no orphans), in a
-    process group of its own, SIGINT ignored until the program installs its own handler.
+    process group of its own, SIGINT held back (blocked) until the program takes it
+    (:func:`accept_sigint`).
 
     Runs as ``preexec_fn`` although the parent has threads (PLW1509): only the child itself can
     ask for the kernel's parent-death signal. So it does as little as it can: no imports and no
-    library loading, a prctl, setsid and one signal disposition."""
+    library loading, a prctl, setsid and one signal mask."""
     tie_own_group()
-    # SIGINT ignored until the node's run_node installs its handler: a graph stopped in its first
-    # seconds would otherwise print a KeyboardInterrupt traceback per node still importing torch
-    # (the stop escalates to SIGTERM after STOP_GRACE_S, which ends such a node quietly)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGINT blocked, not ignored: a Ctrl-C in a node's first seconds (importing torch) would
+    # otherwise print a KeyboardInterrupt traceback - or, ignored, be lost, and the node would
+    # run on until the stop escalates to SIGTERM. Blocked, it waits (pending, across exec) until
+    # the node's run_node has its handler and unblocks it; the node then stops at once, quietly.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+def accept_sigint() -> None:
+    """Deliver SIGINT from now on (it was held back by :func:`die_with_parent`); one that came
+    meanwhile reaches the handler now. Call it once the handler is installed."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def name_process(name: str) -> None:
@@ -92,7 +100,7 @@ def name_process(name: str) -> None:
         _PRCTL(_PR_SET_NAME, name.encode()[:15])
 
 
-def start_child(command: Sequence[str], *, own_group: bool = True, ignore_sigint: bool = False,
+def start_child(command: Sequence[str], *, own_group: bool = True, defer_sigint: bool = False,
                 **popen: Any) -> subprocess.Popen:
     """``subprocess.Popen(command, **popen)`` of a child the kernel ends (SIGTERM) when this
     process dies, even by SIGKILL (the kernel watches the thread that starts it: start
@@ -101,12 +109,12 @@ def start_child(command: Sequence[str], *, own_group: bool = True, ignore_sigint
     ``own_group``: the child leads a process group of its own, which :func:`stop_children`
     signals as a whole (its own children too); a terminal's Ctrl-C then reaches only this
     process, which forwards it. Without it the child stays in this process's group and gets a
-    terminal's signals itself. ``ignore_sigint`` (with ``own_group``): SIGINT is ignored until
-    the child's program installs a handler (the nodes' ``run_node``; a Python program that does
-    not would never see Ctrl-C)."""
-    if ignore_sigint and not own_group:
-        raise ValueError("ignore_sigint needs own_group: the terminal's SIGINT would reach the child")
-    preexec = die_with_parent if ignore_sigint else (tie_own_group if own_group else _tie)
+    terminal's signals itself. ``defer_sigint`` (with ``own_group``): SIGINT is held back until
+    the child's program calls :func:`accept_sigint` (the nodes' ``run_node`` and ``kaitian
+    router`` do, once their handler is in place; a program that does not never sees Ctrl-C)."""
+    if defer_sigint and not own_group:
+        raise ValueError("defer_sigint needs own_group: the terminal's SIGINT would reach the child")
+    preexec = die_with_parent if defer_sigint else (tie_own_group if own_group else _tie)
     return subprocess.Popen(command, preexec_fn=preexec, **popen)  # noqa: PLW1509 - see die_with_parent
 
 

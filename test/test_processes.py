@@ -15,7 +15,7 @@ from helpers import REPO, pid_running, wait_until
 
 from kaitian_ros.processes import start_child, stop_children
 
-# a child that ignores SIGTERM (SIGINT is ignored by start_child), starts a grandchild in its
+# a child that ignores SIGTERM (SIGINT is held back by start_child), starts a grandchild in its
 # group and prints the grandchild's pid
 STUBBORN = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
             "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
@@ -23,7 +23,7 @@ STUBBORN = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM,
 
 
 def test_a_stop_escalates_to_sigkill_and_reaches_the_childs_own_children() -> None:
-    p = start_child([sys.executable, "-c", STUBBORN], ignore_sigint=True, stdout=subprocess.PIPE, text=True)
+    p = start_child([sys.executable, "-c", STUBBORN], defer_sigint=True, stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None
         grandchild = int(p.stdout.readline())
@@ -63,6 +63,27 @@ def test_a_child_dies_with_its_parent() -> None:
         parent.wait()
 
 
-def test_ignoring_sigint_needs_a_group_of_its_own() -> None:
+def test_deferring_sigint_needs_a_group_of_its_own() -> None:
     with pytest.raises(ValueError, match="own_group"):
-        start_child([sys.executable, "-c", "pass"], own_group=False, ignore_sigint=True)
+        start_child([sys.executable, "-c", "pass"], own_group=False, defer_sigint=True)
+
+
+# takes SIGINT only after a second of "start-up" (as a node importing torch does)
+LATE_HANDLER = ("import signal, sys, time; from kaitian_ros.processes import accept_sigint; "
+                "print('started', flush=True); time.sleep(1.0); "
+                "signal.signal(signal.SIGINT, lambda *_: sys.exit(7)); accept_sigint(); time.sleep(60)")
+
+
+def test_a_sigint_before_the_handler_is_held_back_not_lost() -> None:
+    """A Ctrl-C forwarded while a node still starts reaches its handler once it takes SIGINT:
+    no traceback from the start-up, and no wait for the SIGTERM escalation."""
+    p = start_child([sys.executable, "-c", LATE_HANDLER], defer_sigint=True, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "started"
+        p.send_signal(signal.SIGINT)  # the handler is not installed yet
+        assert p.wait(timeout=30) == 7, p.stdout.read()
+        assert "Traceback" not in p.stdout.read()
+    finally:
+        p.kill()
+        p.wait()

@@ -259,7 +259,7 @@ class Graph:
 
         log = self.tmp / f"{name}.log"
         with open(log, "w") as fh:
-            p = start_child(cmd, ignore_sigint=True, env=env, stdout=fh, stderr=subprocess.STDOUT,
+            p = start_child(cmd, defer_sigint=True, env=env, stdout=fh, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL)
         self.procs.append(Proc(name, p, log))
 

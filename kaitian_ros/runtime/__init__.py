@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kaitian_ros.processes import accept_sigint
 from kaitian_ros.runtime.api import Runtime
 from kaitian_ros.runtime.node_args import NodeArgsError, parse_node_args
 
@@ -66,6 +67,7 @@ def run_node(node_factory: Callable[[Runtime], Any], default_name: str,
     signal.signal(signal.SIGTERM, stop)
     try:
         try:
+            accept_sigint()  # a Ctrl-C held back while this process started is handled here
             node = node_factory(rt)
         finally:
             starting = False

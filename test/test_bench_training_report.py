@@ -27,10 +27,10 @@ def test_every_combination_of_shares_and_stealing_is_compared():
     steals = {n: (s.policy, s.config(cfg).steals) for n, s in specs.items() if s.slowdowns == (1.0, 3.0)}
     assert steals == {"equal": ("equal", False), "equal+stealing": ("equal", True),
                       "profile_once": ("profile_once", False),
-                      "adaptive_no_stealing": ("adaptive", False), "adaptive": ("adaptive", True)}
+                      "adaptive": ("adaptive", False), "adaptive+stealing": ("adaptive", True)}
     assert specs["adaptive+drift"].drift == (1, 15, 2.0)
     compute = [s.name for s in bench.specs_for(bench.CONFIGS["compute"], 30)]
-    assert compute == ["equal", "equal+stealing", "profile_once", "adaptive_no_stealing", "adaptive"]
+    assert compute == ["equal", "equal+stealing", "profile_once", "adaptive", "adaptive+stealing"]
     # the compute-dominated configuration: same model and gradient, 4x the pixels
     assert bench.CONFIGS["compute"].image_size == 2 * bench.CONFIGS["digits"].image_size
 
@@ -92,14 +92,14 @@ def test_command_writes_medians_spread_and_every_rank_comm(tmp_path, monkeypatch
     # two runs (one without, one with stealing) keep every process launch of the command
     # while the test stays short; the full list is checked above
     monkeypatch.setattr(bench, "specs_for", lambda bc, steps: [s for s in every(bc, steps)
-                                                               if s.name in ("equal", "adaptive")])
+                                                               if s.name in ("adaptive", "adaptive+stealing")])
     out = tmp_path / "t.json"
     assert bench.main(["--config", "compute", "--epochs", "1", "--image-size", "8",
                        "--repeats", "2", "--out-dir", str(tmp_path), "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     c = r["configs"]["compute"]
     assert r["repeats"] == 2 and r["emulated_speeds"] and r["policies"] == c["policies"]
-    assert set(c["policies"]) == {"equal", "adaptive"}
+    assert set(c["policies"]) == {"adaptive", "adaptive+stealing"}
     for name, p in c["policies"].items():
         assert p["repeats"] == 2 and len(p["runs"]) == 2
         assert p["efficiency_min"] <= p["efficiency"] <= p["efficiency_max"]
@@ -108,7 +108,7 @@ def test_command_writes_medians_spread_and_every_rank_comm(tmp_path, monkeypatch
             ranks = run["comm_overhead_by_rank_pct"]
             assert len(ranks) == 2 and run["comm_overhead_pct"] == pytest.approx(sum(ranks) / 2)
             assert run["solo_samples_per_s_before_after"]["1.0:3.0"][0][0] > 0
-        assert p["work_stealing"] == ("on" if name == "adaptive" else "off")
+        assert p["work_stealing"] == ("on" if name == "adaptive+stealing" else "off")
     assert set(c["targets"]) == {"efficiency_ge_0.90", "efficiency_le_1_plus_spread",
                                  "comm_mean_over_ranks_le_3pct", "accuracy_within_0.3pp"}
     assert c["accuracy_check"] is None and c["setup"]["image_size"] == 8 and c["seconds"] > 0

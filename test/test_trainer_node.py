@@ -131,9 +131,8 @@ def test_two_trainer_nodes_via_kaitian_launch(tmp_path: Path) -> None:
     assert not r1[0].emulated and r1[0].emulated_slowdown == 1.0
     assert not any(both[s][0].emulated for s in both)
     assert all(m.device in ("cpu:a", "cpu:b") for v in both.values() for m in v.values())
-    # the slowed rank ends with the smaller share (adaptive policy). Checked on the last
-    # full batch: with work stealing (on with adaptive) the counts are settled at run time,
-    # and the epoch's 3-sample tail can go to whichever rank claims first
+    # the slowed rank ends with the smaller share (adaptive policy), checked on the last full
+    # batch (the epoch's 3-sample tail is split by the same shares)
     last = both[max(s for s in both if both[s][0].global_batch == 64)]
     assert last[1].local_batch < last[0].local_batch, (last[0].local_batch, last[1].local_batch)
     with lock:

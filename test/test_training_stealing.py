@@ -166,7 +166,7 @@ def test_stolen_steps_equal_single_process_steps() -> None:
     single = run_local(_params_after, 1, TrainingConfig(**base), timeout_s=60)[0]
     # rank 1 emulates a device 4x slower; shares start equal and rebalance only after 5
     # steps, so every rank's planned slice is 128 and only stealing can move work
-    cfg = TrainingConfig(**base, policy="adaptive", rebalance_every=5,
+    cfg = TrainingConfig(**base, policy="adaptive", rebalance_every=5, work_stealing="on",
                          devices=("cpu:a", "cpu:b"), emulated_slowdown=(1.0, 4.0))
     assert cfg.steals
     multi = run_local(_params_after, 2, cfg, timeout_s=60)

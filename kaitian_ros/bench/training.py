@@ -9,8 +9,9 @@ digits data (CPU, gloo, ranks forked on this host, one thread each):
   per step clearly dominates communication; the 1 : 0.33 runs only, fewer epochs.
 
 Runs, at EMULATED speeds 1 : 0.33 (slowdowns 1, 3): ``equal`` (plain DDP), ``equal+stealing``,
-``profile_once``, ``adaptive_no_stealing`` and ``adaptive`` (adaptive shares + work stealing),
-so that the gain of adaptive shares and the gain of stealing can be told apart; for digits
+``profile_once``, ``adaptive`` (adaptive shares: the product's default) and
+``adaptive+stealing`` (the same with work stealing), so that the gain of adaptive shares and
+the gain of stealing can be told apart; for digits
 also the control 1 : 1 (equal, adaptive) and a drift (1 : 1, rank 1 slows 2x halfway;
 profile_once, adaptive).
 
@@ -78,16 +79,16 @@ def specs_for(bc: BenchConfig, steps_total: int) -> list[RunSpec]:
         RunSpec("equal", (1.0, 3.0), "equal", work_stealing="off"),
         RunSpec("equal+stealing", (1.0, 3.0), "equal", work_stealing="on"),
         RunSpec("profile_once", (1.0, 3.0), "profile_once", work_stealing="off"),
-        RunSpec("adaptive_no_stealing", (1.0, 3.0), "adaptive", work_stealing="off"),
-        RunSpec("adaptive", (1.0, 3.0), "adaptive", work_stealing="on"),
+        RunSpec("adaptive", (1.0, 3.0), "adaptive", work_stealing="off"),
+        RunSpec("adaptive+stealing", (1.0, 3.0), "adaptive", work_stealing="on"),
     ]
     if bc.full_table:
         out += [
             RunSpec("equal@1:1", (1.0, 1.0), "equal", work_stealing="off"),
-            RunSpec("adaptive@1:1", (1.0, 1.0), "adaptive", work_stealing="on"),
+            RunSpec("adaptive@1:1", (1.0, 1.0), "adaptive", work_stealing="off"),
             RunSpec("profile_once+drift", (1.0, 1.0), "profile_once", work_stealing="off",
                     drift=(1, steps_total // 2, 2.0)),
-            RunSpec("adaptive+drift", (1.0, 1.0), "adaptive", work_stealing="on",
+            RunSpec("adaptive+drift", (1.0, 1.0), "adaptive", work_stealing="off",
                     drift=(1, steps_total // 2, 2.0)),
         ]
     return out

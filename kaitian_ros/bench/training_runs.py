@@ -1,12 +1,13 @@
 """One measured run of ``kaitian bench training`` and the solo rates that normalise it.
 
 A run is N ranks forked on this host by ``training.local_ranks.run_local`` (one thread each,
-gloo, ``RankTrainer`` on the digits data at the configured image size). Its solo rates are
-measured under the same arrangement: every device of the run trains alone on the whole global
-batch, all of them at the same time (they share this CPU's cores, caches and memory bus in the
-run as well), each one through ``run_local`` with the same configuration, data path, thread count, step
-loop, pass size (``fastest_micro_batch``), EMULATED slowdown and warm-up exclusion as a rank
-of the run. The only differences are the ones that define the ideal: no partner to
+each on a core of its own where there are enough: ``training.affinity``; gloo, ``RankTrainer``
+on the digits data at the configured image size). Its solo rates are measured under the same
+arrangement: every device of the run trains alone on the whole global batch, all of them at
+the same time (they share this CPU's cores, caches and memory bus in the run as well), each
+one through ``run_local`` on the core its rank has in the run, with the same configuration,
+data path, thread count, step loop, pass size (``fastest_micro_batch``), EMULATED slowdown and
+warm-up exclusion as a rank of the run. The only differences are the ones that define the ideal: no partner to
 communicate with and no slice (the whole global batch, so the fixed per-step cost is paid
 once, as on a single device).
 
@@ -144,7 +145,12 @@ def fastest_micro_batch(base: Any, repeats: int = 3) -> tuple[int, dict[int, flo
     return min(per_sample, key=lambda k: per_sample[k]), per_sample
 
 
-def _solo_child(index: int, spec: RunSpec, base: Any, q: Any) -> None:
+def _solo_child(index: int, devices: int, spec: RunSpec, base: Any, q: Any) -> None:
+    from kaitian_ros.training.affinity import pin_local_rank
+
+    # on the core rank `index` of the run has (run_local pins each rank to one): the same
+    # arrangement; its own one-rank run then stays there
+    pin_local_rank(index, devices)
     try:
         q.put((index, run(spec, base)["samples_per_s"], None))
     except Exception as e:  # noqa: BLE001 - a child process: any failure goes to the parent, which reports it
@@ -169,7 +175,7 @@ def concurrent_solo(slowdowns: Sequence[float], base: Any, steps: int) -> list[f
     for i, s in enumerate(slowdowns):
         n = WARMUP + max(4, round(steps * top / s))
         spec = RunSpec(f"solo {s}", (s,), "equal", solo=True, max_steps=n)
-        p = ctx.Process(target=_solo_child, args=(i, spec, base, q), daemon=False)
+        p = ctx.Process(target=_solo_child, args=(i, len(slowdowns), spec, base, q), daemon=False)
         p.start()
         procs.append(p)
     got = [q.get(timeout=1800) for _ in procs]

@@ -86,7 +86,7 @@ PARAMETERS = (
     P("seed", T.INTEGER, 0, "seed of weights and sample order", 0, 2**31 - 1, read_only=True),
     P("policy", T.STRING, "adaptive", "batch split policy", read_only=True, choices=_POLICIES),
     P("work_stealing", T.STRING, "auto", "move slice boundaries inside a step to the rank "
-      "that finishes first (auto: with the adaptive policy)", read_only=True,
+      "that finishes first (auto: off, measured slower)", read_only=True,
       choices=("auto", "on", "off")),
     P("micro_batch", T.INTEGER, 0, "forward/backward passes of at most this many samples, the "
       "gradient accumulated (0: the whole slice; not with work stealing)", 0, 2**31 - 1, read_only=True),

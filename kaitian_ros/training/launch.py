@@ -51,6 +51,7 @@ import torch.distributed as dist
 from kaitian_ros.ports import free_port
 from kaitian_ros.processes import name_process, start_child, stop_children, tie_own_group
 from kaitian_ros.training import netif
+from kaitian_ros.training.affinity import pin_local_rank
 from kaitian_ros.training.process_group import DistEnv, init_distributed, shutdown_distributed
 
 if TYPE_CHECKING:  # imported at run time where used, as the functions below do
@@ -100,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, help="linear lr warm-up steps")
     p.add_argument("--seed", type=int)
     p.add_argument("--work-stealing", choices=("auto", "on", "off"),
-                   help="move slice boundaries inside a step (auto: with --policy adaptive)")
+                   help="move slice boundaries inside a step (auto: off, measured slower here)")
     p.add_argument("--checkpoint-dir")
     p.add_argument("--save-weights", metavar="PATH",
                    help="write the final model's state_dict here (what coordinator and compute "
@@ -255,8 +256,12 @@ def _run_one_rank(cfg: Any) -> int:
     """Run as one rank from the torchrun environment; errors as one stderr line."""
     from kaitian_ros.training.trainer import RankTrainer
 
-    torch.set_num_threads(int(os.environ.get("KAITIAN_THREADS", "1")))
+    threads = int(os.environ.get("KAITIAN_THREADS", "1"))
+    torch.set_num_threads(threads)
     env = DistEnv.from_environ()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if 0 <= env.local_rank < local_world:  # torchrun and `kaitian train` tell how many share this host
+        pin_local_rank(env.local_rank, local_world, threads)
     hb = None
     trainer = None
     if env.rank != 0 and not store_reachable(env, cfg.timeout_s):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from kaitian_ros.ports import free_port
 from kaitian_ros.processes import tie_to_parent
+from kaitian_ros.training.affinity import pin_local_rank
 from kaitian_ros.training.process_group import DistEnv, init_distributed, shutdown_distributed
 
 
@@ -24,6 +25,7 @@ def _local_child(fn: Callable[..., Any], rank: int, world: int, port: int, args:
                  env: dict[str, str], timeout_s: float, q: Any) -> None:
     tie_to_parent()  # daemon processes end with a parent that exits; this also with one killed
     torch.set_num_threads(1)
+    pin_local_rank(rank, world)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     os.environ.update(env)

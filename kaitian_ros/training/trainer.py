@@ -227,10 +227,14 @@ class RankTrainer:
             d = max(sl.local_batch, 1)
             state.set_batch(d, sl.global_batch)
             # with a pass size set, claims stay between a quarter of it and it: the tail's
-            # small claims were passes of 6-16 samples, up to 1.25x the best cost per sample
+            # small claims were passes of 6-16 samples, up to 1.25x the best cost per sample.
+            # The quarter is the fastest rank's; a slower rank's smallest claim is smaller by
+            # its planned share, so that the last claims take about the same *time* on every
+            # rank: 64 samples on a rank 3x slower were half a step that the others waited for.
             mb = cfg.micro_batch
+            scale = sl.counts[self.rank] / max(*sl.counts, 1)
             claims = StepClaims(claims_store, str(sl.step), sl.counts, self.rank,
-                                min_chunk=max(1, mb // 4), max_chunk=mb)
+                                min_chunk=max(1, round(mb // 4 * scale)), max_chunk=mb)
             loss_sum = 0.0
             with ddp.no_sync():
                 while (rng := claims.next()) is not None:
@@ -306,7 +310,13 @@ class RankTrainer:
                 # would count a fast rank's wait for a slow one as its compute.
                 if steps >= WARMUP_STEPS:
                     sampler.record(compute, count, sl.global_batch)
+                t_sync = time.perf_counter()
                 sampler.maybe_rebalance(self._gather)  # collective when due
+                # part of the step and of its communication (a rank waits in it for the others),
+                # never of the compute the shares are fitted to
+                sync = time.perf_counter() - t_sync
+                wall += sync
+                comm += sync
                 train_s += wall
                 comm_s += comm
                 samples += sl.global_batch

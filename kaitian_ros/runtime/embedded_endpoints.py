@@ -94,6 +94,10 @@ class EmbeddedSubscription:
         self._bytes_lock = threading.Lock()
         self._scheduled = False
         self._key_verdict: dict[str, str | None] = {}  # key -> None (accepted) or reject reason
+        # latched: the publishers (GIDs) whose live samples have arrived. Their cache's answer to
+        # the query below, when it comes after one of those, holds nothing newer - and may be
+        # older: the node would see an old plan after a new one, and count it as stale
+        self._live_sources: set[bytes] | None = set() if qos is QoS.LATCHED else None
         self._sub = rt.session.declare_subscriber(zs.topic_key_any_type(rt.domain, topic), self._on_sample)
         self._token = rt.declare_endpoint_token("MS", topic, msg_type, qos)
         if qos is QoS.LATCHED:
@@ -101,9 +105,19 @@ class EmbeddedSubscription:
 
     def _on_reply(self, reply: Any) -> None:
         if reply.ok is not None:
-            self._on_sample(reply.ok)
+            self._on_sample(reply.ok, cached=True)
 
-    def _on_sample(self, sample: Any) -> None:
+    @staticmethod
+    def _source(sample: Any) -> bytes | None:
+        attachment = sample.attachment
+        if attachment is None:
+            return None
+        try:
+            return zs.attachment_gid(attachment.to_bytes())
+        except ValueError:
+            return None
+
+    def _on_sample(self, sample: Any, cached: bool = False) -> None:
         # runs on a zenoh thread: validate + decode here, run the callback on the executor
         received_s = time.time()
         key = str(sample.key_expr)
@@ -116,6 +130,12 @@ class EmbeddedSubscription:
         if verdict is not None:
             self._rt.reject(verdict)
             return
+        if self._live_sources is not None:
+            source = self._source(sample)
+            if cached and source in self._live_sources:
+                return  # superseded by that publisher's live samples (see __init__)
+            if not cached and source is not None and len(self._live_sources) < 1024:
+                self._live_sources.add(source)
         raw = sample.payload.to_bytes()
         size = len(raw)
         if self._bounded:

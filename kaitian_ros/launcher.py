@@ -357,7 +357,7 @@ class Launcher:
         # taken first: the supervising thread and the caller may both be stopping the graph
         for slot in self.warm_slots.values():
             warm, slot.warm = slot.warm, None
-            if warm is not None:  # nothing of its own to lose: it ignores SIGINT until it becomes a node
+            if warm is not None:  # nothing of its own to lose: it holds SIGINT back until it becomes a node
                 warm.process.kill()
                 warm.process.wait()
                 warm.reader.join(timeout=1.0)

@@ -113,7 +113,7 @@ class EmbeddedSubscription:
         if attachment is None:
             return None
         try:
-            return zs.attachment_gid(attachment.to_bytes())
+            return zs.parse_attachment(attachment.to_bytes())[2] or None
         except ValueError:
             return None
 

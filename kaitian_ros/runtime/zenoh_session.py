@@ -332,17 +332,6 @@ def parse_attachment(raw: bytes) -> tuple[int, int, bytes]:
     return sequence, stamp, bytes(raw[17:17 + n])
 
 
-def attachment_gid(raw: bytes) -> bytes:
-    """The publisher GID of an rmw_zenoh attachment; ValueError if it holds none."""
-    if len(raw) < _ATTACHMENT_HEAD.size:
-        raise ValueError("attachment too short")
-    n = _ATTACHMENT_HEAD.unpack_from(raw)[2]
-    gid = bytes(raw[_ATTACHMENT_HEAD.size:_ATTACHMENT_HEAD.size + n])
-    if len(gid) != n or n == 0:
-        raise ValueError("attachment without a GID")
-    return gid
-
-
 def attachment_stamp(raw: bytes) -> tuple[int, int]:
     """(sequence, source timestamp ns) of an rmw_zenoh attachment; ValueError if too short."""
     if len(raw) < 17:

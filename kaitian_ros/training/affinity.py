@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 def rank_cores(allowed: Sequence[int], local_rank: int, local_world: int, threads: int = 1) -> tuple[int, ...]:
     """The cores of ``local_rank`` among ``local_world`` ranks of ``threads`` threads each, out
-    of ``allowed`` (sorted); empty when the cores do not go round (the rank then stays
+    of ``allowed`` (taken in ascending order); empty when the cores do not go round (the rank then stays
     unpinned)."""
     if not 0 <= local_rank < local_world or threads < 1:
         raise ValueError(f"local rank {local_rank} of {local_world} with {threads} thread(s)")
@@ -36,7 +36,7 @@ def pin_local_rank(local_rank: int, local_world: int, threads: int = 1) -> tuple
     ``KAITIAN_PIN_CORES=0``)."""
     if not hasattr(os, "sched_setaffinity") or os.environ.get("KAITIAN_PIN_CORES", "1") == "0":
         return ()
-    cores = rank_cores(sorted(os.sched_getaffinity(0)), local_rank, local_world, threads)
+    cores = rank_cores(tuple(os.sched_getaffinity(0)), local_rank, local_world, threads)
     if cores:
         os.sched_setaffinity(0, cores)
     return cores

@@ -54,8 +54,8 @@ class TrainingConfig:
     ewma_alpha: float = 0.5
     share_model: str = "affine"  # step time a + c b per rank ("proportional": c b)
     # slice boundaries settled at run time by claims (``training.stealing``): "on", "off", or
-    # "auto" = off: in every configuration `kaitian bench training` measured, the adaptive
-    # shares alone trained faster than the same shares with stealing (docs/training.md)
+    # "auto" = off: in 8 of the 10 configuration medians of the full `kaitian bench training`
+    # runs measured, the adaptive shares alone trained faster than with stealing (docs/training.md)
     work_stealing: str = "auto"
     hook: str = "hierarchical"
     devices: tuple[str, ...] = ("cpu",)

@@ -116,8 +116,10 @@ def test_killed_rank_is_named_and_others_fail_then_resume(tmp_path: Path) -> Non
 
     # resume from the checkpoint on 2 ranks and finish
     ep = torch.load(ck / "checkpoint.pt", weights_only=False)["epoch"]
+    (tmp_path / "tmp").mkdir()
     p2 = _spawn(["--ranks", "2", "--devices", "cpu", "--epochs", str(ep + 2), "--global-batch",
-                 "64", "--checkpoint-dir", str(ck), "--resume", "--json"], {})
+                 "64", "--checkpoint-dir", str(ck), "--resume", "--json"],
+                {"TMPDIR": str(tmp_path / "tmp")})
     out, err2 = p2.communicate(timeout=90)
     assert p2.returncode == 0, err2
     res = json.loads(out.strip().splitlines()[-1])
@@ -126,13 +128,15 @@ def test_killed_rank_is_named_and_others_fail_then_resume(tmp_path: Path) -> Non
     # rank 0 told the epochs on stderr (the last one always), stdout kept for the result
     assert f"[progress] kaitian train epochs: {ep + 2}/{ep + 2} - test acc " in err2, err2
     assert "[progress]" not in out
+    assert not list((tmp_path / "tmp").glob("kaitian-train-*"))  # results read, folder removed
 
 
 @pytest.mark.e2e
-def test_ctrl_c_stops_the_forked_ranks_in_one_line() -> None:
+def test_ctrl_c_stops_the_forked_ranks_in_one_line(tmp_path: Path) -> None:
     """CPU ranks are forks of `kaitian train` named kaitian-rankN; Ctrl-C (SIGINT to it) ends
-    them all: exit 130, one line, no rank's traceback, no rank left."""
-    p = _spawn(["--ranks", "2", "--devices", "cpu", "--epochs", "500", "--global-batch", "64"], {})
+    them all: exit 130, one line, no rank's traceback, no rank left, no temporary folder."""
+    p = _spawn(["--ranks", "2", "--devices", "cpu", "--epochs", "500", "--global-batch", "64"],
+               {"TMPDIR": str(tmp_path)})
     try:
         kids = wait_until(lambda: _children(p.pid) if len(_children(p.pid)) == 2 else None, "two ranks", 60.0)
         assert sorted(Path(f"/proc/{k}/comm").read_text().strip() for k in kids.values()) == \
@@ -145,6 +149,7 @@ def test_ctrl_c_stops_the_forked_ranks_in_one_line() -> None:
     assert p.returncode == 130, err
     assert err.strip().splitlines()[-1] == "kaitian train: interrupted" and "Traceback" not in err, err
     assert not any(pid_running(k) for k in kids.values())
+    assert not list(tmp_path.glob("kaitian-train-*"))  # the ranks' result folder went with them
 
 
 @pytest.mark.e2e

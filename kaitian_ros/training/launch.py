@@ -34,6 +34,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -354,7 +355,6 @@ def _fork_rank(cfg: Any, env: dict[str, str]) -> _ForkedRank:
 
 def _spawn_local(argv: list[str], cfg: Any, placement: Placement, as_json: bool) -> int:
     """Spawn this host's ranks with torchrun env; watch them; aggregate their results."""
-    ranks = placement.ranks
     if cfg.save_weights:
         try:  # before minutes of training, not after
             Path(cfg.save_weights).resolve().parent.mkdir(parents=True, exist_ok=True)
@@ -362,7 +362,16 @@ def _spawn_local(argv: list[str], cfg: Any, placement: Placement, as_json: bool)
             print(f"kaitian train: error: cannot write --save-weights {cfg.save_weights}: "
                   f"{e.strerror}", file=sys.stderr)
             return 2
-    tmp = Path(tempfile.mkdtemp(prefix="kaitian-train-"))
+    tmp = Path(tempfile.mkdtemp(prefix="kaitian-train-"))  # where each rank leaves its result
+    try:
+        return _run_ranks(argv, cfg, placement, as_json, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run_ranks(argv: list[str], cfg: Any, placement: Placement, as_json: bool, tmp: Path) -> int:
+    """Start this host's ranks, watch them, and print their aggregated result."""
+    ranks = placement.ranks
     procs: list[subprocess.Popen | _ForkedRank] = []
     fork = _can_fork_ranks(cfg)
     if fork:  # what every rank imports to train, imported once for all of them

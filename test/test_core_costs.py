@@ -234,6 +234,27 @@ def test_idle_probes_showing_a_slower_device_scale_every_op() -> None:
     assert r.device_ratio == pytest.approx(2.5 / 3.0)
 
 
+def test_a_speed_change_seen_live_is_not_counted_again_by_the_idle_probes() -> None:
+    """Slowed 3x while computing, then idle: the probes see the 3x the feeds already saw (it
+    read 9x), and when the device recovers they bring it back to 1x (it read 3x)."""
+    r = CostRefiner(BASE)
+    for _ in range(5):
+        _feed(r, 1.0)
+    for _ in range(5):
+        r.observe_probe(1.0, 1.0)  # idle at the start-up speed
+    _feed(r, 1.0)
+    _feed(r, 3.0)
+    _feed(r, 3.0)  # slowed while computing: confirmed by two requests
+    assert r.device_ratio == pytest.approx(3.0)
+    for _ in range(5):  # then idle, the plan moved its rows elsewhere
+        r.observe_probe(3.0, 1.0)
+    assert r.device_ratio == pytest.approx(3.0)
+    r.observe_probe(1.0, 1.0)  # back at full speed while idle
+    assert r.device_ratio == pytest.approx(1.0)
+    _feed(r, 1.0)  # and the next live feed agrees
+    assert r.device_ratio == pytest.approx(1.0)
+
+
 def test_one_noisy_probe_or_one_within_the_deadband_changes_nothing() -> None:
     r = CostRefiner(BASE)
     for _ in range(5):

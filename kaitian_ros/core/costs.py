@@ -166,7 +166,8 @@ class CostRefiner:
     conditions than live feeds (an idle node has its core and caches to itself), so a probe
     does not set the ratio; what moves it is the probe level's *drift* since the last live
     feed: a device that got faster or slower while idle (throttling, another workload, a new
-    emulated slowdown) shows it without being given work first. Other processes on the same
+    emulated slowdown) shows it without being given work first. A new speed the live feeds
+    saw moves the level the probes are expected at by the same factor (it is no drift). Other processes on the same
     cores only ever make a probe slower, so the level is the *fastest* of the last
     `probe_window` probes, and it moves only past `probe_deadband`: a device that really slowed
     down shows it once a whole window of probes was slow, one that got faster at once. Measured
@@ -218,6 +219,13 @@ class CostRefiner:
                 # the second request in a row far from the ratio, the same way: a new speed
                 self.measured_ms, self.predicted_ms = held[0] + measured_ms, held[1] + predicted_ms
                 self.held = None
+                # the probes will see the new speed too: move their expected level with it, or
+                # the first idle window after a change seen live counted it a second time (a
+                # node slowed 3x while computing read 9x, and back at 1x still 3x)
+                moved = (self.measured_ms / self.predicted_ms) / now
+                self.probe_ratio *= moved
+                self.feed_probe_ref *= moved
+                self.recent_probes = []  # taken at the old speed
             else:  # held back: noise unless the next request confirms it
                 self.held = (measured_ms, predicted_ms)
             return

@@ -14,7 +14,7 @@ import torch
 from kaitian_ros.core.costs import COORDINATOR, Costs, DeviceProfile, LinkEstimate, OpCost
 from kaitian_ros.core.models import build_model
 from kaitian_ros.core.plan import PlanSpec, build_plan
-from kaitian_ros.core.planner import MeasuredPlan, choose_plan, predict, spec_key, speed_shares, stripe_specs
+from kaitian_ros.core.planner import MeasuredPlan, choose_plan, error_key, predict, spec_key, speed_shares, stripe_specs
 from kaitian_ros.core.profiling import MeasuredCosts, measure_profile, probe
 from kaitian_ros.core.simulate import simulate
 from kaitian_ros.core.split import split_model
@@ -391,7 +391,8 @@ def test_the_running_plan_is_judged_by_its_measured_latency() -> None:
 
 def test_untried_plans_on_nodes_that_ran_slower_than_predicted_are_expected_slower_too() -> None:
     """A stripes plan measured 2.5x its prediction: the other stripes plans over the same two
-    nodes carry that error (contention the model does not see), single-node plans do not."""
+    nodes carry that error (contention the model does not see), single-node and layer-wise
+    plans (one node computing at a time) do not."""
     g = _graph("resnet18", (3, 64, 64))
     costs = Costs({"a": _profile(g, "a", 0.05), "b": _profile(g, "b", 0.05)}, {}, FREE)
     first = choose_plan(g, ["a", "b"], costs, slab_rows=8)
@@ -399,7 +400,7 @@ def test_untried_plans_on_nodes_that_ran_slower_than_predicted_are_expected_slow
     seen = {spec_key(ran.spec, ran.slab_rows): MeasuredPlan(ran.spec, ran.slab_rows, 2.5 * ran.predicted_ms)}
     again = choose_plan(g, ["a", "b"], costs, slab_rows=8, measured=seen)
     for c in again.candidates:
-        both = len(build_plan(g, c.spec, slab_rows=c.slab_rows).active_nodes()) == 2
+        both = len(build_plan(g, c.spec, slab_rows=c.slab_rows).active_nodes()) == 2 and c.spec.strategy == "stripes"
         if c.measured_ms is not None:
             assert c.expected_ms == pytest.approx(2.5 * ran.predicted_ms)
         elif both:
@@ -414,11 +415,12 @@ def test_untried_plans_on_nodes_that_ran_slower_than_predicted_are_expected_slow
     # so do plans over all three (more nodes at once miss at least as much)
     costs3 = Costs({n: _profile(g, n, 0.05) for n in "abc"}, {}, FREE)
     three = choose_plan(g, ["a", "b", "c"], costs3, slab_rows=8, measured=seen)
-    other_pair = [c for c in three.candidates
-                  if set(build_plan(g, c.spec, slab_rows=c.slab_rows).active_nodes()) == {"a", "c"}]
+    other_pair = [c for c in three.candidates if c.spec.strategy == "stripes"
+                  and set(build_plan(g, c.spec, slab_rows=c.slab_rows).active_nodes()) == {"a", "c"}]
     assert other_pair and all(c.model_error == pytest.approx(2.5) for c in other_pair)
     assert all(c.model_error == pytest.approx(2.5) for c in three.candidates
                if len(build_plan(g, c.spec, slab_rows=c.slab_rows).active_nodes()) == 3)
+    assert all(c.model_error == 1.0 for c in three.candidates if c.spec.strategy == "layerwise")
     assert three.best.spec.strategy == "single"
 
 
@@ -436,14 +438,15 @@ def test_an_earlier_error_on_a_set_of_nodes_still_counts_after_its_latency_stopp
     earlier = {frozenset({"a", "b"}): 2.5}
     again = choose_plan(g, ["a", "b"], costs, slab_rows=8, earlier_errors=earlier)
     for c in again.candidates:
-        assert c.model_error == pytest.approx(2.5 if len(_active(g, c)) == 2 else 1.0)
+        split = len(_active(g, c)) == 2 and c.spec.strategy == "stripes"
+        assert c.model_error == pytest.approx(2.5 if split else 1.0)
     assert again.best.spec.strategy == "single"
     # a current measurement of a split over the same nodes says more than the earlier ratio
     ran = next(c for c in again.candidates if c.spec.strategy == "stripes")
     seen = {spec_key(ran.spec, ran.slab_rows): MeasuredPlan(ran.spec, ran.slab_rows, 1.2 * ran.predicted_ms)}
     now = choose_plan(g, ["a", "b"], costs, slab_rows=8, measured=seen, earlier_errors=earlier)
     assert all(c.model_error == pytest.approx(1.2) for c in now.candidates
-               if c.measured_ms is None and len(_active(g, c)) == 2)
+               if c.measured_ms is None and len(_active(g, c)) == 2 and c.spec.strategy == "stripes")
     # nonsense ratios are ignored
     bad = choose_plan(g, ["a", "b"], costs, slab_rows=8,
                       earlier_errors={frozenset({"a", "b"}): float("nan"), frozenset({"a"}): -1.0})
@@ -459,9 +462,41 @@ def test_a_split_over_fewer_nodes_than_any_that_ran_takes_the_nearest_larger_spl
     ran = next(c for c in first.candidates if len(_active(g, c)) == 3)
     seen = {spec_key(ran.spec, ran.slab_rows): MeasuredPlan(ran.spec, ran.slab_rows, 1.6 * ran.predicted_ms)}
     again = choose_plan(g, ["a", "b", "c"], costs, slab_rows=8, shares=(1.0, 1.0, 1.0), measured=seen)
-    pairs = [c for c in again.candidates if len(_active(g, c)) == 2]
+    pairs = [c for c in again.candidates if len(_active(g, c)) == 2 and c.spec.strategy == "stripes"]
     assert pairs and all(c.model_error == pytest.approx(1.6) for c in pairs if c.measured_ms is None)
     assert all(c.model_error == 1.0 for c in again.candidates if len(_active(g, c)) == 1)
+
+
+def test_layer_wise_plans_carry_the_error_of_layer_wise_plans_not_of_splits() -> None:
+    """A layer-wise plan computes a request on one node after the other: a split's error
+    (nodes contending for shared cores) is not its own. robot_two_edges: after a three-node
+    split measured 1.5x its prediction, the untried layer-wise plan edge -> robot was expected
+    1.5x too and never tried, while it ran faster than the split. Once a layer-wise plan ran,
+    every untried layer-wise plan carries its error, over any pair (a bounded exploration)."""
+    g = _graph("resnet18", (3, 64, 64))
+    costs = Costs({n: _profile(g, n, 0.05) for n in "abc"}, {}, FREE)
+    first = choose_plan(g, ["a", "b", "c"], costs, slab_rows=8, shares=(1.0, 1.0, 1.0))
+    split = next(c for c in first.candidates if len(_active(g, c)) == 3)
+    seen = {spec_key(split.spec, split.slab_rows): MeasuredPlan(split.spec, split.slab_rows, 1.5 * split.predicted_ms)}
+    again = choose_plan(g, ["a", "b", "c"], costs, slab_rows=8, shares=(1.0, 1.0, 1.0), measured=seen)
+    layerwise = [c for c in again.candidates if c.spec.strategy == "layerwise"]
+    assert layerwise and all(c.model_error == 1.0 and c.expected_ms == c.predicted_ms for c in layerwise)
+    assert all(c.model_error == pytest.approx(1.5) for c in again.candidates
+               if c.spec.strategy == "stripes" and c.measured_ms is None)
+    # a layer-wise plan that ran 1.3x its prediction: the others (any pair) carry 1.3, splits keep 1.5
+    ran = layerwise[0]
+    seen[spec_key(ran.spec, ran.slab_rows)] = MeasuredPlan(ran.spec, ran.slab_rows, 1.3 * ran.predicted_ms)
+    third = choose_plan(g, ["a", "b", "c"], costs, slab_rows=8, shares=(1.0, 1.0, 1.0), measured=seen)
+    others = [c for c in third.candidates if c.spec.strategy == "layerwise" and c.measured_ms is None]
+    assert others and all(c.model_error == pytest.approx(1.3) for c in others)
+    assert all(c.model_error == pytest.approx(1.5) for c in third.candidates
+               if c.spec.strategy == "stripes" and c.measured_ms is None)
+    # what the coordinator remembers keeps the two apart as well
+    earlier = {error_key(ran.spec, ran.spec.node_ids): 1.3, frozenset("abc"): 1.5}
+    later = choose_plan(g, ["a", "b", "c"], costs, slab_rows=8, shares=(1.0, 1.0, 1.0), earlier_errors=earlier)
+    assert all(c.model_error == pytest.approx(1.3) for c in later.candidates if c.spec.strategy == "layerwise")
+    assert all(c.model_error == pytest.approx(1.5) for c in later.candidates
+               if c.spec.strategy == "stripes" and len(_active(g, c)) >= 2)
 
 
 def test_a_quick_round_weighs_single_node_plans_against_the_running_plan_only() -> None:

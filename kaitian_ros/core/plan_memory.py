@@ -52,7 +52,7 @@ class ObservedPlan:
     last_s: float  # monotonic time of the last one
     trunks: dict  # node -> profile trunk_ms at its latest request
     predicted_ms: float  # the plan's predicted latency at the latest request
-    active: frozenset  # the nodes it keeps busy
+    active: frozenset  # the nodes it keeps busy (`planner.error_key`)
 
     @property
     def ms(self) -> float:
@@ -91,7 +91,7 @@ class PlanMemory:
         seen = self.observed.get(key)
         if seen is None or not self.still_valid(seen, now, profiles, alive):
             self.observed[key] = ObservedPlan(spec, slab_rows, (ms,), 1, now, trunks, predicted_ms,
-                                              frozenset(plan.active_nodes()))
+                                              planner.error_key(spec, plan.active_nodes()))
         else:  # the speeds it now ran at: a slow drift of a profile while it runs is its speed
             self.observed[key] = ObservedPlan(spec, slab_rows, (*seen.samples, ms)[-MEASURED_WINDOW:], seen.n + 1,
                                               now, trunks, predicted_ms, seen.active)

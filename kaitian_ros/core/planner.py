@@ -41,6 +41,22 @@ LAYERWISE_SIMULATED = 6
 SHARE_VECTORS_REFINED = 3
 SLAB_REFINED = 4
 MODEL_ERROR_MAX = 3.0  # a measured/predicted ratio applied to untried plans is clamped to [1/3, 3]
+_LAYERWISE = "layerwise"  # the key of every layer-wise plan's error (like a node count for splits)
+_LAYERWISE_NODE = "layerwise:"  # prefix of the nodes of a layer-wise plan's error key
+
+
+def error_key(spec: PlanSpec, active: Sequence[str] | frozenset[str]) -> frozenset[str]:
+    """The key of a plan's model error (measured / predicted): the set of nodes computing at
+    once. A layer-wise plan computes a request on one node after the other, so it does not
+    contend for cores as a split of the same nodes does, nor does a split's error say how far
+    the model is off for it: its key is its own (node names, which never hold a colon, prefixed)."""
+    if spec.strategy == "layerwise":
+        return frozenset(_LAYERWISE_NODE + n for n in active)
+    return frozenset(active)
+
+
+def _is_layerwise_key(key: frozenset[str]) -> bool:
+    return any(n.startswith(_LAYERWISE_NODE) for n in key)
 
 
 @dataclass(frozen=True)
@@ -279,12 +295,17 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
     cands: dict[tuple, Candidate] = {}
 
     measured = measured or {}
-    errors: dict[frozenset | int, float] = {}  # active node set (or their number) -> measured / predicted
-    active_of: dict[tuple, frozenset] = {}  # candidate key -> the nodes its plan keeps busy
+    # error key (or the number of nodes at once, or _LAYERWISE) -> measured / predicted
+    errors: dict[frozenset | int | str, float] = {}
+    active_of: dict[tuple, frozenset] = {}  # candidate key -> its error key (the nodes it keeps busy)
 
     def model_error(active: frozenset) -> float:
         if active in errors:
             return errors[active]
+        if _is_layerwise_key(active):
+            # an untried layer-wise plan misses as the layer-wise plans that ran did, else as
+            # the single-node plans (one node computing at a time), not as the splits
+            return errors.get(_LAYERWISE, errors.get(1, 1.0))
         if len(active) in errors:
             return errors[len(active)]
         # more nodes at once miss at least as much as fewer did (more contention)
@@ -302,7 +323,7 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
         if key not in cands:
             plan = build_plan(graph, spec, slab_rows=slab)
             active = plan.active_nodes()
-            active_of[key] = frozenset(active)
+            active_of[key] = error_key(spec, active)
             if spec.strategy != "single" and len(active) < 2:
                 ms = math.inf  # rows too few to split: a single-node plan under another name
             elif any(n not in costs.profiles for n in active):
@@ -331,16 +352,17 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
     # optimistic model does not send the search from one untried plan (or pair of nodes) to
     # the next: the model ranks plans on the same nodes less well than it ranks nodes (with
     # the median, the search still went through eight stripes plans over the same two nodes).
-    by_nodes: dict[frozenset | int, list[float]] = {}
+    by_nodes: dict[frozenset | int | str, list[float]] = {}
     for key, c in cands.items():
         if c.measured_ms is not None and math.isfinite(c.predicted_ms) and c.predicted_ms > 0:
             nodes = active_of[key]
             by_nodes.setdefault(nodes, []).append(c.measured_ms / c.predicted_ms)
-            by_nodes.setdefault(len(nodes), []).append(c.measured_ms / c.predicted_ms)
+            by_nodes.setdefault(_LAYERWISE if _is_layerwise_key(nodes) else len(nodes), []).append(
+                c.measured_ms / c.predicted_ms)
     for nodes, ratio in (earlier_errors or {}).items():
         if nodes not in by_nodes and math.isfinite(ratio) and ratio > 0:
             by_nodes[nodes] = [ratio]
-            by_nodes.setdefault(len(nodes), []).append(ratio)
+            by_nodes.setdefault(_LAYERWISE if _is_layerwise_key(nodes) else len(nodes), []).append(ratio)
     errors.update({k: min(MODEL_ERROR_MAX, max(1.0 / MODEL_ERROR_MAX, *v)) for k, v in by_nodes.items()})
 
     if strategy in ("auto", "single"):

@@ -453,15 +453,21 @@ def test_an_earlier_error_on_a_set_of_nodes_still_counts_after_its_latency_stopp
     assert all(c.model_error == 1.0 for c in bad.candidates)
 
 
-def test_a_split_over_fewer_nodes_than_any_that_ran_takes_the_nearest_larger_splits_error() -> None:
-    """Only a three-node split ran (1.6x its prediction): an untried pair is expected to miss
-    like it rather than be believed at face value; single-node plans are not split plans."""
+def _after_a_three_node_split(factor: float) -> tuple:
+    """Three equal nodes; a three-node split ran `factor` x its prediction: the graph, the
+    costs, the planner's choice now and the measurement."""
     g = _graph("resnet18", (3, 64, 64))
     costs = Costs({n: _profile(g, n, 0.05) for n in "abc"}, {}, FREE)
     first = choose_plan(g, ["a", "b", "c"], costs, slab_rows=8, shares=(1.0, 1.0, 1.0))
     ran = next(c for c in first.candidates if len(_active(g, c)) == 3)
-    seen = {spec_key(ran.spec, ran.slab_rows): MeasuredPlan(ran.spec, ran.slab_rows, 1.6 * ran.predicted_ms)}
-    again = choose_plan(g, ["a", "b", "c"], costs, slab_rows=8, shares=(1.0, 1.0, 1.0), measured=seen)
+    seen = {spec_key(ran.spec, ran.slab_rows): MeasuredPlan(ran.spec, ran.slab_rows, factor * ran.predicted_ms)}
+    return g, costs, choose_plan(g, ["a", "b", "c"], costs, slab_rows=8, shares=(1.0, 1.0, 1.0), measured=seen), seen
+
+
+def test_a_split_over_fewer_nodes_than_any_that_ran_takes_the_nearest_larger_splits_error() -> None:
+    """Only a three-node split ran (1.6x its prediction): an untried pair is expected to miss
+    like it rather than be believed at face value; single-node plans are not split plans."""
+    g, _, again, _ = _after_a_three_node_split(1.6)
     pairs = [c for c in again.candidates if len(_active(g, c)) == 2 and c.spec.strategy == "stripes"]
     assert pairs and all(c.model_error == pytest.approx(1.6) for c in pairs if c.measured_ms is None)
     assert all(c.model_error == 1.0 for c in again.candidates if len(_active(g, c)) == 1)
@@ -473,12 +479,7 @@ def test_layer_wise_plans_carry_the_error_of_layer_wise_plans_not_of_splits() ->
     split measured 1.5x its prediction, the untried layer-wise plan edge -> robot was expected
     1.5x too and never tried, while it ran faster than the split. Once a layer-wise plan ran,
     every untried layer-wise plan carries its error, over any pair (a bounded exploration)."""
-    g = _graph("resnet18", (3, 64, 64))
-    costs = Costs({n: _profile(g, n, 0.05) for n in "abc"}, {}, FREE)
-    first = choose_plan(g, ["a", "b", "c"], costs, slab_rows=8, shares=(1.0, 1.0, 1.0))
-    split = next(c for c in first.candidates if len(_active(g, c)) == 3)
-    seen = {spec_key(split.spec, split.slab_rows): MeasuredPlan(split.spec, split.slab_rows, 1.5 * split.predicted_ms)}
-    again = choose_plan(g, ["a", "b", "c"], costs, slab_rows=8, shares=(1.0, 1.0, 1.0), measured=seen)
+    g, costs, again, seen = _after_a_three_node_split(1.5)
     layerwise = [c for c in again.candidates if c.spec.strategy == "layerwise"]
     assert layerwise and all(c.model_error == 1.0 and c.expected_ms == c.predicted_ms for c in layerwise)
     assert all(c.model_error == pytest.approx(1.5) for c in again.candidates

@@ -170,7 +170,6 @@ def run_reference(timeline: Timeline, *, model: str, size: int, slowdowns: Seque
             got = [float(m.latency_ms) for _, m in g.fused.snapshot()[before:] if m.complete]
             return round(statistics.median(got), 2) if got else math.inf
 
-
         g.wait_ready(timeout_s=120.0)
         g.drive(timeline.warm, window=window, timeout_s=300.0)
         names = g.compute_names

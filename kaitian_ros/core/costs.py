@@ -167,8 +167,8 @@ class CostRefiner:
     does not set the ratio; what moves it is the probe level's *drift* since the last live
     feed: a device that got faster or slower while idle (throttling, another workload, a new
     emulated slowdown) shows it without being given work first. A new speed the live feeds
-    saw moves the level the probes are expected at by the same factor (it is no drift). Other processes on the same
-    cores only ever make a probe slower, so the level is the *fastest* of the last
+    saw moves the level the probes are expected at by the same factor (it is no drift). Other
+    processes on the same cores only ever make a probe slower, so the level is the *fastest* of the last
     `probe_window` probes, and it moves only past `probe_deadband`: a device that really slowed
     down shows it once a whole window of probes was slow, one that got faster at once. Measured
     on the 2-core benchmark machine while the other nodes computed: single probes 0.8x to 4x

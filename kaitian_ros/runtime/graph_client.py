@@ -6,6 +6,7 @@ import contextlib
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -65,28 +66,36 @@ class GraphClient:
         self.close()
 
     def liveliness(self, wait_s: float = DISCOVERY_WAIT_S) -> list[zs.LivelinessEntry]:
-        """Every entity's liveliness entry. An empty answer is asked again for up to ``wait_s``:
-        a session that just connected can get none before its router has it in the graph
-        (`kaitian node list` printed nothing so while other tests loaded the machine)."""
+        """Every entity's liveliness entry: asked until two answers ``SETTLE_S`` apart agree, for
+        up to ``wait_s`` (0: one answer). A session that just connected can get a partial answer
+        while its direct links to the other peers come up (CI's `kaitian node list` once printed
+        one of five nodes on a loaded machine), or none before its router has it in the graph."""
         deadline = time.monotonic() + wait_s
+        previous: Counter[zs.LivelinessEntry] | None = None
         while True:
-            entries = []
-            for reply in self.session.liveliness().get(f"{zs.LIVELINESS_PREFIX}/{self.domain}/**",
-                                                       timeout=QUERY_TIMEOUT_S):
-                if reply.ok is not None:
-                    entry = zs.parse_liveliness(str(reply.ok.key_expr))
-                    if entry is not None:
-                        entries.append(entry)
-            if entries or time.monotonic() >= deadline:
+            entries = self._ask_liveliness()
+            answer = Counter(entries)  # two publishers of one node on one topic are two entries
+            if time.monotonic() >= deadline or (entries and answer == previous):
                 return entries
-            time.sleep(0.2)
+            previous = answer
+            time.sleep(SETTLE_S)
+
+    def _ask_liveliness(self) -> list[zs.LivelinessEntry]:
+        entries = []
+        for reply in self.session.liveliness().get(f"{zs.LIVELINESS_PREFIX}/{self.domain}/**",
+                                                   timeout=QUERY_TIMEOUT_S):
+            if reply.ok is not None:
+                entry = zs.parse_liveliness(str(reply.ok.key_expr))
+                if entry is not None:
+                    entries.append(entry)
+        return entries
 
     def nodes(self) -> list[str]:
         return sorted({e.node_fqn for e in self.liveliness() if e.kind == "NN"})
 
     def topics(self, wait_s: float = DISCOVERY_WAIT_S) -> list[TopicInfo]:
-        """Every topic with its types and counts of publishers and subscribers (an empty graph is
-        asked again for up to ``wait_s``: `liveliness`)."""
+        """Every topic with its types and counts of publishers and subscribers (asked until the
+        answer settles, for up to ``wait_s``: `liveliness`)."""
         found: dict[str, dict[str, Any]] = {}
         for e in self.liveliness(wait_s):
             if e.kind not in ("MP", "MS"):

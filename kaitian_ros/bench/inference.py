@@ -87,6 +87,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--min-run-rows", type=int, default=32,
                    help="compute nodes' min_run_rows for the streamed variants (hetero_inference.yaml: 32)")
     p.add_argument("--startup-timeout", type=float, default=180.0)
+    p.add_argument("--logs", type=Path, default=None,
+                   help="keep every process's log in DIR/<scenario>/ (by default they are removed at the end)")
     a = p.parse_args(argv)
     if a.matrix:
         given = [f"--{k}" for k in ("scenario", *OVERRIDES) if getattr(a, k) is not None]

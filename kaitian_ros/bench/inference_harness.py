@@ -8,6 +8,7 @@ import argparse
 import collections
 import functools
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -67,6 +68,12 @@ class Series:
                **self.config}
         if self.plans:
             out["plans_ran"] = dict(collections.Counter(self.plans).most_common())
+        if self.plans and len(self.plans) == len(self.samples):
+            # what each plan took while it ran: tells a plan measured slow from a slow switch
+            by_plan: dict[str, list[float]] = {}
+            for plan, ms in zip(self.plans, self.samples):
+                by_plan.setdefault(plan, []).append(ms)
+            out["plans_ran_median_ms"] = {plan: round(statistics.median(v), 2) for plan, v in by_plan.items()}
         return out
 
 
@@ -248,6 +255,19 @@ def run(args: argparse.Namespace, sc: BenchScenario, say: Any) -> dict:
             gp.stop()
         if links is not None:
             links.close()
+        _keep_or_remove_logs(tmp, args.logs, sc.name, say)
+
+
+def _keep_or_remove_logs(tmp: Path, logs: Path | None, scenario: str, say: Any) -> None:
+    """The processes' logs go to `logs`/<scenario> when asked for, else away with their folder."""
+    if logs is not None:
+        dest = logs / scenario
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(tmp), dest)
+        say(f"[bench] process logs in {dest}")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _measure_rounds(driver: Driver, gp: Graph, measure: Measurer, cfgs: dict[str, ProductConfig],

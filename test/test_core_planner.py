@@ -515,3 +515,27 @@ def test_a_quick_round_weighs_single_node_plans_against_the_running_plan_only() 
     assert choice.best.spec == PlanSpec.single("a")
     assert was[0] == pytest.approx(predict(g, running, costs, slab_rows=8)) and was[0] > choice.best.expected_ms
 
+
+
+def test_a_kept_plan_that_grew_slower_is_left_for_the_newest_rounds_other_best() -> None:
+    """`worth_leaving`: the fastest other candidate of the last round, once the running plan's
+    measurement makes it worth switching to (full margin against a prediction, half against
+    a measurement)."""
+    from kaitian_ros.core.planner import Candidate, Choice, worth_leaving
+
+    single = Candidate(PlanSpec("single", ("a",), (), ((1.0,),)), 73.4, "single a", measured_ms=76.0, slab_rows=64)
+    layerwise = Candidate(PlanSpec("layerwise", ("a", "b"), (5,), ((1.0, 0.0), (0.0, 1.0))), 65.2, "a -> b",
+                          slab_rows=64, model_error=1.08)  # expected 70.4
+    measured_other = Candidate(PlanSpec("single", ("b",), (), ((1.0,),)), 90.0, "single b", measured_ms=72.0,
+                               slab_rows=64)
+    choice = Choice(single, layerwise, (layerwise, single))
+    running = spec_key(single.spec, single.slab_rows)
+    assert worth_leaving(choice, running, 76.0, 0.1) is None   # within 1.1 x 70.4
+    assert worth_leaving(choice, running, 85.0, 0.1) is layerwise
+    assert worth_leaving(None, running, 85.0, 0.1) is None
+    # against a measured plan half the margin: 72 x 1.05 = 75.6
+    choice = Choice(single, measured_other, (measured_other, single))
+    assert worth_leaving(choice, running, 75.0, 0.1) is None
+    assert worth_leaving(choice, running, 76.0, 0.1) is measured_other
+    # the running plan itself is never its own alternative
+    assert worth_leaving(Choice(single, None, (single,)), running, 500.0, 0.1) is None

@@ -127,6 +127,19 @@ def worth_switching(running_ms: float, running_measured: bool, best: Candidate, 
     return running_ms > best.expected_ms * (1.0 + gain)
 
 
+def worth_leaving(choice: Choice | None, running_key: tuple, running_ms: float, min_gain: float) -> Candidate | None:
+    """The fastest candidate of the newest planning round other than the running plan (its
+    `spec_key`), if what the running plan now measures (`running_ms`) makes it worth switching
+    to (`worth_switching`); else None. A plan kept or resumed on an earlier measurement that
+    has since grown slower was only looked at again by the periodic round, seconds later: in
+    robot_two_edges a resumed single device measured 76 ms, then 85, for a whole round while
+    the layer-wise plan was expected at 70."""
+    if choice is None:
+        return None
+    other = next((c for c in choice.candidates if spec_key(c.spec, c.slab_rows) != running_key), None)
+    return other if other is not None and worth_switching(running_ms, True, other, min_gain) else None
+
+
 def resuming(choice: Choice, resume: MeasuredPlan | None, min_gain: float) -> Choice:
     """`choice`, or the measured plan `resume` that ran last under the parameters just set again
     (`PlanMemory.resumable`) while `choice.best` is not worth switching to from it. Without this

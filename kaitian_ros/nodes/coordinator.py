@@ -14,9 +14,8 @@ proposes shares, when a node joins or leaves, when a profile changes and every
 that stops sending heartbeats leaves the plan; its in-flight requests are re-dispatched to the
 survivors under a new version so no frame is lost.
 
-Requests run in `coordinator_requests`, /diagnostics in `coordinator_report`, the parameters
-are `coordinator_params`, what plans are priced with `coordinator_costs`, and what it
-remembers of plans that ran is `core.plan_memory`.
+Requests run in `coordinator_requests`, /diagnostics in `coordinator_report`, parameters in
+`coordinator_params`, plan prices in `coordinator_costs`, plans that ran in `core.plan_memory`.
 """
 
 from __future__ import annotations
@@ -88,6 +87,7 @@ class Coordinator(RequestFlow):
         self.memory = PlanMemory()  # what plans really took lately, the plans nodes left
         self.unmeasured_version: int | None = None  # the newest plan version until its first request completes
         self.predicted_ms = 0.0  # the newest plan's latency as last predicted
+        self.measure_replanned = 0  # the plan version a measurement last made the planner look again at
         self.planner, self.planner_lost = planner_for(self.spec), False  # planning rounds off the executor
         self._replan_again: tuple[str, int] | None = None
         self.last_replan = 0.0
@@ -244,10 +244,15 @@ class Coordinator(RequestFlow):
         predicted = self.predicted_ms if is_running else plan.estimated_ms
         t, gain = time.monotonic(), self.params["min_plan_gain"]
         now = self.memory.observe(plan, ms, predicted, t, self.profiles, self.alive)
-        if now is not None and now.n == MEASURED_MIN and is_running and (now.ms > self.predicted_ms * (1 + gain) or (
-                self.memory.beaten(plan, now.ms, planner.measured_margin(gain), t, self.profiles, self.alive))):
-            # the model was wrong about the running plan, or a plan that ran before measured
-            # better (`planner.worth_switching`): choose again with what it measured
+        version = self.current.version if self.current is not None else 0
+        # when its measurement first counts, and once per version (a plan kept on an older one):
+        # the model was wrong, a plan that ran before or the newest round's runner-up is better
+        if now is not None and is_running and now.n >= MEASURED_MIN and (
+                now.n == MEASURED_MIN or self.measure_replanned != version) and (
+                now.ms > self.predicted_ms * (1 + gain)
+                or self.memory.beaten(plan, now.ms, planner.measured_margin(gain), t, self.profiles, self.alive)
+                or planner.worth_leaving(self.choice, planner.spec_key(plan.spec, plan.slab_rows), now.ms, gain)):
+            self.measure_replanned = version
             self._replan_soon(f"measured {now.ms:.1f} ms, predicted {self.predicted_ms:.1f} ms")
 
     def running_plan(self) -> Plan | None:
@@ -267,15 +272,12 @@ class Coordinator(RequestFlow):
                      periodic: bool = False) -> None:
         """Re-predict with new measurements in the planner process (a full search takes up to a
         few hundred ms: the executor goes on serving frames); `_check` applies the result.
-
         Only the adaptive policy follows measurements: with fixed shares (no scheduler, or the
         scheduler's static/equal/profile_once policies) a plan is chosen when the nodes, the
         parameters or the proposed shares (`proposal`) change, and then kept.
-
         `quick`: a node of the running plan changed speed - first a round over single-node
         plans only (a few ms instead of a full search's 100-350 ms, while every request runs
         at the changed speed), then the full search.
-
         `periodic`: nothing happened but time passed - skipped when every input of the round
         is where it was at the last round (`PlanRequest.material`): the same choice again."""
         self.last_replan = time.monotonic()
@@ -302,8 +304,7 @@ class Coordinator(RequestFlow):
         if not self.planner.alive() and not self.planner_lost:  # killed, out of memory: plan here
             self.planner_lost = True
             self.rt.logger.warning("planner process not running: planning on the executor from now on")
-        # (still starting: the first seconds after start-up, when nodes join and the scheduler
-        # adapts fast, must not wait for it)
+        # still starting: the first seconds (nodes join, the scheduler adapts) must not wait for it
         self._apply_plan(request, *plan_round(self.graph, request))
 
     def _collect_plan(self) -> None:
@@ -378,11 +379,10 @@ class Coordinator(RequestFlow):
             return
         if old is not None and request.strategy != "auto" and old.spec.strategy != request.strategy:
             force = True  # the running plan is a fallback (too few nodes for the strategy asked)
-        # the running plan can go on: switch only for a clear gain (no flapping between
-        # near-equal plans on measurement noise); by measurement where there is one. Not
-        # when the shares are the scheduler's to choose (`share_search` off, or a fixed
-        # policy): then its proposal is the plan - e.g. a probe share for a node that
-        # (re)joined, which must get rows to be measured at all
+        # the running plan can go on: switch only for a clear gain (no flapping between near-equal
+        # plans on measurement noise); by measurement where there is one. Not when the shares are
+        # the scheduler's (`share_search` off, or a fixed policy): then its proposal is the plan,
+        # e.g. a probe share for a node that (re)joined, which must get rows to be measured at all
         if (old is not None and not force and request.share_search and was is not None
                 and set(old.active_nodes()) <= set(request.nodes)
                 and not planner.worth_switching(was.expected_ms, was.measured, choice.best,

@@ -109,6 +109,12 @@ class Driver:
                                                                                       m.link_bytes_per_ms)}}
                 for n, m in sorted(msgs.items())}
 
+    def coordinator_links(self) -> str:
+        """The coordinator's estimates of its incoming links (``node:rate/latency,...``), as its
+        /diagnostics last reported them: with `profile_summary`, every link the planner uses."""
+        with self.lock:
+            return self.status.get("links_in", "")
+
     def _on_diagnostics(self, m: Any) -> None:
         for st in m.status:
             if st.name == COORDINATOR_STATUS:

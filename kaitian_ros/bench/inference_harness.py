@@ -244,6 +244,7 @@ def run(args: argparse.Namespace, sc: BenchScenario, say: Any) -> dict:
         res = _result(sc, args, driver, series, cfgs, trunk_ms, search, link_note, links is not None)
         res["ours_policy"] = policy
         res["profiles_at_end"] = driver.profile_summary()
+        res["coordinator_links_at_end"] = driver.coordinator_links()
         res["tbf_bytes_sent"] = sent
         res["scenario"] |= {"load_avg_at_start": load_start, "load_avg_at_end": os.getloadavg()[0]}
         res["wall_s"] = round(time.monotonic() - t_start, 1)

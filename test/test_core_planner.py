@@ -516,7 +516,6 @@ def test_a_quick_round_weighs_single_node_plans_against_the_running_plan_only() 
     assert was[0] == pytest.approx(predict(g, running, costs, slab_rows=8)) and was[0] > choice.best.expected_ms
 
 
-
 def test_a_kept_plan_that_grew_slower_is_left_for_the_newest_rounds_other_best() -> None:
     """`worth_leaving`: the fastest other candidate of the last round, once the running plan's
     measurement makes it worth switching to (full margin against a prediction, half against

@@ -59,6 +59,12 @@ def _is_layerwise_key(key: frozenset[str]) -> bool:
     return any(n.startswith(_LAYERWISE_NODE) for n in key)
 
 
+def _error_group(key: frozenset[str]) -> int | str:
+    """The group whose errors an untried plan without its own falls back on: every layer-wise
+    plan, else every plan with the same number of nodes at once."""
+    return _LAYERWISE if _is_layerwise_key(key) else len(key)
+
+
 @dataclass(frozen=True)
 class Candidate:
     spec: PlanSpec
@@ -370,12 +376,11 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
         if c.measured_ms is not None and math.isfinite(c.predicted_ms) and c.predicted_ms > 0:
             nodes = active_of[key]
             by_nodes.setdefault(nodes, []).append(c.measured_ms / c.predicted_ms)
-            by_nodes.setdefault(_LAYERWISE if _is_layerwise_key(nodes) else len(nodes), []).append(
-                c.measured_ms / c.predicted_ms)
+            by_nodes.setdefault(_error_group(nodes), []).append(c.measured_ms / c.predicted_ms)
     for nodes, ratio in (earlier_errors or {}).items():
         if nodes not in by_nodes and math.isfinite(ratio) and ratio > 0:
             by_nodes[nodes] = [ratio]
-            by_nodes.setdefault(_LAYERWISE if _is_layerwise_key(nodes) else len(nodes), []).append(ratio)
+            by_nodes.setdefault(_error_group(nodes), []).append(ratio)
     errors.update({k: min(MODEL_ERROR_MAX, max(1.0 / MODEL_ERROR_MAX, *v)) for k, v in by_nodes.items()})
 
     if strategy in ("auto", "single"):

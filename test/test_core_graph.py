@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kaitian_ros.core import prepack as prepack_module
-from kaitian_ros.core.graph import UnsplittableModelError, Window
+from kaitian_ros.core.graph import UnsplittableModelError, Window, border_rows
 from kaitian_ros.core.models import build_model
 from kaitian_ros.core.prepack import prepacked_conv
 from kaitian_ros.core.split import split_model
@@ -148,6 +148,54 @@ def test_prepacked_conv_equals_conv2d_for_any_rows_and_batch(cin: int, cout: int
             got = conv(x)
             assert got.shape == want.shape
             assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@pytest.mark.parametrize("cin,cout,stride", [(64, 64, 1), (32, 64, 2)])
+def test_prepacked_conv_with_its_own_h_padding_equals_conv2d(cin: int, cout: int, stride: int) -> None:
+    """Weights packed for no H padding, called with H padding 1 (a run at the image border
+    pads itself instead of reading rows copied between zero rows): F.conv2d's result."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN: prepacked_conv returns None by design")
+    g = torch.Generator().manual_seed(4)
+    w, b = torch.randn(cout, cin, 3, 3, generator=g), torch.randn(cout, generator=g)
+    conv = prepacked_conv(w, b, (0, 1), (stride, stride), (1, 1), 1, (1, cin, 18, 16))
+    assert conv is not None
+    for rows in (3, 8, 16):
+        x = torch.randn(1, cin, rows, 16, generator=g).contiguous(memory_format=torch.channels_last)
+        for pad in (0, 1):
+            want = F.conv2d(x, w, b, stride, (pad, 1))
+            got = conv(x, pad)
+            assert got.shape == want.shape
+            assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@pytest.mark.parametrize("name,shape", [("resnet18", (3, 32, 32)), ("mobilenet_v2", (3, 32, 32)),
+                                        ("vgg11", (3, 32, 32))])
+def test_window_op_at_the_border_pads_itself_exactly(name: str, shape: tuple[int, int, int]) -> None:
+    """Every window op, at every border case a run can meet (top, bottom or both padding rows
+    missing, whole or a few rows), gives the same rows through its own padding as through
+    rows copied between padding rows; and where it cannot pad itself it falls back to that."""
+    g = split_model(build_model(name), shape)
+    x = torch.randn(1, *shape, generator=torch.Generator().manual_seed(5))
+    checked = 0
+    with torch.no_grad():
+        vals = [g.run_ops(x, 0, v) for v in range(g.num_values)]  # every value, whole
+        for op in g.ops:
+            w = op.window
+            if w is None or w.pad_top == 0:
+                continue
+            inp = vals[op.inputs[0]]
+            for lo, hi in ((0, w.out_h), (0, 1), (0, 2), (max(0, w.out_h - 2), w.out_h), (w.out_h - 1, w.out_h)):
+                ra, rb = w.raw(lo, hi)
+                ca, cb = max(ra, 0), min(rb, w.in_h)
+                top, bottom = ca - ra, rb - cb
+                rows = inp[:, :, ca:cb]
+                want = op.run([border_rows(rows, top, bottom, op.pad_value)], lo, hi)
+                got = op.run_border(rows, top, bottom, lo, hi)
+                assert got.shape == want.shape, (op.name, lo, hi)
+                assert (got - want).abs().max() <= 1e-5 * max(1.0, float(want.abs().max())), (op.name, lo, hi)
+                checked += op.pads_itself(top, bottom)
+    assert checked > 0  # some border runs did take the op's own padding
 
 
 @pytest.mark.parametrize("factor,repacks", [(0.0, True), (float("inf"), False)])

@@ -13,7 +13,7 @@ from plan_checks import assert_close
 from kaitian_ros.core.models import build_model
 from kaitian_ros.core.plan import make_plan
 from kaitian_ros.core.split import split_model
-from kaitian_ros.core.stripe import Emission, StripeRunner, run_plan_locally
+from kaitian_ros.core.stripe import Emission, RowPieces, StripeRunner, run_plan_locally
 
 torch.set_num_threads(1)
 
@@ -166,3 +166,28 @@ def test_emit_hands_on_each_emission_as_its_rows_exist() -> None:
     slow = StripeRunner(g, plan, "a", min_run_rows=1)
     slow.feed(0, lo, x[:, :, lo:hi], emit=lambda e: time.sleep(0.05))  # a slow callback is the case under test
     assert slow.stats()["compute_s"] < 0.05 * len(handed)
+
+
+def test_row_pieces_read_views_one_piece_and_copies_across_pieces_and_padding() -> None:
+    """A run's rows stay where the op put them: reading rows of one piece is a view of it (no
+    copy), rows of several pieces or with border padding rows come back as one new tensor."""
+    full = torch.arange(2 * 3 * 10 * 4, dtype=torch.float32).reshape(2, 3, 10, 4)
+    full = full.contiguous(memory_format=torch.channels_last)
+    pieces = RowPieces()
+    for lo, hi in ((4, 7), (0, 4), (7, 10)):  # added out of order, as halos may arrive
+        pieces.add(lo, hi, full[:, :, lo:hi].clone(memory_format=torch.channels_last))
+    inside = pieces.read(4, 6)
+    assert torch.equal(inside, full[:, :, 4:6])
+    assert any(inside.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in pieces)
+    across = pieces.read(2, 9)
+    assert torch.equal(across, full[:, :, 2:9]) and across.is_contiguous(memory_format=torch.channels_last)
+    padded = pieces.read(0, 3, top=1, bottom=2, fill=-1.0)
+    assert padded.shape[2] == 6 and torch.equal(padded[:, :, 1:4], full[:, :, 0:3])
+    assert bool((padded[:, :, :1] == -1).all()) and bool((padded[:, :, 4:] == -1).all())
+    # a strided 1x1 conv's window skips rows the plan never sends: the gap reads as zeros
+    gappy = RowPieces()
+    gappy.add(0, 3, full[:, :, 0:3].clone(memory_format=torch.channels_last))
+    gappy.add(4, 6, full[:, :, 4:6].clone(memory_format=torch.channels_last))
+    rows = gappy.read(1, 6)
+    assert torch.equal(rows[:, :, 0:2], full[:, :, 1:3]) and torch.equal(rows[:, :, 3:5], full[:, :, 4:6])
+    assert bool((rows[:, :, 2] == 0).all())

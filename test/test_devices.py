@@ -57,7 +57,7 @@ def test_graph_and_buffers_on_the_model_device() -> None:
     x = torch.randn(1, *SPEC.input_shape, dtype=torch.float64).float()
     runners: dict = {}
     out = run_plan_locally(g, plan, x, runners_out=runners)
-    assert all(b is None or b.device == g.device for r in runners.values() for b in r._bufs)
+    assert all(t.device == g.device for r in runners.values() for p in r._rows for t in p)
     ref = g.run_trunk(x)
     assert float((out - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
     # a node with its own graph of the model (on a GPU in the CUDA test below) runs on that one

@@ -59,6 +59,7 @@ class Window:
 
 # --------------------------------------------------------------------------- trunk ops
 RunFn = Callable[[list[Tensor], int, int], Tensor]  # (inputs, out_lo, out_hi) -> rows
+PaddedRunFn = Callable[[Tensor, int], Tensor]  # (input rows, H padding each side) -> output rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,9 +71,33 @@ class TrunkOp:
     pad_value: float  # fill of H padding rows materialised at the true image border
     run: RunFn  # rows of each input (H padding included), output rows [lo, hi) -> those rows
     flops_per_row: float
+    # a window op that can add its H padding itself (the conv's or pool's own padding
+    # argument) instead of reading rows copied in between padding rows; None: it cannot
+    run_padded: PaddedRunFn | None = None
 
     def needs(self, rng: Interval) -> Interval:
         return rng if self.window is None else self.window.needs(rng)
+
+    def pads_itself(self, top: int, bottom: int) -> bool:
+        """Whether `run_border` computes rows with `top`/`bottom` border padding rows without a
+        copy of its input: symmetric padding of max(top, bottom) rows gives the wanted rows when
+        the extra rows it adds at the top are a whole number of strides."""
+        w = self.window
+        return (self.run_padded is not None and w is not None and (top > 0 or bottom > 0)
+                and (max(top, bottom) - top) % w.stride == 0)
+
+    def run_border(self, x: Tensor, top: int, bottom: int, lo: int, hi: int) -> Tensor:
+        """Output rows [lo, hi) from input rows `x` that lack `top`/`bottom` padding rows at the
+        image border: the op pads where `pads_itself`, else the rows are copied between padding
+        rows (`border_rows`)."""
+        if top <= 0 and bottom <= 0:
+            return self.run([x], lo, hi)
+        if not self.pads_itself(top, bottom):
+            return self.run([border_rows(x, top, bottom, self.pad_value)], lo, hi)
+        assert self.run_padded is not None and self.window is not None
+        pad = max(top, bottom)
+        first = (pad - top) // self.window.stride  # output rows of padding above the wanted ones
+        return self.run_padded(x, pad)[:, :, first:first + hi - lo]
 
     def covered(self, avail: Interval) -> Interval:
         return avail if self.window is None else self.window.covered(avail)
@@ -124,8 +149,10 @@ class ModelGraph:
             op = self.ops[j]
             ins = [vals[u] for u in op.inputs]
             if op.window is not None:
-                ins = [_pad_rows(ins[0], op.window, 0, op.window.out_h, op.pad_value)]
-            vals[j + 1] = op.run(ins, 0, op.out_shape[1]).contiguous(memory_format=fmt)
+                y = window_rows(op, ins[0], 0, op.window.out_h)
+            else:
+                y = op.run(ins, 0, op.out_shape[1])
+            vals[j + 1] = y.contiguous(memory_format=fmt)
         return vals[last]
 
     def trunk_flops(self) -> float:
@@ -153,11 +180,12 @@ class ModelGraph:
         return comp, need.get(in_value, EMPTY)
 
 
-def _pad_rows(x: Tensor, w: Window, lo: int, hi: int, fill: float) -> Tensor:
-    """Input rows for output rows [lo, hi) of window op `w`, given `x` = whole input."""
-    ra, rb = w.raw(lo, hi)
-    ca, cb = max(ra, 0), min(rb, w.in_h)
-    return border_rows(x[:, :, ca:cb], ca - ra, rb - cb, fill)
+def window_rows(op: TrunkOp, x: Tensor, lo: int, hi: int) -> Tensor:
+    """Output rows [lo, hi) of window op `op`, given `x` = its whole input."""
+    assert op.window is not None
+    ra, rb = op.window.raw(lo, hi)
+    ca, cb = max(ra, 0), min(rb, op.window.in_h)
+    return op.run_border(x[:, :, ca:cb], ca - ra, rb - cb, lo, hi)
 
 
 def memory_format_of(x: Tensor) -> torch.memory_format:

@@ -63,24 +63,28 @@ class PrepackedConv:
             t0 = time.perf_counter()
             self._run(probe, self._default)  # the first call built oneDNN's kernel: time the second
             self._s_per_row = (time.perf_counter() - t0) / got.shape[2]  # per output row, one image
-        self._by_shape: dict[tuple[int, int], Tensor] = {(input_shape[0], input_shape[2]): self._default}
+        self._by_shape: dict[tuple[int, int, int], Tensor] = {
+            (input_shape[0], input_shape[2], self._args[0][0]): self._default}
 
-    def __call__(self, x: Tensor) -> Tensor:
-        key = (x.shape[0], x.shape[2])
+    def __call__(self, x: Tensor, pad_h: int | None = None) -> Tensor:
+        """The conv of `x`; `pad_h` overrides the H padding it was built with (the weights
+        packed for one padding serve another: checked against ``F.conv2d`` in the tests)."""
+        pad = self._args[0][0] if pad_h is None else int(pad_h)
+        key = (x.shape[0], x.shape[2], pad)
         packed = self._by_shape.get(key)
         if packed is not None:
-            return self._run(x, packed)
+            return self._run(x, packed, pad)
         self._by_shape[key] = self._default
-        y, took = self._timed(x, self._default)
+        y, took = self._timed(x, self._default, pad)
         if not self._slow(y, took):
             return y
-        y, took = self._timed(x, self._default)  # the first call at a shape also builds a kernel
+        y, took = self._timed(x, self._default, pad)  # the first call at a shape also builds a kernel
         if not self._slow(y, took):
             return y
         try:
-            own = self._pack(tuple(x.shape))
-            self._run(x, own)  # builds the kernel for this layout
-            mine, took_own = self._timed(x, own)
+            own = self._pack(tuple(x.shape), pad)
+            self._run(x, own, pad)  # builds the kernel for this layout
+            mine, took_own = self._timed(x, own, pad)
         except RuntimeError:  # refused for this shape: keep the (slow but right) layout
             return y
         # kept only where it is right and clearly faster: a call that was merely descheduled
@@ -92,22 +96,26 @@ class PrepackedConv:
     @property
     def repacked_shapes(self) -> tuple[tuple[int, int], ...]:
         """(batch, input rows) shapes that got weights packed for themselves."""
-        return tuple(k for k, p in self._by_shape.items() if p is not self._default)
+        return tuple(k[:2] for k, p in self._by_shape.items() if p is not self._default)
 
-    def _timed(self, x: Tensor, packed: Tensor) -> tuple[Tensor, float]:
+    def _timed(self, x: Tensor, packed: Tensor, pad_h: int) -> tuple[Tensor, float]:
         t0 = time.perf_counter()
-        y = self._run(x, packed)
+        y = self._run(x, packed, pad_h)
         return y, time.perf_counter() - t0
 
     def _slow(self, y: Tensor, took: float) -> bool:
         """Far slower than this many output rows' share of the whole-map call."""
         return took > SLOW_PACK_FACTOR * self._s_per_row * y.shape[0] * y.shape[2] + SLOW_PACK_SLACK_S
 
-    def _pack(self, input_shape: Sequence[int]) -> Tensor:
-        return torch.ops.mkldnn._reorder_convolution_weight(self._weight, *self._args, list(input_shape))
+    def _pack(self, input_shape: Sequence[int], pad_h: int | None = None) -> Tensor:
+        padding, *rest = self._args
+        padding = padding if pad_h is None else [pad_h, padding[1]]
+        return torch.ops.mkldnn._reorder_convolution_weight(self._weight, padding, *rest, list(input_shape))
 
-    def _run(self, x: Tensor, packed: Tensor) -> Tensor:
-        return torch.ops.mkldnn._convolution_pointwise(x, packed, self._bias, *self._args, "none", [], "")
+    def _run(self, x: Tensor, packed: Tensor, pad_h: int | None = None) -> Tensor:
+        padding, *rest = self._args
+        padding = padding if pad_h is None else [pad_h, padding[1]]
+        return torch.ops.mkldnn._convolution_pointwise(x, packed, self._bias, padding, *rest, "none", [], "")
 
 
 def _close(got: Tensor, want: Tensor) -> bool:

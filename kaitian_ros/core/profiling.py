@@ -1,8 +1,8 @@
 """Start-up cost measurement: every trunk op timed as the stripe executor calls it.
 
-`measure_profile` runs each op on row windows of a few sizes - the input rows read through
-`border_rows` exactly as `StripeRunner._compute` reads them, the result copied into an output
-buffer as the runner copies it - and fits `OpCost` per op. The whole trunk is timed too. A time
+`measure_profile` runs each op on row windows of a few sizes as `StripeRunner._compute` runs
+a streamed run - a window op's input rows copied first, as a run reading rows of two pieces
+copies them - and fits `OpCost` per op. The whole trunk is timed too. A time
 budget bounds it; ops left unmeasured when it runs out get their full-map time per row.
 `probe` times a few ops again later (idle devices still notice that they got faster or slower).
 
@@ -22,7 +22,7 @@ from typing import cast
 import torch
 
 from .costs import OpCost, fit_op_cost
-from .graph import ModelGraph, border_rows
+from .graph import ModelGraph, window_rows
 
 PROBE_MS = 1.0  # about what the probe op should take (see `measure_profile`)
 
@@ -55,25 +55,27 @@ def _values(graph: ModelGraph, n: int) -> list[torch.Tensor]:
     vals = [x]
     with torch.no_grad():
         for j, op in enumerate(graph.ops):
-            vals.append(_call(graph, vals, j, 0, op.out_shape[1], None))
+            vals.append(_call(graph, vals, j, 0, op.out_shape[1]))
     return vals
 
 
-def _call(graph: ModelGraph, vals: list[torch.Tensor], j: int, a: int, b: int,
-          out: torch.Tensor | None) -> torch.Tensor:
-    """Output rows [a, b) of op j from whole inputs, the way the stripe executor computes them."""
+def _call(graph: ModelGraph, vals: list[torch.Tensor], j: int, a: int, b: int, *,
+          streamed: bool = False) -> torch.Tensor:
+    """Output rows [a, b) of op j from whole inputs, the way the stripe executor computes them.
+    With `streamed`, a window op first copies its input rows, as a streamed run does that reads
+    rows of two pieces (the rows its previous run left and the newly arrived ones)."""
     op = graph.ops[j]
-    if op.window is not None:
+    fmt = graph.activation_format
+    if op.window is None:
+        y = op.run([vals[u][:, :, a:b] for u in op.inputs], a, b)
+    elif streamed:
         ra, rb = op.window.raw(a, b)
         ca, cb = max(ra, 0), min(rb, op.window.in_h)
-        xs = [border_rows(vals[op.inputs[0]][:, :, ca:cb], ca - ra, rb - cb, op.pad_value)]
+        x = vals[op.inputs[0]][:, :, ca:cb].clone(memory_format=fmt)
+        y = op.run_border(x, ca - ra, rb - cb, a, b)
     else:
-        xs = [vals[u][:, :, a:b] for u in op.inputs]
-    y = op.run(xs, a, b)
-    if out is None:
-        return y.contiguous(memory_format=graph.activation_format)
-    out[:, :, :b - a].copy_(y)
-    return out
+        y = window_rows(op, vals[op.inputs[0]], a, b)
+    return y.contiguous(memory_format=fmt)
 
 
 def _row_counts(h: int) -> list[int]:
@@ -90,7 +92,6 @@ def measure_profile(graph: ModelGraph, clock: Callable[[], float], *, slowdown: 
         vals = _values(graph, batch)
         _sync(graph)
         samples: list[list[tuple[int, float]]] = [[] for _ in graph.ops]
-        outs = [torch.empty_like(v) for v in vals]
         trunk = []
         for _ in range(reps):  # whole trunk, as `run_ops` runs it (warms every kernel up too)
             c0 = clock()
@@ -106,7 +107,7 @@ def measure_profile(graph: ModelGraph, clock: Callable[[], float], *, slowdown: 
                 times = []
                 for _ in range(reps + 1):
                     c0 = clock()
-                    _call(graph, vals, j, a, a + rows, outs[j + 1])
+                    _call(graph, vals, j, a, a + rows, streamed=True)
                     _sync(graph)
                     times.append((clock() - c0) * 1e3)
                 samples[j].append((rows, statistics.median(times[1:])))  # first: kernel warm-up
@@ -158,14 +159,11 @@ def probe(graph: ModelGraph, measured: MeasuredCosts, clock: Callable[[], float]
     assert all(inputs[u] is not None for j in measured.probe_ops for u in graph.ops[j].inputs)
     vals = cast("list[torch.Tensor]", inputs)  # None only at values no probe op reads
     with torch.no_grad():
-        outs = {j: torch.empty((vals[graph.ops[j].inputs[0]].shape[0], *graph.ops[j].out_shape),
-                               device=graph.device).contiguous(memory_format=graph.activation_format)
-                for j in measured.probe_ops}
         times = []
         for k in range(reps + 1):
             c0 = clock()
             for j in measured.probe_ops:
-                _call(graph, vals, j, 0, graph.ops[j].out_shape[1], outs[j])
+                _call(graph, vals, j, 0, graph.ops[j].out_shape[1])
             _sync(graph)
             if k:
                 times.append((clock() - c0) * 1e3)

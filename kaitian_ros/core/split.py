@@ -71,16 +71,20 @@ def _compile(raw: RawOp, epilogue: list[Callable[[Tensor], Tensor]], gm: fx.Grap
         packed = prepacked_conv(weight, bias, padding, stride, dil, groups,
                                 (1, cin, (hout - 1) * sh + dh * (kh - 1) + 1, win + (0 if sym else pl + pr)))
 
-        def run_conv(xs: list[Tensor], lo: int, hi: int) -> Tensor:
-            x = xs[0] if sym else F.pad(xs[0], (pl, pr, 0, 0))
+        def conv(x: Tensor, pad_h: int) -> Tensor:
+            if not sym:
+                x = F.pad(x, (pl, pr, 0, 0))
             if packed is not None and x.dtype == torch.float32 and x.device.type == "cpu":
-                return finish(packed(x))
-            return finish(F.conv2d(x, weight, bias, stride, padding, dil, groups))
+                return finish(packed(x, pad_h))
+            return finish(F.conv2d(x, weight, bias, stride, (pad_h, padding[1]), dil, groups))
+
+        def run_conv(xs: list[Tensor], lo: int, hi: int) -> Tensor:
+            return conv(xs[0], 0)
 
         flops = 2.0 * cout * wout * (cin // groups) * kh * m.kernel_size[1]
         window = Window(kh, sh, ptop, dh, hin, hout)
         return TrunkOp(name, (value_of[raw.inputs[0]],), (cout, hout, wout), window, 0.0, run_conv,
-                       flops + epi_flops)
+                       flops + epi_flops, run_padded=conv)
     if raw.kind in ("maxpool", "avgpool"):
         pool = pool_module(node, gm)
         k, s, p = pair(pool.kernel_size), pair(pool.stride or pool.kernel_size), pair(pool.padding)
@@ -91,13 +95,18 @@ def _compile(raw: RawOp, epilogue: list[Callable[[Tensor], Tensor]], gm: fx.Grap
             d = pair(pool.dilation)
             pad_w, ceil = (0, p[1]), pool.ceil_mode
 
-            def run(xs: list[Tensor], lo: int, hi: int) -> Tensor:
-                # The rows hold the H padding already (`border_rows`), so the pool pads only W;
-                # an exact row window gives hi - lo rows in floor and ceil mode alike. On
-                # channels-last rows 3-4x faster than a max over k*k strided views
-                # (ResNet-18's maxpool over the whole map at 224: 0.40 ms instead of 1.18).
-                return finish(F.max_pool2d(xs[0], k, s, pad_w, d, ceil))
+            def max_pool(x: Tensor, pad_h: int) -> Tensor:
+                # The rows hold the H padding already (`border_rows`) or the pool adds pad_h
+                # (implicit -inf, as the model's own pool); an exact row window gives hi - lo
+                # rows in floor and ceil mode alike. On channels-last rows 3-4x faster than a
+                # max over k*k strided views (ResNet-18's maxpool over the whole map at 224:
+                # 0.40 ms instead of 1.18).
+                return finish(F.max_pool2d(x, k, s, (pad_h, pad_w[1]), d, ceil))
 
+            def run(xs: list[Tensor], lo: int, hi: int) -> Tensor:
+                return max_pool(xs[0], 0)
+
+            run_padded = max_pool
             window = Window(k[0], s[0], p[0], d[0], hin, hout)
             pad_value = float("-inf")
         else:
@@ -112,8 +121,9 @@ def _compile(raw: RawOp, epilogue: list[Callable[[Tensor], Tensor]], gm: fx.Grap
 
             window = Window(k[0], s[0], p[0], 1, hin, hout)
             pad_value = 0.0
+            run_padded = None  # the divisor of border rows depends on the padding mode: rows copied
         return TrunkOp(name, (value_of[raw.inputs[0]],), (cout, hout, wout), window, pad_value,
-                       run, float(cout * wout * k[0] * k[1]) + epi_flops)
+                       run, float(cout * wout * k[0] * k[1]) + epi_flops, run_padded=run_padded)
     if raw.kind == "bn":
         scale, shift = bn_affine(module_of(node, gm, nn.BatchNorm2d))
         sc, sh_ = scale.view(1, -1, 1, 1), shift.view(1, -1, 1, 1)

@@ -2,9 +2,8 @@
 
 A `StripeRunner` keeps, per trunk value it touches, the rows it computed or received as
 immutable pieces (`RowPieces`): a run's result and a fed slab are kept as they are, and rows
-are only copied where an op reads across pieces (or adds border padding) - not once into a
-value-wide buffer on every partial run, which cost a streamed MobileNetV2 trunk ~15 % of
-its compute. Every `feed` of rows (image slabs from the
+are only copied where an op reads across pieces (or adds border padding) - not into a
+value-wide buffer on every partial run (docs/architecture-core.md has the measurements). Every `feed` of rows (image slabs from the
 coordinator, halo rows from neighbours) computes, op by op in topological order, every
 not-yet-computed row whose input window is now fully available - in maximal contiguous runs,
 so each row of each op is computed exactly once and convs see as many rows per call as have
@@ -50,10 +49,10 @@ class RowPieces:
     as it is, and rows are copied only where a read spans pieces or adds border padding.
     Nothing is written into a piece after it is added, so a piece may be a view of another.
 
-    Copying every partial run's result into one buffer per value instead (reads then are
-    views) measured slower for MobileNetV2 (streamed single-node trunk 320x240, slabs of 64
-    rows: 14 % more compute than pieces; slabs of 16, 11 %) and within noise for ResNet-18
-    at 224 (+-3 %), interleaved in one process on this machine.
+    Copying every partial run's result into one buffer per value read through windows
+    (reads then are views) measured slower for MobileNetV2 (streamed single-node trunk 320x240:
+    5 % more compute than pieces in slabs of 64 rows, 11 % in slabs of 16) and within noise for
+    ResNet-18 at 224 (+-3 %), interleaved in one process on the development machine.
     """
 
     def __init__(self) -> None:

@@ -30,6 +30,7 @@ class _Plan:  # what PlanMemory reads of a Plan
 @dataclass
 class _Profile:  # what PlanMemory reads of a DeviceProfile
     trunk_ms: float
+    min_run_rows: int = 8
 
 
 def _run(memory: PlanMemory, plan: _Plan, samples: list[float], t0: float = 0.0, profiles=None,
@@ -54,6 +55,8 @@ def test_a_plan_counts_as_measured_after_measured_min_requests_and_while_valid()
     assert memory.measured(4.0 + OBSERVED_TTL_S + 1, profiles, ("a",)) == {}
     assert memory.measured(4.0, profiles, ()) == {}
     assert memory.measured(4.0, {"a": _Profile(10.0 * SPEED_CHANGE * 1.01)}, ("a",)) == {}
+    # ... and once its node groups rows differently (another min_run_rows: another computation)
+    assert memory.measured(4.0, {"a": _Profile(10.0, min_run_rows=4096)}, ("a",)) == {}
     # a new measurement starts when the old one is no longer valid
     seen = memory.observe(plan, 70.0, 40.0, 5.0, {"a": _Profile(30.0)}, ("a",))
     assert seen is not None and seen.n == 1 and seen.trunks == {"a": 30.0}

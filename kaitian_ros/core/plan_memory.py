@@ -43,6 +43,10 @@ def changed_speed(trunks: Mapping[str, float], profiles: Mapping[str, DeviceProf
     return None
 
 
+def _run_rows(nodes: Collection[str], profiles: Mapping[str, DeviceProfile]) -> dict[str, int]:
+    return {n: profiles[n].min_run_rows for n in nodes if n in profiles}
+
+
 @dataclass(frozen=True)
 class ObservedPlan:
     spec: PlanSpec
@@ -53,6 +57,7 @@ class ObservedPlan:
     trunks: dict  # node -> profile trunk_ms at its latest request
     predicted_ms: float  # the plan's predicted latency at the latest request
     active: frozenset  # the nodes it keeps busy (`planner.error_key`)
+    run_rows: dict  # node -> its executor's min_run_rows at its latest request (profile)
 
     @property
     def ms(self) -> float:
@@ -87,14 +92,15 @@ class PlanMemory:
         predicted to take `predicted_ms` then; the plan's observation now (None if forgotten)."""
         spec, slab_rows = plan.spec, plan.slab_rows
         trunks = {n: profiles[n].trunk_ms for n in spec.node_ids if n in profiles}
+        run_rows = _run_rows(spec.node_ids, profiles)
         key = planner.spec_key(spec, slab_rows)
         seen = self.observed.get(key)
         if seen is None or not self.still_valid(seen, now, profiles, alive):
             self.observed[key] = ObservedPlan(spec, slab_rows, (ms,), 1, now, trunks, predicted_ms,
-                                              planner.error_key(spec, plan.active_nodes()))
+                                              planner.error_key(spec, plan.active_nodes()), run_rows)
         else:  # the speeds it now ran at: a slow drift of a profile while it runs is its speed
             self.observed[key] = ObservedPlan(spec, slab_rows, (*seen.samples, ms)[-MEASURED_WINDOW:], seen.n + 1,
-                                              now, trunks, predicted_ms, seen.active)
+                                              now, trunks, predicted_ms, seen.active, run_rows)
         if len(self.observed) > OBSERVED_MAX:  # bounded: the oldest go
             for k, _ in sorted(self.observed.items(), key=lambda kv: kv[1].last_s)[:len(self.observed) - OBSERVED_MAX]:
                 del self.observed[k]
@@ -105,12 +111,16 @@ class PlanMemory:
                     alive: Collection[str]) -> bool:
         """A measurement stays valid while it is recent and no node of the plan changed speed
         since its latest request (its profile's trunk time within SPEED_CHANGE of what it was
-        then). Since the latest, not the first: a profile refined from live requests drifts
+        then) or the way its executor groups rows (`min_run_rows`: the same plan with every
+        op run once per node is another computation than in runs of a few rows; the
+        benchmark's `no_stream` variant measured a plan so that `auto` then took for its own).
+        Since the latest, not the first: a profile refined from live requests drifts
         away from the start-up measurement, and compared with the first request the single
         device lost its measurement in the benchmark's `default` scenario while it ran, and
         the search went back to a stripes plan measured worse."""
         return now - seen.last_s <= OBSERVED_TTL_S and all(n in alive for n in seen.spec.node_ids) and \
-            changed_speed(seen.trunks, profiles) is None
+            changed_speed(seen.trunks, profiles) is None and \
+            _run_rows(seen.spec.node_ids, profiles) == seen.run_rows
 
     def measured(self, now: float, profiles: Mapping[str, DeviceProfile],
                  alive: Collection[str]) -> dict[tuple, planner.MeasuredPlan]:

@@ -3,12 +3,13 @@
 A `StripeRunner` keeps, per trunk value it touches, the rows it computed or received as
 immutable pieces (`RowPieces`): a run's result and a fed slab are kept as they are, and rows
 are only copied where an op reads across pieces (or adds border padding) - not into a
-value-wide buffer on every partial run (docs/architecture-core.md has the measurements). Every `feed` of rows (image slabs from the
-coordinator, halo rows from neighbours) computes, op by op in topological order, every
-not-yet-computed row whose input window is now fully available - in maximal contiguous runs,
-so each row of each op is computed exactly once and convs see as many rows per call as have
-arrived. Own segment-k output rows are immediately segment k+1 input; rows neighbours need are
-emitted as HALO, rows of the last segment as OUTPUT, as soon as they exist.
+value-wide buffer on every partial run (docs/architecture-core.md has the measurements).
+Every `feed` of rows (image slabs from the coordinator, halo rows from neighbours) computes,
+op by op in topological order, every not-yet-computed row whose input window is now fully
+available - in maximal contiguous runs, so each row of each op is computed exactly once and
+convs see as many rows per call as have arrived. Own segment-k output rows are immediately
+segment k+1 input; rows neighbours need are emitted as HALO, rows of the last segment as
+OUTPUT, as soon as they exist.
 
 With an `emit` callback each emission is handed on the moment its rows exist, not at the end
 of the feed: a HALO computed early in a feed travels while the node computes the rest.

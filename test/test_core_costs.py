@@ -416,6 +416,23 @@ def test_costs_link_measured_composed_and_prior() -> None:
     assert c.link("a", "b") == fair
 
 
+def test_a_coordinator_link_far_slower_than_its_other_direction_takes_that_rate() -> None:
+    """A receiver that stamps chunks late (a busy interpreter) measures a link as crawling: a
+    link to or from the coordinator 10x slower than the other direction takes the other
+    direction's rate; an asymmetry within that is believed."""
+    back = LinkEstimate(25_000.0, 0.1, 40)  # coordinator -> a, as node a measured it
+    crawl = LinkEstimate(800.0, 0.4, 30)  # a -> coordinator, as the coordinator measured it
+    c = Costs({}, {(COORDINATOR, "a"): back, ("a", COORDINATOR): crawl}, PRIOR)
+    assert c.link("a", COORDINATOR) == LinkEstimate(25_000.0, 0.4, 30)
+    assert c.link(COORDINATOR, "a") == back
+    slower = LinkEstimate(5_000.0, 0.4, 30)  # 5x asymmetric: believed
+    c = Costs({}, {(COORDINATOR, "a"): back, ("a", COORDINATOR): slower}, PRIOR)
+    assert c.link("a", COORDINATOR) == slower
+    # the other way round too: a node stamping the coordinator's slabs late
+    c = Costs({}, {(COORDINATOR, "a"): crawl, ("a", COORDINATOR): back}, PRIOR)
+    assert c.link(COORDINATOR, "a") == LinkEstimate(25_000.0, 0.4, 30)
+
+
 def test_costs_node_view_and_links_from_profiles() -> None:
     pa = _profile(node_id="a", op_costs=(OpCost(1.0, 0.5),) * N_OPS, min_run_rows=4,
                   links={"b": LinkEstimate(3_000.0, 0.4)})

@@ -338,6 +338,9 @@ class LinkMeter:
 # --------------------------------------------------------------------------- planner view
 COORDINATOR = "coordinator"
 DIRECT_LINK_FLOOR = 0.5  # a node-to-node rate below this x its measured legs' is not believed
+# A link to or from the coordinator measured below this x the other direction's rate is not
+# believed: a receiver whose interpreter was busy stamped the chunks late (below)
+REVERSE_LINK_FLOOR = 0.1
 
 
 @dataclass(frozen=True)
@@ -362,7 +365,19 @@ class Costs:
     def link(self, src: str, dst: str) -> LinkEstimate:
         got = self.links.get((src, dst))
         if src == COORDINATOR or dst == COORDINATOR:
-            return got if got is not None else self.link_prior
+            if got is None:
+                return self.link_prior
+            back = self.links.get((dst, src))
+            if back is not None and got.bytes_per_ms < REVERSE_LINK_FLOOR * back.bytes_per_ms:
+                # The coordinator measured a remote device's output chunks at 5-8 Mbit/s on a
+                # 200 Mbit/s link whose other direction the device measured at 150-250: chunks
+                # sent back to back and stamped on arrival only once the coordinator's busy
+                # interpreter got to them. That priced the device alone at 150-220 ms (it ran in
+                # 40) whenever its measurement lapsed, and sent the search to worse plans.
+                # Links of robots and edge boxes are not 10x asymmetric: the other direction's
+                # rate stands (with this direction's latency).
+                return LinkEstimate(back.bytes_per_ms, got.latency_ms, got.samples)
+            return got
         up, down = self.links.get((src, COORDINATOR)), self.links.get((COORDINATOR, dst))
         legs = LinkEstimate(min((up or self.link_prior).bytes_per_ms, (down or self.link_prior).bytes_per_ms),
                             (up or self.link_prior).latency_ms + (down or self.link_prior).latency_ms)

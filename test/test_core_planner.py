@@ -339,7 +339,7 @@ def test_streaming_is_chosen_only_where_it_pays() -> None:
 
     def best(link: LinkEstimate, run_ms: float):
         p = replace(_profile(g, "a", 0.05, min_run_rows=1), run_ms=run_ms)
-        costs = Costs({"a": p}, {("coordinator", "a"): link, ("a", "coordinator"): FREE}, FREE)
+        costs = Costs({"a": p}, {("coordinator", "a"): link, ("a", "coordinator"): link}, FREE)
         return choose_plan(g, ["a"], costs, slab_rows=4, strategy="single")
 
     free = best(FREE, run_ms=0.5)

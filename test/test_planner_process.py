@@ -152,7 +152,7 @@ def test_a_plans_measured_latency_is_the_median_of_its_latest_requests() -> None
     spec = PlanSpec.single("a")
 
     def observed(samples: tuple[float, ...]) -> ObservedPlan:
-        return ObservedPlan(spec, 8, samples[-MEASURED_WINDOW:], len(samples), 0.0, {}, 50.0, frozenset("a"))
+        return ObservedPlan(spec, 8, samples[-MEASURED_WINDOW:], len(samples), 0.0, {}, 50.0, frozenset("a"), {})
 
     assert observed((50.0, 200.0, 52.0)).ms == 52.0
     assert observed((200.0, 51.0, 52.0)).ms == 52.0

@@ -41,6 +41,13 @@ class Window:
         return (lo * self.stride - self.pad_top,
                 (hi - 1) * self.stride - self.pad_top + self.dilation * (self.kernel - 1) + 1)
 
+    def input_rows(self, lo: int, hi: int) -> tuple[int, int, int, int]:
+        """For output rows [lo, hi): the input rows [first, stop) that exist, and the padding
+        rows above and below them that lie outside the image."""
+        ra, rb = self.raw(lo, hi)
+        first, stop = max(ra, 0), min(rb, self.in_h)
+        return first, stop, first - ra, rb - stop
+
     def needs(self, rng: Interval) -> Interval:
         if rng[0] >= rng[1]:
             return EMPTY
@@ -183,9 +190,8 @@ class ModelGraph:
 def window_rows(op: TrunkOp, x: Tensor, lo: int, hi: int) -> Tensor:
     """Output rows [lo, hi) of window op `op`, given `x` = its whole input."""
     assert op.window is not None
-    ra, rb = op.window.raw(lo, hi)
-    ca, cb = max(ra, 0), min(rb, op.window.in_h)
-    return op.run_border(x[:, :, ca:cb], ca - ra, rb - cb, lo, hi)
+    first, stop, top, bottom = op.window.input_rows(lo, hi)
+    return op.run_border(x[:, :, first:stop], top, bottom, lo, hi)
 
 
 def memory_format_of(x: Tensor) -> torch.memory_format:

@@ -107,15 +107,16 @@ class PrepackedConv:
         """Far slower than this many output rows' share of the whole-map call."""
         return took > SLOW_PACK_FACTOR * self._s_per_row * y.shape[0] * y.shape[2] + SLOW_PACK_SLACK_S
 
-    def _pack(self, input_shape: Sequence[int], pad_h: int | None = None) -> Tensor:
+    def _args_with(self, pad_h: int | None) -> tuple:
+        """The conv's (padding, stride, dilation, groups), its H padding `pad_h` if given."""
         padding, *rest = self._args
-        padding = padding if pad_h is None else [pad_h, padding[1]]
-        return torch.ops.mkldnn._reorder_convolution_weight(self._weight, padding, *rest, list(input_shape))
+        return ([pad_h, padding[1]] if pad_h is not None else padding, *rest)
+
+    def _pack(self, input_shape: Sequence[int], pad_h: int | None = None) -> Tensor:
+        return torch.ops.mkldnn._reorder_convolution_weight(self._weight, *self._args_with(pad_h), list(input_shape))
 
     def _run(self, x: Tensor, packed: Tensor, pad_h: int | None = None) -> Tensor:
-        padding, *rest = self._args
-        padding = padding if pad_h is None else [pad_h, padding[1]]
-        return torch.ops.mkldnn._convolution_pointwise(x, packed, self._bias, padding, *rest, "none", [], "")
+        return torch.ops.mkldnn._convolution_pointwise(x, packed, self._bias, *self._args_with(pad_h), "none", [], "")
 
 
 def _close(got: Tensor, want: Tensor) -> bool:

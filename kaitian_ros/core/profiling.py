@@ -69,10 +69,8 @@ def _call(graph: ModelGraph, vals: list[torch.Tensor], j: int, a: int, b: int, *
     if op.window is None:
         y = op.run([vals[u][:, :, a:b] for u in op.inputs], a, b)
     elif streamed:
-        ra, rb = op.window.raw(a, b)
-        ca, cb = max(ra, 0), min(rb, op.window.in_h)
-        x = vals[op.inputs[0]][:, :, ca:cb].clone(memory_format=fmt)
-        y = op.run_border(x, ca - ra, rb - cb, a, b)
+        first, stop, top, bottom = op.window.input_rows(a, b)
+        y = op.run_border(vals[op.inputs[0]][:, :, first:stop].clone(memory_format=fmt), top, bottom, a, b)
     else:
         y = window_rows(op, vals[op.inputs[0]], a, b)
     return y.contiguous(memory_format=fmt)

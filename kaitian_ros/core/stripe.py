@@ -27,7 +27,7 @@ from typing import Generic, TypeVar
 import torch
 from torch import Tensor
 
-from .graph import ModelGraph
+from .graph import ModelGraph, memory_format_of
 from .intervals import EMPTY, Interval, intersect, iv_add, iv_intersect, iv_sub
 from .plan import Plan
 
@@ -79,7 +79,7 @@ class RowPieces:
             return t[:, :, lo - a:hi - a]
         n, c, _, w = t.shape
         out = torch.empty((n, c, top + (hi - lo) + bottom, w), dtype=t.dtype, device=t.device,
-                          memory_format=_format_of(t))
+                          memory_format=memory_format_of(t))
         if top > 0:
             out[:, :, :top].fill_(fill)
         row = lo  # rows before it are written
@@ -97,12 +97,6 @@ class RowPieces:
         if bottom > 0:
             out[:, :, top + hi - lo:].fill_(fill)
         return out
-
-
-def _format_of(t: Tensor) -> torch.memory_format:
-    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous():
-        return torch.channels_last
-    return torch.contiguous_format
 
 
 def _contains(ivs: list[Interval], row: int) -> bool:
@@ -145,8 +139,7 @@ class Wavefront(Generic[_E]):
             [self._comp[v]] if self._comp[v][0] < self._comp[v][1] else [] for v in range(nv)]
         self._avail: list[list[Interval]] = [[] for _ in range(nv)]
         self._ops = [j for j in range(len(graph.ops)) if self._remaining[j + 1]]
-        self._n: int | None = None
-        self._dtype: torch.dtype | None = None
+        self._n: int | None = None  # the batch size of the first rows fed
         self._stats = {"rows_computed": 0, "runs": 0, "compute_s": 0.0, "rows_in": 0,
                        "halo_rows_in": 0, "halo_rows_out": 0, "output_rows": 0, "feeds": 0,
                        "flops_planned": plan.flops_for(node_id)}
@@ -246,8 +239,7 @@ class StripeRunner(Wavefront[Emission]):
         self._check_expected(segment, lo, hi)
         if not rows.is_floating_point():
             raise ValueError(f"rows must be floating point, got {rows.dtype}")
-        if self._n is None:
-            self._allocate(n, rows.dtype)
+        self._n = n
         t0 = time.perf_counter()
         out: list[Emission] = []
         handed_s = 0.0  # time inside `emit`: the caller's, not this node's compute
@@ -261,37 +253,28 @@ class StripeRunner(Wavefront[Emission]):
 
             sink = hand_on
 
-        fmt = self.graph.activation_format
-        if rows.device != self.graph.device or not rows.is_contiguous(memory_format=fmt):
-            rows = rows.to(self.graph.device).contiguous(memory_format=fmt)  # also host -> device
-        self._rows[v].add(lo, hi, rows)
+        # kept as it is when it already is on the device in the activation format (also host -> device)
+        self._rows[v].add(lo, hi, rows.to(self.graph.device).contiguous(memory_format=self.graph.activation_format))
         self._arrive(segment, lo, hi)
         self._advance({v}, sink)
         self._stats["compute_s"] += time.perf_counter() - t0 - handed_s
         return out
 
     # ------------------------------------------------------------------ internals
-    def _allocate(self, n: int, dtype: torch.dtype) -> None:
-        self._n, self._dtype = n, dtype
-
     def _compute(self, j: int, a: int, b: int) -> None:
         t0 = time.perf_counter() if self.on_run is not None else 0.0
         op = self.graph.ops[j]
         if op.window is not None:
-            ra, rb = op.window.raw(a, b)
-            ca, cb = max(ra, 0), min(rb, op.window.in_h)
-            top, bottom, rows = ca - ra, rb - cb, self._rows[op.inputs[0]]
+            first, stop, top, bottom = op.window.input_rows(a, b)
+            rows = self._rows[op.inputs[0]]
             if op.pads_itself(top, bottom):
-                y = op.run_border(rows.read(ca, cb), top, bottom, a, b)
+                y = op.run_border(rows.read(first, stop), top, bottom, a, b)
             else:  # padding rows and rows from several pieces in one copy
-                y = op.run([rows.read(ca, cb, top, bottom, op.pad_value)], a, b)
+                y = op.run([rows.read(first, stop, top, bottom, op.pad_value)], a, b)
         else:
             y = op.run([self._rows[u].read(a, b) for u in op.inputs], a, b)
-        fmt = self.graph.activation_format
-        if not y.is_contiguous(memory_format=fmt):
-            y = y.contiguous(memory_format=fmt)
         v = j + 1
-        self._rows[v].add(a, b, y)
+        self._rows[v].add(a, b, y.contiguous(memory_format=self.graph.activation_format))
         if self.on_run is not None:
             if self.graph.device.type == "cuda":  # kernels run asynchronously: time them whole
                 torch.cuda.synchronize(self.graph.device)

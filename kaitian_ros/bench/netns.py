@@ -30,6 +30,15 @@ SUBNET = "10.231"
 VETH_PREFIX = "kt"  # root side <prefix>r<i>, namespace side <prefix>n<i> (interface names <= 15 chars)
 
 
+# The token bucket's size. A bucket lets that many bytes through at the veth's own speed after
+# the link was idle, so it must be small against the messages timed: with the 64 KiB-or-4-ms
+# bucket used before, a 150 KB frame crossed a 200 Mbit/s link at 460 Mbit/s and a 50 KB slab at
+# 1 Gbit/s (every frame follows an idle gap here). 8 KB (about five full frames) holds 186-211
+# Mbit/s at 200 and 360-396 Mbit/s at 400 for messages of 50 KB to 2 MB (measured through a
+# veth pair with TCP, 2026-12-05); tbf splits larger GSO packets into segments itself.
+TBF_BURST_BYTES = 8000
+
+
 class LinkSetupError(RuntimeError):
     """Namespaces/veth/tbf could not be set up (not root, missing `ip`/`tc`, ...)."""
 
@@ -138,9 +147,7 @@ class Links:
 
     @staticmethod
     def _tbf(mbit: float) -> list[str]:
-        # burst >= one 64 KiB GSO super-packet (tbf would otherwise segment/drop them)
-        return ["tbf", "rate", f"{mbit:g}mbit", "burst", str(max(65536, int(mbit * 1e6 / 8 / 250))),
-                "latency", "50ms"]
+        return ["tbf", "rate", f"{mbit:g}mbit", "burst", str(TBF_BURST_BYTES), "latency", "50ms"]
 
     def set_rate(self, i: int, mbit: float) -> None:
         """Change remote device i's link rate, both directions, while processes use it (the

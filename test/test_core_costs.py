@@ -404,8 +404,11 @@ def test_costs_link_measured_composed_and_prior() -> None:
     assert cb.bytes_per_ms == 8_000.0 and cb.latency_ms == pytest.approx(PRIOR.latency_ms + 0.2)
     ac = c.link("a", "c")  # the measured up leg is slower than the prior
     assert ac.bytes_per_ms == 5_000.0 and ac.latency_ms == pytest.approx(0.3 + PRIOR.latency_ms)
-    # a link to or from the coordinator that nobody measured: the prior, not composed
-    assert c.link(COORDINATOR, "a") == PRIOR and c.link("b", COORDINATOR) == PRIOR
+    # a link to or from the coordinator measured only the other way (a pooled head's few kB of
+    # output per request time no rate): that direction's estimate; measured neither way: the
+    # prior, not composed
+    assert c.link(COORDINATOR, "a") == up and c.link("b", COORDINATOR) == down
+    assert c.link(COORDINATOR, "c") == PRIOR and c.link("c", COORDINATOR) == PRIOR
     assert c.link("a", COORDINATOR) == up
     # a direct measurement far below what both measured legs carry is a receiver's delay
     slow = LinkEstimate(1_000.0, 0.0, 50)

@@ -155,6 +155,27 @@ def test_malformed_images_are_counted_and_the_coordinator_keeps_running(graph):
     assert not g.dead_children()
 
 
+def test_output_sum_for_a_head_that_needs_the_rows_is_refused(graph):
+    """digits_cnn's head pools to 4x4, not to one value per channel: a per-channel sum of a
+    node's output rows (what nodes send for a global-average-pool head) cannot stand for them."""
+    g = graph
+    node = "coordinator"
+    assert not g.graph.pooled_head
+    base = int(wait_values(g, node, lambda v: True, "anything")["rejected"])
+    pv = g.latest_plan()
+    c, _, _ = g.graph.trunk_output_shape
+    pub = g.probe.rt.create_publisher(proto.chunk_topic(node), "TensorChunk", QoS.RELIABLE)
+    wait_routed(pub, "the coordinator's subscription to its chunks")
+    pub.publish(ic.chunk_message(request_id=10_000, plan_version=pv.version, producer="compute_0", consumer=node,
+                                 segment=0, role=proto.ROLE_OUTPUT_SUM, row_offset=0,
+                                 total_rows=g.graph.trunk_output_shape[1], rows=torch.randn(1, c, 1, 1)))
+    values = wait_values(g, node, lambda v: int(v["rejected"]) >= base + 1, f"{base + 1} rejected")
+    assert int(values["rejected"]) == base + 1, values
+    assert values["last_reject_reason"].startswith("bad chunk: OUTPUT_SUM, but the head"), values
+    frames = g.frames(2, first=300)
+    g.check_outputs(frames, g.stream(frames))
+
+
 @pytest.mark.slow
 def test_compute_process_killed_mid_run_loses_no_frame(tmp_path):
     """kill -9 one of three compute nodes while frames flow (input paced so requests are in

@@ -300,8 +300,9 @@ def _measure_rounds(driver: Driver, gp: Graph, measure: Measurer, cfgs: dict[str
 def _bound(sc: BenchScenario, graph: Any, trunk_ms: list[float]) -> dict:
     c, h, w = graph.input_shape
     oc, oh, ow = graph.trunk_output_shape
-    # the camera's uint8 image must reach the devices, the float32 trunk output come back
-    min_bytes = c * h * w + 4 * oc * oh * ow
+    # the camera's uint8 image must reach the devices, the float32 trunk output (its
+    # per-channel mean for a head that starts with a global average pool) come back
+    min_bytes = c * h * w + 4 * oc * (1 if graph.pooled_head else oh * ow)
     compute_bound = 1.0 / sum(1.0 / t for t in trunk_ms)
     # with a local device nothing has to cross a link (it could compute everything itself)
     link_bound = 0.0 if sc.local else min_bytes / (sc.n_remote * sc.mbit * 1e6 / 8 / 1e3)
@@ -309,7 +310,8 @@ def _bound(sc: BenchScenario, graph: Any, trunk_ms: list[float]) -> dict:
             "bound_ms": max(compute_bound, link_bound), "device_trunk_ms": [round(t, 2) for t in trunk_ms],
             "min_bytes": min_bytes, "n_remote": sc.n_remote,
             "formula": "max(1 / sum_i(1 / trunk_ms_i), link bound); link bound = (image uint8 + trunk output "
-                       "float32 bytes) / (n_remote links * link rate) when no device is local, else 0"}
+                       "float32 bytes, its mean over H and W for a pooled head) / (n_remote links * link rate) when no "
+                       "device is local, else 0"}
 
 
 def _ours_choice(driver: Driver, ours: Series) -> dict:

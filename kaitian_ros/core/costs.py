@@ -365,9 +365,11 @@ class Costs:
     def link(self, src: str, dst: str) -> LinkEstimate:
         got = self.links.get((src, dst))
         if src == COORDINATOR or dst == COORDINATOR:
-            if got is None:
-                return self.link_prior
             back = self.links.get((dst, src))
+            if got is None:
+                # e.g. a pooled head's outputs: a few kB per request, too small to time a rate
+                # (LinkMeter.min_single_bytes); the other direction's measurement beats the prior
+                return back if back is not None else self.link_prior
             if back is not None and got.bytes_per_ms < REVERSE_LINK_FLOOR * back.bytes_per_ms:
                 # The coordinator measured a remote device's output chunks at 5-8 Mbit/s on a
                 # 200 Mbit/s link whose other direction the device measured at 150-250: chunks

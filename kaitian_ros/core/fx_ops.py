@@ -164,6 +164,27 @@ def is_head_start(node: fx.Node, gm: fx.GraphModule) -> bool:
     return node.op == "call_method" and node.target in _HEAD_METHODS
 
 
+def _is_one(size: Any) -> bool:
+    return size == 1 or (isinstance(size, (tuple, list)) and len(size) == 2 and all(v == 1 for v in size))
+
+
+def is_global_average_pool(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """Whether `node` averages its input over height and width to one value per channel, so
+    that it gives the same result for the (N, C, 1, 1) mean of its input: an
+    ``AdaptiveAvgPool2d(1)`` (module or function) or a ``mean`` over dims (2, 3)."""
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        return isinstance(mod, nn.AdaptiveAvgPool2d) and _is_one(mod.output_size)
+    args = list(node.args[1:]) + [node.kwargs.get(k) for k in ("output_size", "dim") if k in node.kwargs]
+    if node.op == "call_function" and node.target is F.adaptive_avg_pool2d:
+        return len(args) == 1 and _is_one(args[0])
+    if (node.op == "call_function" and node.target is torch.mean) or \
+            (node.op == "call_method" and node.target == "mean"):
+        dims = args[0] if args else None
+        return isinstance(dims, (tuple, list)) and sorted(int(d) % 4 for d in dims) == [2, 3]
+    return False
+
+
 def caller(node: fx.Node, gm: fx.GraphModule, trunk: set[fx.Node], inplace_ok: bool
             ) -> tuple[Callable[[Sequence[Tensor]], Tensor], list[fx.Node]]:
     """A function of the node's trunk-tensor args (in order) that replays the node."""

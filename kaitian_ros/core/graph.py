@@ -8,7 +8,7 @@ available input rows to the output rows it can compute (`Window.covered`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -121,6 +121,9 @@ class ModelGraph:
     trunk_module: fx.GraphModule = field(repr=False)
     head_module: fx.GraphModule = field(repr=False)
     device: torch.device = torch.device("cpu")  # where the ops' weights live (the model's)
+    # the head reads the trunk output only through a global average pool: it gives the same
+    # result for the output's per-channel mean, (N, C, 1, 1) (`run_head_on_sums`)
+    pooled_head: bool = False
 
     @property
     def activation_format(self) -> torch.memory_format:
@@ -145,6 +148,19 @@ class ModelGraph:
     @torch.no_grad()
     def run_head(self, trunk_out: Tensor) -> Tensor:
         return self.head_module(trunk_out)
+
+    @torch.no_grad()
+    def run_head_on_sums(self, sums: Sequence[Tensor]) -> Tensor:
+        """The head on the trunk output given as the sums over height and width of its row
+        stripes, (N, C, 1, 1) each (only for a `pooled_head`). Summed in the order given: the
+        caller passes them in row order, so that a plan always adds them alike."""
+        if not self.pooled_head:
+            raise ValueError("the head does not start with a global average pool: it needs the rows")
+        total = sums[0]
+        for s in sums[1:]:
+            total = total + s
+        _, h, w = self.trunk_output_shape
+        return self.head_module(total / (h * w))
 
     @torch.no_grad()
     def run_ops(self, x: Tensor, first_value: int = 0, last_value: int | None = None) -> Tensor:

@@ -11,7 +11,8 @@ and row count, and each chunk crosses its link at the measured rate and latency.
   network interface receives its input and its halos through it); the coordinator's host has
   a link of its own to each node;
 * a node as one executor thread: chunks are fed in arrival order, each costing
-  `DeviceProfile.message_ms`, and a feed's HALO/OUTPUT rows leave the moment they exist;
+  `DeviceProfile.message_ms`, and a feed's HALO/OUTPUT rows leave the moment they exist (with
+  a pooled head a node's output leaves as one sum of C floats when its last row exists);
 * the coordinator's own work before the first and after the last chunk (`Costs.pre_ms`,
   `Costs.post_ms`: preprocessing, head, publishing the result).
 
@@ -127,6 +128,7 @@ def simulate(graph: ModelGraph, plan: Plan, costs: Costs) -> Prediction:
 
     out_rows = plan.output_shape[1]
     got_rows = 0
+    summed = dict.fromkeys(nodes, 0)  # a pooled head's: output rows each node has summed so far
     outputs_ms = 0.0
     while events:
         t, _, dst, segment, lo, hi = heapq.heappop(events)
@@ -142,9 +144,16 @@ def simulate(graph: ModelGraph, plan: Plan, costs: Costs) -> Prediction:
         def sink(e: _Sent, src: str = dst, r: _ShadowRunner = runner) -> None:
             c, _, w = graph.value_shapes[plan.segments[e.segment].in_value] if e.role == "HALO" \
                 else plan.output_shape
+            lo, hi = e.row_offset, e.row_offset + e.rows
             nbytes = e.rows * c * w * 4  # float32 rows
+            if e.role == "OUTPUT" and graph.pooled_head:  # one sum of the node's rows, when all exist
+                summed[src] += e.rows
+                lo, hi = plan.output_rows_for(src)
+                if summed[src] < hi - lo:
+                    return
+                nbytes = c * 4
             r.clock_ms += nbytes * send_ms_per_byte
-            send(r.clock_ms, src, e.consumer, e.segment, e.row_offset, e.row_offset + e.rows, nbytes)
+            send(r.clock_ms, src, e.consumer, e.segment, lo, hi, nbytes)
 
         runner.feed_rows(segment, lo, hi, sink)
         node_free[dst] = runner.clock_ms

@@ -24,6 +24,7 @@ from .fx_ops import (
     caller,
     conv_params,
     describe,
+    is_global_average_pool,
     is_head_start,
     model_device,
     module_of,
@@ -287,6 +288,9 @@ def split_model(model: nn.Module, input_shape: tuple[int, int, int]) -> ModelGra
             cuts.append(v)
 
     trunk_module, head_module = _sub_modules(gm, image, order, trunk_out)
+    # 5. a head that reads the trunk output only through a global average pool needs only its
+    # per-channel mean: a node can send its rows' sum instead of the rows (ModelGraph.pooled_head)
+    pooled = bool(trunk_out.users) and all(is_global_average_pool(u, gm) for u in trunk_out.users)
     return ModelGraph(
         input_shape=(c, h, w),
         trunk_output_shape=value_shapes[-1],
@@ -297,6 +301,7 @@ def split_model(model: nn.Module, input_shape: tuple[int, int, int]) -> ModelGra
         trunk_module=trunk_module,
         head_module=head_module,
         device=device,
+        pooled_head=pooled,
     )
 
 

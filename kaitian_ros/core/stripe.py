@@ -37,7 +37,7 @@ DEFAULT_MIN_RUN_ROWS = 8
 
 @dataclass(frozen=True, eq=False)
 class Emission:
-    role: str  # "HALO" or "OUTPUT"
+    role: str  # "HALO" or "OUTPUT" ("OUTPUT_SUM": a node's sum of its OUTPUT rows, `core.pooled`)
     segment: int  # HALO: segment whose input these rows are; OUTPUT: last segment
     consumer: str  # node id, or "coordinator" for OUTPUT
     row_offset: int

@@ -33,7 +33,8 @@ from kaitian_ros.core import profiling
 from kaitian_ros.core.authority import AuthorityTracker
 from kaitian_ros.core.costs import CostRefiner, DeviceProfile, LinkMeter
 from kaitian_ros.core.plan import Plan
-from kaitian_ros.core.stripe import StripeRunner
+from kaitian_ros.core.pooled import RowSum
+from kaitian_ros.core.stripe import Emission, StripeRunner
 from kaitian_ros.core.tensors import normalise_input
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.nodes import protocol as proto
@@ -67,6 +68,7 @@ class RequestState:
     frame_id: str = ""
     slab_counts: dict = field(default_factory=dict)
     last_fed_s: float = 0.0  # monotonic time of its latest chunk (the eviction order)
+    output_sum: RowSum | None = None  # a pooled head's: this node's output rows, summed when all exist
 
 
 class ComputeNode:
@@ -372,13 +374,30 @@ class ComputeNode:
         state.feeds_predicted_ms += self._feed_predicted
         return spent, wall
 
-    def _publish(self, state: RequestState, plan: Plan, emissions: list) -> None:
+    def _summed(self, state: RequestState, plan: Plan, emissions: list) -> list:
+        """A pooled head needs only the output's mean: this node's OUTPUT rows become one
+        OUTPUT_SUM emission once the last of them exists."""
+        if not self.graph.pooled_head:
+            return emissions
+        out = []
         for e in emissions:
+            if e.role != "OUTPUT":
+                out.append(e)
+                continue
+            if state.output_sum is None:
+                state.output_sum = RowSum(*plan.output_rows_for(self.node_id))
+            summed = state.output_sum.add(e.row_offset, e.rows)
+            if summed is not None:
+                out.append(Emission("OUTPUT_SUM", e.segment, e.consumer, state.output_sum.lo, summed))
+        return out
+
+    def _publish(self, state: RequestState, plan: Plan, emissions: list) -> None:
+        for e in self._summed(state, plan, emissions):
             role = proto.ROLE_OF_NAME[e.role]
             key = (e.consumer, e.segment)
             index = state.slab_counts.get(key, 0)
             state.slab_counts[key] = index + 1
-            total = plan.output_shape[1] if role == proto.ROLE_OUTPUT else self.graph.value_shapes[
+            total = plan.output_shape[1] if role != proto.ROLE_HALO else self.graph.value_shapes[
                 plan.segments[e.segment].in_value][1]
             msg = ic.chunk_message(request_id=state.request_id, plan_version=state.plan_version,
                                    producer=self.node_id, consumer=e.consumer, segment=e.segment, role=role,
@@ -386,7 +405,7 @@ class ComputeNode:
                                    slab_index=index, frame_id=state.frame_id)
             self._publisher(e.consumer).publish(msg)
             state.bytes_out += e.rows.numel() * e.rows.element_size()
-            if role == proto.ROLE_OUTPUT:
+            if role != proto.ROLE_HALO:
                 now = time.time()
                 state.first_output_s = state.first_output_s or now
                 state.last_output_s = now

@@ -50,6 +50,7 @@ class Request:
     first_of_version: bool = False  # the plan version's first request (one-off costs)
     alone: bool = True  # no other request in flight during its whole life (its latency is the plan's)
     sources: dict = field(default_factory=dict)  # node -> rows received
+    sums: dict = field(default_factory=dict)  # OUTPUT_SUM received: first row -> (N, C, 1, 1) sum of the node's rows
 
 
 class RequestFlow:
@@ -184,8 +185,13 @@ class RequestFlow:
         if info is not None and info.source_timestamp_s and msg.producer in self.nodes:
             meter = self.meters.setdefault(msg.producer, LinkMeter())
             meter.observe(len(msg.data), info.source_timestamp_s, info.received_s)
-        if msg.role != proto.ROLE_OUTPUT or msg.consumer != proto.COORDINATOR:
-            self.rt.rejected.count(f"bad role: coordinator only takes OUTPUT chunks, got role {msg.role}")
+        summed = msg.role == proto.ROLE_OUTPUT_SUM
+        if msg.role not in (proto.ROLE_OUTPUT, proto.ROLE_OUTPUT_SUM) or msg.consumer != proto.COORDINATOR:
+            self.rt.rejected.count(f"bad role: coordinator only takes OUTPUT and OUTPUT_SUM chunks, "
+                                   f"got role {msg.role}")
+            return
+        if summed and not self.graph.pooled_head:
+            self.rt.rejected.count("bad chunk: OUTPUT_SUM, but the head does not start with a global average pool")
             return
         req = self.requests.get(int(msg.request_id))
         if req is None:
@@ -200,18 +206,27 @@ class RequestFlow:
             if rows.dtype != req.out.dtype:
                 raise ValueError(f"OUTPUT rows are {rows.dtype}, the trunk output is {req.out.dtype}")
             a = int(msg.row_offset)
-            z = a + rows.shape[2]
-            if rows.shape[:2] != req.out.shape[:2] or rows.shape[3] != req.out.shape[3] or z > req.out.shape[2]:
-                raise ValueError(f"rows {tuple(rows.shape)} at {a} do not fit trunk output {tuple(req.out.shape)}")
             lo, hi = req.plan.output_rows_for(msg.producer)
-            if not (lo <= a and z <= hi):
-                raise ValueError(f"{msg.producer} does not own rows [{a},{z}) in v{req.version}")
+            if summed:  # all the producer's rows at once
+                if tuple(rows.shape) != (*req.out.shape[:2], 1, 1) or a != lo or lo >= hi:
+                    raise ValueError(f"OUTPUT_SUM {tuple(rows.shape)} at row {a}: {msg.producer} owes the sum "
+                                     f"{(*req.out.shape[:2], 1, 1)} of rows [{lo},{hi}) in v{req.version}")
+                z = hi
+            else:
+                z = a + rows.shape[2]
+                if rows.shape[:2] != req.out.shape[:2] or rows.shape[3] != req.out.shape[3] or z > req.out.shape[2]:
+                    raise ValueError(f"rows {tuple(rows.shape)} at {a} do not fit trunk output {tuple(req.out.shape)}")
+                if not (lo <= a and z <= hi):
+                    raise ValueError(f"{msg.producer} does not own rows [{a},{z}) in v{req.version}")
             if req.got[a:z].any():
                 raise ValueError(f"rows [{a},{z}) received twice")
         except (ValueError, interfaces.DecodeError) as exc:
             self.rt.rejected.count(f"bad chunk: {exc}")
             return
-        req.out[:, :, a:z] = rows
+        if summed:
+            req.sums[a] = rows
+        else:
+            req.out[:, :, a:z] = rows
         req.got[a:z] = True
         req.sources[msg.producer] = req.sources.get(msg.producer, 0) + (z - a)
         self.delivered.add(msg.producer)
@@ -223,7 +238,13 @@ class RequestFlow:
         del self.requests[req.request_id]
         self.last_finished_s = time.time()
         with torch.no_grad():
-            result = self.graph.run_head(req.out)
+            if req.sums:  # the nodes' sums in row order (a node that sent rows: their sum here)
+                ranges = sorted(req.plan.output_rows_for(n) for n in req.plan.active_nodes())
+                result = self.graph.run_head_on_sums([
+                    req.sums[lo] if lo in req.sums else req.out[:, :, lo:hi].sum(dim=(2, 3), keepdim=True)
+                    for lo, hi in ranges if hi > lo])
+            else:
+                result = self.graph.run_head(req.out)
         self._publish_fused(req, result, True, "ok")
         self.post_ms += 0.1 * ((time.perf_counter() - t0) * 1e3 - self.post_ms)
         if req.version == self.unmeasured_version:
@@ -346,6 +367,7 @@ class RequestFlow:
         req.version, req.plan = version, plan
         req.got[:] = False
         req.sources.clear()
+        req.sums.clear()
         req.redispatches += 1
         req.dispatched_s = time.time()
         req.inputs_sent_s = None

@@ -29,8 +29,8 @@ PLAN_TOPIC = "/kaitian/plan"              # the plan versions actually executed 
 ASSIGNMENT_TOPIC = "/kaitian/assignment"  # the scheduler's proposals (latched)
 PROFILES_TOPIC = "/kaitian/profiles"      # compute nodes' measured costs (latched)
 FUSED_TOPIC = "/kaitian/fused"
-ROLE_INPUT, ROLE_HALO, ROLE_OUTPUT = 0, 1, 2
-ROLE_NAMES = {ROLE_INPUT: "INPUT", ROLE_HALO: "HALO", ROLE_OUTPUT: "OUTPUT"}
+ROLE_INPUT, ROLE_HALO, ROLE_OUTPUT, ROLE_OUTPUT_SUM = 0, 1, 2, 3  # msg/TensorChunk.msg
+ROLE_NAMES = {ROLE_INPUT: "INPUT", ROLE_HALO: "HALO", ROLE_OUTPUT: "OUTPUT", ROLE_OUTPUT_SUM: "OUTPUT_SUM"}
 ROLE_OF_NAME = {v: k for k, v in ROLE_NAMES.items()}
 
 # Request ids: a coordinator numbers its requests from its start time in microseconds, so the ids

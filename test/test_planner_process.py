@@ -4,6 +4,7 @@ the coordinator never waiting for it."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import pytest
@@ -14,7 +15,7 @@ from kaitian_ros.core.costs import Costs, DeviceProfile, LinkEstimate, OpCost
 from kaitian_ros.core.plan import PlanSpec
 from kaitian_ros.core.planner import MeasuredPlan, spec_key
 from kaitian_ros.nodes import inference_common as ic
-from kaitian_ros.nodes.planner_process import PlannerProcess, PlanRequest, plan_round
+from kaitian_ros.nodes.planner_process import PLANNER_NICE, PlannerProcess, PlanRequest, plan_round
 
 pytestmark = pytest.mark.e2e
 
@@ -59,6 +60,9 @@ def test_the_planner_process_chooses_what_a_round_in_process_chooses() -> None:
         got_request, choice, was = _wait(proc)
         here, was_here = plan_round(graph, request)
         assert got_request == request and proc.busy is None and proc.is_ready()
+        # the round ran at a lower priority than the coordinator (background work: frames first)
+        want = min(19, os.getpriority(os.PRIO_PROCESS, 0) + PLANNER_NICE)  # 19: the lowest there is
+        assert os.getpriority(os.PRIO_PROCESS, proc._proc.pid) == want
         assert choice.best.spec == here.best.spec and choice.best.predicted_ms == pytest.approx(here.best.predicted_ms)
         assert [c.label for c in choice.candidates] == [c.label for c in here.candidates]
         assert was == pytest.approx(was_here) and was[1] == 5.0

@@ -291,10 +291,10 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
     vector, then every cut variant of the `SHARE_VECTORS_REFINED` best vectors (and always of
     the given shares). `shares` align with `node_ids` (e.g. the scheduler's).
 
-    Streaming is a choice too: the `SLAB_REFINED` best candidates are also predicted with slabs
-    twice as tall and with the whole image in one slab (streaming overlaps a slow input link
-    with compute, but every slab means more, shorter runs: a fast device on a fast link can be
-    better off with fewer slabs or none); `whole_image` False keeps every plan at `slab_rows`.
+    Streaming is a choice too: the `SLAB_REFINED` best candidates are also predicted with the
+    whole image in one slab (streaming overlaps a slow input link with compute, but every slab
+    means more, shorter runs: a fast device on a fast link can be better off without it);
+    `whole_image` False keeps every plan at `slab_rows`.
 
     `measured` maps `spec_key`s of plans that ran lately to their `MeasuredPlan`:
     those plans are candidates too (if their strategy and nodes fit), and every candidate with a
@@ -351,8 +351,7 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
             else:
                 ms = simulate(graph, plan, costs).latency_ms
             seen = measured.get(key)
-            label = spec.describe(graph) + (", whole image" if slab >= whole else
-                                             f", slabs of {slab} rows" if slab != slab_rows else "")
+            label = spec.describe(graph) + (", whole image" if slab >= whole else "")
             cands[key] = Candidate(spec, ms, label, seen.ms if seen is not None and math.isfinite(ms) else None,
                                    slab, model_error(active_of[key]))
         return cands[key].expected_ms
@@ -406,11 +405,9 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
             for spec in specs[1:]:
                 evaluate(spec)
     if whole_image and slab_rows < whole:
-        coarser = sorted({min(2 * slab_rows, whole), whole})
         for c in sorted((c for c in cands.values() if math.isfinite(c.expected_ms)),
                         key=lambda c: c.expected_ms)[:SLAB_REFINED]:
-            for slab in coarser:
-                evaluate(c.spec, slab)
+            evaluate(c.spec, whole)
     ok = [c for c in cands.values() if math.isfinite(c.predicted_ms)]
     if not ok and strategy in ("layerwise", "stripes"):
         # a forced layer-wise or stripes plan needs two nodes: with one left it runs everything

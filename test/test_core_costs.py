@@ -156,10 +156,10 @@ def test_refiner_starts_at_the_base() -> None:
     assert r.current() == BASE and r.samples == 0 and r.device_ratio == 1.0
 
 
-def _feed(r: CostRefiner, factor: float, runs=((0, 8), (1, 8), (2, 4)), shared: bool = False) -> None:
-    """One feed whose runs took `factor` times their start-up cost (`shared`: of a split)."""
+def _feed(r: CostRefiner, factor: float, runs=((0, 8), (1, 8), (2, 4))) -> None:
+    """One feed whose runs took `factor` times their start-up cost."""
     predicted = sum(r.predicted_run_ms(op, rows) for op, rows in runs)
-    r.observe_feed(factor * predicted, predicted, shared=shared)
+    r.observe_feed(factor * predicted, predicted)
 
 
 def test_live_feeds_at_twice_the_base_double_every_cost() -> None:
@@ -201,41 +201,6 @@ def test_two_requests_in_a_row_at_a_new_speed_restart_the_ratio() -> None:
     _feed(r, 3.0)
     _feed(r, 0.3)  # far off both ways: no new speed
     assert r.device_ratio == pytest.approx(1.0, rel=0.05)
-
-
-def test_requests_of_splits_do_not_move_the_speed_of_a_node_measured_alone() -> None:
-    """CPU time per op grows while other nodes compute on shared cores: the device's speed is
-    what it computes alone; a split's requests set it only until there are such requests."""
-    r = CostRefiner(BASE)
-    for _ in range(6):
-        _feed(r, 1.4, shared=True)  # only splits so far: their ratio is all there is
-    assert r.device_ratio == pytest.approx(1.4)
-    for _ in range(6):
-        _feed(r, 1.0)  # alone
-    assert r.device_ratio == pytest.approx(1.0)
-    for k in range(20):  # the plans alternate: the published speed stays the alone one
-        _feed(r, 1.4 if k % 2 else 1.45, shared=True)
-        assert r.device_ratio == pytest.approx(1.0)
-    # a new speed seen in a split (two requests in a row 3x off) is the device's: both move
-    _feed(r, 3 * 1.4, shared=True)
-    _feed(r, 3 * 1.4, shared=True)
-    assert r.device_ratio == pytest.approx(3.0, rel=0.05)
-    _feed(r, 3.0)  # alone at the new speed: no jump there, it already moved
-    assert r.device_ratio == pytest.approx(3.0, rel=0.05)
-
-
-def test_probes_drift_moves_both_regimes() -> None:
-    r = CostRefiner(BASE, probe_window=2)
-    for _ in range(4):
-        _feed(r, 1.0)
-        _feed(r, 1.5, shared=True)
-    for _ in range(2):  # idle, 3x slower
-        r.observe_probe(3.0, 1.0)
-    assert r.device_ratio == pytest.approx(3.0)
-    _feed(r, 4.5, shared=True)  # a split first: it starts its regime over, the alone one follows the probes
-    assert r.device_ratio == pytest.approx(3.0)
-    _feed(r, 3.0)
-    assert r.device_ratio == pytest.approx(3.0)
 
 
 def test_requests_with_little_work_do_not_move_the_ratio() -> None:

@@ -143,50 +143,6 @@ def profile_problem(p: DeviceProfile, *, n_ops: int, model: str, known_nodes: Se
 
 # --------------------------------------------------------------------------- live refinement
 @dataclass
-class FeedRatio:
-    """The EWMAs of live requests' device time and of their start-up cost (their ratio is the
-    device's speed against start-up), with the rule for a new speed: two requests in a row
-    more than `jump` times off the ratio, the same way, restart it (`CostRefiner`)."""
-
-    measured_ms: float = 0.0
-    predicted_ms: float = 0.0
-    samples: int = 0
-    held: tuple[float, float] | None = None  # a request far from the ratio, awaiting the next
-
-    def restart(self, measured_ms: float, predicted_ms: float) -> None:
-        self.samples += 1
-        self.measured_ms, self.predicted_ms, self.held = measured_ms, predicted_ms, None
-
-    def scale(self, factor: float) -> None:
-        """The device changed speed by `factor` (seen elsewhere): so did these requests'."""
-        self.measured_ms *= factor
-        if self.held is not None:
-            self.held = (self.held[0] * factor, self.held[1])
-
-    def fold(self, measured_ms: float, predicted_ms: float, alpha: float, jump: float) -> float | None:
-        """Fold one request in; the factor the ratio moved by when it confirmed a new speed."""
-        if self.samples == 0 or self.predicted_ms <= 0:
-            self.restart(measured_ms, predicted_ms)
-            return None
-        self.samples += 1
-        ratio, now = measured_ms / predicted_ms, self.measured_ms / self.predicted_ms
-        if abs(math.log(ratio / now)) > math.log(jump):
-            held = self.held
-            if held is not None and (held[0] / held[1] > now) == (ratio > now):
-                # the second request in a row far from the ratio, the same way: a new speed
-                self.measured_ms, self.predicted_ms = held[0] + measured_ms, held[1] + predicted_ms
-                self.held = None
-                return (self.measured_ms / self.predicted_ms) / now
-            self.held = (measured_ms, predicted_ms)  # held back: noise unless the next confirms it
-            return None
-        for m, p in ([self.held] if self.held is not None else []) + [(measured_ms, predicted_ms)]:
-            self.measured_ms = (1 - alpha) * self.measured_ms + alpha * m
-            self.predicted_ms = (1 - alpha) * self.predicted_ms + alpha * p
-        self.held = None
-        return None
-
-
-@dataclass
 class CostRefiner:
     """Turns a start-up profile into a current one: the start-up costs give each op's share of
     the work, what the node really takes scales them all.
@@ -205,16 +161,6 @@ class CostRefiner:
     that changed speed: the EWMA starts over from them instead of taking several requests to
     follow; one such request alone is held back and, unless the next one confirms it, folded
     in as usual.
-
-    Two regimes, two ratios (`FeedRatio`): requests the node computed alone (a single-device
-    or layer-wise plan) and requests of a split, other nodes computing at the same time. On
-    cores shared with them the latter take more CPU time per op (caches, memory bandwidth);
-    folded into one ratio, a node's published trunk time swung 32 -> 45 -> 32 ms within
-    seconds where plans of both kinds alternated (the benchmark's `default`), and the
-    planner's per-set model errors, taken against those predictions, stuck (the device alone
-    x1.45, the pair x0.80). The profile carries the alone ratio where there is one (the
-    model error of a split then holds the contention), else the split's. A new speed seen in
-    either (a confirmed jump, or the probes' drift) moves both.
 
     Idle probes: a node with nothing to compute times a few ops now and then. Probes see other
     conditions than live feeds (an idle node has its core and caches to itself), so a probe
@@ -236,18 +182,16 @@ class CostRefiner:
     min_feed_ms: float = 0.0  # requests whose runs cost less at start-up are not folded in
     alpha: float = 0.3
     jump: float = 2.0
+    held: tuple[float, float] | None = None  # a request far from the ratio, awaiting the next
     probe_deadband: float = 2.0
     probe_window: int = 5
-    alone: FeedRatio = field(default_factory=FeedRatio)  # requests no other node computed beside
-    shared: FeedRatio = field(default_factory=FeedRatio)  # requests of a split, other nodes busy too
+    measured_ms: float = 0.0  # EWMA of feed wall times
+    predicted_ms: float = 0.0  # EWMA of the start-up costs of the same feeds
     feed_probe_ref: float = 1.0  # probe level at the last live feed
+    live_samples: int = 0
     probe_ratio: float = 1.0  # level of probe time / its start-up time
     recent_probes: list[float] = field(default_factory=list)
     probe_samples: int = 0
-
-    @property
-    def live_samples(self) -> int:
-        return self.alone.samples + self.shared.samples
 
     @property
     def samples(self) -> int:
@@ -256,31 +200,39 @@ class CostRefiner:
     def predicted_run_ms(self, op: int, rows: int) -> float:
         return self.base[op].ms(rows) + self.run_ms
 
-    def observe_feed(self, measured_ms: float, predicted_ms: float, shared: bool = False) -> None:
+    def observe_feed(self, measured_ms: float, predicted_ms: float) -> None:
         """Feeds (a request's, or one) took `measured_ms`; their runs cost `predicted_ms` at
-        start-up. `shared`: other nodes computed the same request at the same time (a split)."""
+        start-up."""
         if predicted_ms <= 0 or predicted_ms < self.min_feed_ms or not math.isfinite(measured_ms) \
                 or measured_ms < 0:
             return
-        regime, other = (self.shared, self.alone) if shared else (self.alone, self.shared)
-        drift = self.probe_ratio / self.feed_probe_ref
-        self.feed_probe_ref = self.probe_ratio
-        if drift != 1.0:
-            # the first feed since probes saw the device change: it starts this regime over, and
-            # the other one follows the probes (its requests ran at the old speed)
-            other.scale(drift)
-            regime.restart(measured_ms, predicted_ms)
+        self.live_samples += 1
+        probes_moved, self.feed_probe_ref = self.feed_probe_ref != self.probe_ratio, self.probe_ratio
+        if self.live_samples == 1 or probes_moved:
+            # first feed, or the first since probes saw the device change: start from here
+            self.measured_ms, self.predicted_ms, self.held = measured_ms, predicted_ms, None
             return
-        moved = regime.fold(measured_ms, predicted_ms, self.alpha, self.jump)
-        if moved is not None:
-            # a new speed, seen live: the other regime has it too, and the probes will see it:
-            # move their expected level with it, or the first idle window after a change seen
-            # live counted it a second time (a node slowed 3x while computing read 9x, and back
-            # at 1x still 3x)
-            other.scale(moved)
-            self.probe_ratio *= moved
-            self.feed_probe_ref *= moved
-            self.recent_probes = []  # taken at the old speed
+        ratio, now = measured_ms / predicted_ms, self.measured_ms / self.predicted_ms
+        if abs(math.log(ratio / now)) > math.log(self.jump):
+            held = self.held
+            if held is not None and (held[0] / held[1] > now) == (ratio > now):
+                # the second request in a row far from the ratio, the same way: a new speed
+                self.measured_ms, self.predicted_ms = held[0] + measured_ms, held[1] + predicted_ms
+                self.held = None
+                # the probes will see the new speed too: move their expected level with it, or
+                # the first idle window after a change seen live counted it a second time (a
+                # node slowed 3x while computing read 9x, and back at 1x still 3x)
+                moved = (self.measured_ms / self.predicted_ms) / now
+                self.probe_ratio *= moved
+                self.feed_probe_ref *= moved
+                self.recent_probes = []  # taken at the old speed
+            else:  # held back: noise unless the next request confirms it
+                self.held = (measured_ms, predicted_ms)
+            return
+        for m, p in ([self.held] if self.held is not None else []) + [(measured_ms, predicted_ms)]:
+            self.measured_ms = (1 - self.alpha) * self.measured_ms + self.alpha * m
+            self.predicted_ms = (1 - self.alpha) * self.predicted_ms + self.alpha * p
+        self.held = None
 
     def observe_probe(self, ms: float, base_ms: float) -> None:
         """A probe took `ms`; at start-up it took `base_ms`."""
@@ -296,14 +248,9 @@ class CostRefiner:
 
     @property
     def device_ratio(self) -> float:
-        """The device's speed against start-up: from requests it computed alone where there
-        are any (what a device's speed is: other nodes computing beside it on shared cores
-        slow its CPU time too, and the planner's model error of a split holds that), else from
-        those of splits, else from the probes."""
-        regime = self.alone if self.alone.samples else self.shared
-        if regime.samples == 0 or regime.predicted_ms <= 0:
+        if self.live_samples == 0 or self.predicted_ms <= 0:
             return self.probe_ratio
-        return regime.measured_ms / regime.predicted_ms * self.probe_ratio / self.feed_probe_ref
+        return self.measured_ms / self.predicted_ms * self.probe_ratio / self.feed_probe_ref
 
     def current(self) -> tuple[OpCost, ...]:
         r = min(50.0, max(0.02, self.device_ratio))

@@ -416,8 +416,7 @@ class ComputeNode:
             # device time, as the start-up profile measured it: on a CPU the time this process
             # waited for a core the other nodes share is not the device's speed (it made
             # every plan look as slow as the one running with all nodes busy at once)
-            self.refiner.observe_feed(state.compute_s * 1e3, state.feeds_predicted_ms,
-                                      shared=plan.spec.strategy == "stripes" and len(plan.active_nodes()) > 1)
+            self.refiner.observe_feed(state.compute_s * 1e3, state.feeds_predicted_ms)
         self.completed += 1
         self._maybe_publish_profile()  # a device that changed speed shows it after one request
         end = time.time()

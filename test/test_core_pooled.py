@@ -15,10 +15,10 @@ from torch import nn
 from kaitian_ros.core.costs import COORDINATOR, Costs, DeviceProfile, LinkEstimate, OpCost
 from kaitian_ros.core.models import build_model
 from kaitian_ros.core.plan import PlanSpec, build_plan, make_plan
-from kaitian_ros.core.pooled import RowSum
+from kaitian_ros.core.pooled import RowSum, sum_outputs
 from kaitian_ros.core.simulate import simulate
 from kaitian_ros.core.split import split_model
-from kaitian_ros.core.stripe import run_plan_locally
+from kaitian_ros.core.stripe import Emission, run_plan_locally
 
 
 class _Head(nn.Module):
@@ -74,6 +74,17 @@ def test_row_sum_in_any_pieces_and_order_is_the_sum_of_the_rows() -> None:
         got = [acc.add(a, rows[:, :, a:b]) for a, b in pieces]
         assert all(g is None for g in got[:-1]) and acc.complete
         assert torch.equal(got[-1], want)  # summed at once in row order: independent of the pieces
+
+
+def test_a_nodes_output_emissions_become_one_sum_when_all_exist() -> None:
+    rows = torch.randn(1, 3, 6, 4)
+    halo = Emission("HALO", 0, "b", 2, torch.zeros(1, 3, 1, 4))
+    acc = RowSum(0, 6)
+    first = sum_outputs([Emission("OUTPUT", 1, "coordinator", 0, rows[:, :, :4]), halo], acc)
+    assert first == [halo]  # rows kept back, the halo goes on
+    (done,) = sum_outputs([Emission("OUTPUT", 1, "coordinator", 4, rows[:, :, 4:])], acc)
+    assert (done.role, done.segment, done.consumer, done.row_offset) == ("OUTPUT_SUM", 1, "coordinator", 0)
+    assert torch.equal(done.rows, rows.sum(dim=(2, 3), keepdim=True))
 
 
 def test_row_sum_refuses_rows_outside_or_twice() -> None:

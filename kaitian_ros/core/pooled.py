@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .stripe import Emission
+
 
 class RowSum:
     """Collects the output rows [lo, hi) one node computes for one request, in any order and
@@ -43,3 +45,17 @@ class RowSum:
             return None
         whole = torch.cat([self._pieces[k] for k in sorted(self._pieces)], dim=2)
         return whole.sum(dim=(2, 3), keepdim=True)
+
+
+def sum_outputs(emissions: list[Emission], row_sum: RowSum) -> list[Emission]:
+    """`emissions` with their OUTPUT rows folded into `row_sum`, and one ``OUTPUT_SUM``
+    emission (at the first row) once it holds them all; HALO emissions unchanged."""
+    out = []
+    for e in emissions:
+        if e.role != "OUTPUT":
+            out.append(e)
+            continue
+        summed = row_sum.add(e.row_offset, e.rows)
+        if summed is not None:
+            out.append(Emission("OUTPUT_SUM", e.segment, e.consumer, row_sum.lo, summed))
+    return out

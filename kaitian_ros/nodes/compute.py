@@ -33,8 +33,8 @@ from kaitian_ros.core import profiling
 from kaitian_ros.core.authority import AuthorityTracker
 from kaitian_ros.core.costs import CostRefiner, DeviceProfile, LinkMeter
 from kaitian_ros.core.plan import Plan
-from kaitian_ros.core.pooled import RowSum
-from kaitian_ros.core.stripe import Emission, StripeRunner
+from kaitian_ros.core.pooled import RowSum, sum_outputs
+from kaitian_ros.core.stripe import StripeRunner
 from kaitian_ros.core.tensors import normalise_input
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.nodes import protocol as proto
@@ -377,19 +377,11 @@ class ComputeNode:
     def _summed(self, state: RequestState, plan: Plan, emissions: list) -> list:
         """A pooled head needs only the output's mean: this node's OUTPUT rows become one
         OUTPUT_SUM emission once the last of them exists."""
-        if not self.graph.pooled_head:
-            return emissions
-        out = []
-        for e in emissions:
-            if e.role != "OUTPUT":
-                out.append(e)
-                continue
-            if state.output_sum is None:
-                state.output_sum = RowSum(*plan.output_rows_for(self.node_id))
-            summed = state.output_sum.add(e.row_offset, e.rows)
-            if summed is not None:
-                out.append(Emission("OUTPUT_SUM", e.segment, e.consumer, state.output_sum.lo, summed))
-        return out
+        if not self.graph.pooled_head or all(e.role != "OUTPUT" for e in emissions):
+            return emissions  # (a node owning no output rows never makes a RowSum)
+        if state.output_sum is None:
+            state.output_sum = RowSum(*plan.output_rows_for(self.node_id))
+        return sum_outputs(emissions, state.output_sum)
 
     def _publish(self, state: RequestState, plan: Plan, emissions: list) -> None:
         for e in self._summed(state, plan, emissions):

@@ -130,3 +130,5 @@ def test_the_simulator_charges_a_pooled_output_its_sum_not_its_rows() -> None:
     rows = simulate(dataclasses.replace(graph, pooled_head=False), plan, costs).outputs_ms
     c, h, w = graph.trunk_output_shape
     assert rows - pooled == pytest.approx((c * h * w * 4 - c * 4) / slow.bytes_per_ms, rel=0.02)
+    assert graph.output_values_sent == c
+    assert dataclasses.replace(graph, pooled_head=False).output_values_sent == c * h * w

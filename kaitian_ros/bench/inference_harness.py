@@ -299,10 +299,9 @@ def _measure_rounds(driver: Driver, gp: Graph, measure: Measurer, cfgs: dict[str
 
 def _bound(sc: BenchScenario, graph: Any, trunk_ms: list[float]) -> dict:
     c, h, w = graph.input_shape
-    oc, oh, ow = graph.trunk_output_shape
     # the camera's uint8 image must reach the devices, the float32 trunk output (its
     # per-channel mean for a head that starts with a global average pool) come back
-    min_bytes = c * h * w + 4 * oc * (1 if graph.pooled_head else oh * ow)
+    min_bytes = c * h * w + 4 * graph.output_values_sent
     compute_bound = 1.0 / sum(1.0 / t for t in trunk_ms)
     # with a local device nothing has to cross a link (it could compute everything itself)
     link_bound = 0.0 if sc.local else min_bytes / (sc.n_remote * sc.mbit * 1e6 / 8 / 1e3)

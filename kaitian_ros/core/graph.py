@@ -133,6 +133,13 @@ class ModelGraph:
         return CPU_ACTIVATION_FORMAT if self.device.type == "cpu" else torch.contiguous_format
 
     @property
+    def output_values_sent(self) -> int:
+        """Values of the whole trunk output that cross a link back to the coordinator: its
+        per-channel sum for a `pooled_head`, else every value."""
+        c, h, w = self.trunk_output_shape
+        return c if self.pooled_head else c * h * w
+
+    @property
     def num_values(self) -> int:
         return len(self.value_shapes)
 

@@ -232,12 +232,10 @@ def _layerwise_quick_ms(graph: ModelGraph, first: str, second: str, cut: int, co
     full = [op.out_shape[1] for op in graph.ops]
     c, h, w = graph.value_shapes[cut]
     ci, hi, wi = graph.value_shapes[0]
-    co, ho, wo = graph.trunk_output_shape
-    out_values = co if graph.pooled_head else co * ho * wo  # a pooled head gets the output's sum
     return (costs.link("coordinator", first).ms(ci * hi * wi) + sum(a.op_costs[j].ms(full[j]) for j in range(cut))
             + costs.link(first, second).ms(c * h * w * 4)
             + sum(b.op_costs[j].ms(full[j]) for j in range(cut, len(full)))
-            + costs.link(second, "coordinator").ms(out_values * 4))
+            + costs.link(second, "coordinator").ms(graph.output_values_sent * 4))
 
 
 def owning_shares(graph: ModelGraph, shares: Sequence[float]) -> tuple[float, ...]:

@@ -155,18 +155,24 @@ class Driver:
                            f"{sorted(self.workers_seen)}); logs in {self.gp.tmp}")
 
     def configure(self, cfg: ProductConfig) -> None:
-        """Set a variant's parameters; a fixed-share variant waits until its plan is in effect."""
-        ok, why = self.client.set_parameters("coordinator", {
-            "use_scheduler": cfg.use_scheduler, "strategy": cfg.strategy, "slab_rows": int(cfg.slab_rows),
-            "static_shares": [float(s) for s in cfg.shares]})
-        if not ok:
-            raise RuntimeError(f"coordinator refused parameters: {why}")
+        """Set a variant's parameters; a fixed-share variant waits until its plan is in effect.
+
+        The compute nodes first, then the coordinator: a node's `min_run_rows` is part of its
+        cost profile, and the coordinator re-plans inside its parameter call. Set the other way
+        round, it planned every variant against the previous variant's executor settings (after
+        `no_stream`, `ours` started each round without the measurements of its own plans)."""
         for n in self.gp.compute:
             if self.min_run_rows.get(n) != cfg.min_run_rows:  # a change republishes the node's profile
                 ok, why = self.client.set_parameters(n, {"min_run_rows": int(cfg.min_run_rows)})
                 if not ok:
                     raise RuntimeError(f"{n} refused min_run_rows: {why}")
                 self.min_run_rows[n] = cfg.min_run_rows
+                self._wait_profile_rows(n, cfg.min_run_rows)
+        ok, why = self.client.set_parameters("coordinator", {
+            "use_scheduler": cfg.use_scheduler, "strategy": cfg.strategy, "slab_rows": int(cfg.slab_rows),
+            "static_shares": [float(s) for s in cfg.shares]})
+        if not ok:
+            raise RuntimeError(f"coordinator refused parameters: {why}")
         if cfg.use_scheduler:
             # the coordinator replanned inside the parameter call; warm-up frames follow
             time.sleep(0.1)
@@ -179,6 +185,17 @@ class Driver:
             time.sleep(0.05)
         raise RuntimeError(f"coordinator did not adopt {cfg.summary()} (newest plan: "
                            f"{self.describe_plan(self.latest_plan())})")
+
+    def _wait_profile_rows(self, node: str, rows: int, timeout_s: float = 3.0) -> None:
+        """Until `node`'s newest cost profile (as this driver, a subscriber like the coordinator,
+        received it) carries `rows` as its min_run_rows; on timeout the variant goes on."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self.lock:
+                m = self.profiles.get(node)
+            if m is not None and int(m.min_run_rows) == rows:
+                return
+            time.sleep(0.01)
 
     def _plan_matches(self, msg: Any, cfg: ProductConfig) -> bool:
         spec = self.ic.spec_from_msg(msg)

@@ -34,3 +34,44 @@ def test_ours_reports_what_each_plan_took() -> None:
     out = s.summary()
     assert out["plans_ran"] == {"single a": 3, "stripes a/b": 1}
     assert out["plans_ran_median_ms"] == {"single a": 52.0, "stripes a/b": 70.0}
+
+
+class _RecordingParameterClient:
+    """Test double of the GraphClient for the driver's parameter calls (an adapter unit test):
+    records each call; a compute node that gets a new `min_run_rows` answers with a profile
+    carrying it, as the real node publishes one from its parameter callback."""
+
+    def __init__(self, driver) -> None:
+        self.driver, self.calls = driver, []
+
+    def set_parameters(self, node: str, values: dict) -> tuple[bool, str]:
+        from types import SimpleNamespace
+
+        profiled = {n: int(m.min_run_rows) for n, m in self.driver.profiles.items()}
+        self.calls.append((node, dict(values), profiled))
+        if "min_run_rows" in values:
+            self.driver._on_profile(SimpleNamespace(node_id=node, min_run_rows=values["min_run_rows"]))
+        return True, ""
+
+
+def test_a_variant_sets_the_compute_nodes_before_the_coordinator_replans() -> None:
+    """The coordinator re-plans inside its parameter call: by then every compute node's profile
+    carries the variant's min_run_rows (else `ours` was planned with `no_stream`'s 4096)."""
+    import threading
+    from types import SimpleNamespace
+
+    from kaitian_ros.bench.inference_driver import Driver, ProductConfig
+
+    driver = Driver.__new__(Driver)  # no middleware: only the parameter sequence is under test
+    driver.gp = SimpleNamespace(compute=["compute_0", "compute_1"])
+    driver.lock, driver.profiles, driver.profiles_seen, driver.min_run_rows = threading.Lock(), {}, set(), {}
+    driver.client = client = _RecordingParameterClient(driver)
+    driver.configure(ProductConfig("stripes", True, (1.0, 1.0), 4096, 4096))
+    driver.configure(ProductConfig("auto", True, (1.0, 1.0), 64, 32))
+    driver.configure(ProductConfig("single", True, (1.0, 0.0), 64, 32))  # nodes unchanged: not set again
+    order = [(node, values.get("min_run_rows", values.get("strategy"))) for node, values, _ in client.calls]
+    assert order == [("compute_0", 4096), ("compute_1", 4096), ("coordinator", "stripes"),
+                     ("compute_0", 32), ("compute_1", 32), ("coordinator", "auto"), ("coordinator", "single")]
+    seen_by_coordinator = [profiled for node, _, profiled in client.calls if node == "coordinator"]
+    assert seen_by_coordinator == [{"compute_0": 4096, "compute_1": 4096}, {"compute_0": 32, "compute_1": 32},
+                                   {"compute_0": 32, "compute_1": 32}]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -57,6 +58,17 @@ def _spawn(args: list[str], env_extra: dict[str, str]) -> subprocess.Popen:
     env = dict(os.environ, KAITIAN_THREADS="1", **env_extra)
     return subprocess.Popen([sys.executable, "-m", "kaitian_ros.training.launch", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _process_state(pid: int) -> str:
+    """A process's state, signal masks and kernel wait channel from /proc (for a failure message)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError as e:
+        return f"{pid}: gone ({e.strerror})"
+    keep = ("Name", "State", "Threads", "SigQ", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+    return f"{pid}: " + ", ".join(line for line in status if line.split(":")[0] in keep) + f", wchan {wchan}"
 
 
 def _children(pid: int) -> dict[int, int]:
@@ -142,10 +154,19 @@ def test_ctrl_c_stops_the_forked_ranks_in_one_line(tmp_path: Path) -> None:
         assert sorted(Path(f"/proc/{k}/comm").read_text().strip() for k in kids.values()) == \
             ["kaitian-rank0", "kaitian-rank1"]
         p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=40)
+        try:
+            _, err = p.communicate(timeout=40)
+        except subprocess.TimeoutExpired:
+            # once in a loaded suite run the launcher went on training after the SIGINT: say in
+            # what state it and its ranks were (signal masks, where the kernel has them waiting)
+            raise AssertionError("no exit 40 s after SIGINT:\n" + "\n".join(
+                _process_state(pid) for pid in (p.pid, *kids.values()))) from None
     finally:
         if p.poll() is None:
             p.kill()
+            for k in kids.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(k, signal.SIGKILL)
     assert p.returncode == 130, err
     assert err.strip().splitlines()[-1] == "kaitian train: interrupted" and "Traceback" not in err, err
     assert not any(pid_running(k) for k in kids.values())

@@ -154,8 +154,8 @@ def test_killed_rank_is_named_and_others_fail_then_resume(tmp_path: Path) -> Non
 def test_ctrl_c_stops_the_forked_ranks_in_one_line(tmp_path: Path) -> None:
     """CPU ranks are forks of `kaitian train` named kaitian-rankN; Ctrl-C (SIGINT to it) ends
     them all: exit 130, one line, no rank's traceback, no rank left, no temporary folder. Also
-    when it was started with SIGINT ignored and blocked: a launcher that inherited that (twice
-    in loaded suite runs, from the pytest worker) went on training after the SIGINT."""
+    when it was started with SIGINT ignored and blocked: a launcher that inherits that goes on
+    training after the SIGINT, as this test saw twice in full suite runs (cause there unknown)."""
     p = _spawn(["--ranks", "2", "--devices", "cpu", "--epochs", "500", "--global-batch", "64"],
                {"TMPDIR": str(tmp_path)}, sigint_ignored=True)
     try:

@@ -153,17 +153,16 @@ def _spans_hosts(router: str, host_router: bool) -> bool:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    from kaitian_ros.processes import accept_sigint
+    from kaitian_ros.processes import take_sigint
     from kaitian_ros.runtime import security
     from kaitian_ros.runtime import zenoh_session as zs
 
     endpoint = args.listen or zs.router_endpoint()
     # a launcher starts its children with SIGINT held back until they take it; SIGTERM (the
     # launcher's escalation, or its death) ends the router as quietly as Ctrl-C
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        accept_sigint()
+        take_sigint()
         session = zs.open_session("router", listen=endpoint)
     except (zs.SessionError, security.SecurityError) as exc:
         raise CliError(f"cannot listen on {endpoint}: {exc}", 1) from None

@@ -94,6 +94,14 @@ def accept_sigint() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
+def take_sigint() -> None:
+    """Ctrl-C raises KeyboardInterrupt in this process from now on, whatever it inherited:
+    SIGINT ignored (a shell's background job) or held back (:func:`die_with_parent`, a parent
+    that blocked it). One held back until now raises here."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    accept_sigint()
+
+
 def name_process(name: str) -> None:
     """The name `ps` and `top` show for this process (the kernel keeps 15 bytes of it)."""
     if _PRCTL is not None:

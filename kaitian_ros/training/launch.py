@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from kaitian_ros.ports import free_port
-from kaitian_ros.processes import accept_sigint, name_process, start_child, stop_children, tie_own_group
+from kaitian_ros.processes import name_process, start_child, stop_children, take_sigint, tie_own_group
 from kaitian_ros.training import netif
 from kaitian_ros.training.affinity import pin_local_rank
 from kaitian_ros.training.process_group import DistEnv, init_distributed, shutdown_distributed
@@ -364,9 +364,8 @@ def _spawn_local(argv: list[str], cfg: Any, placement: Placement, as_json: bool)
             return 2
     # Ctrl-C stops the run even when this process started with SIGINT ignored or held back (a
     # shell's background job, a parent that blocked it): its ranks would otherwise train on
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        accept_sigint()  # one held back until now arrives here
+        take_sigint()
     except KeyboardInterrupt:
         print("kaitian train: interrupted", file=sys.stderr)
         return 130

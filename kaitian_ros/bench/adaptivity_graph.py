@@ -18,6 +18,7 @@ import numpy as np
 from kaitian_ros.runtime.interfaces import stamp_key
 
 CAMERA_TOPIC = "/camera/image_raw"
+PLAN_WAIT_S = 5.0  # drive(): how long it waits for the plans of the answers it got
 UNTIL_POLL_S = 0.05  # drive(until=...): how often the predicate is asked while no answer arrives
 
 
@@ -298,6 +299,19 @@ class AdaptivityGraph:
                 self.fused.changed.wait(timeout=0.005)
         for t in threads:
             t.join(timeout=30.0)
+        self._wait_for_plans(PLAN_WAIT_S)
+
+    def _wait_for_plans(self, timeout_s: float) -> None:
+        """Until the plan of every answer so far has arrived, at most `timeout_s`: a plan and the
+        answers computed under it come on different topics, and an answer whose plan was not
+        here yet read as a plan without any node (a test of a rejoined node saw its share 0)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            known = self.plan_table()
+            if all(int(f.plan_version) in known for _, f in self.fused.snapshot()):
+                return
+            with self.plans.changed:
+                self.plans.changed.wait(timeout=0.01)
 
     # --- results -------------------------------------------------------------------------
     def records(self) -> list[dict[str, Any]]:

@@ -487,46 +487,25 @@ def test_an_earlier_error_on_a_set_of_nodes_still_counts_after_its_latency_stopp
 
 def test_an_untried_plan_beats_its_prediction_no_more_than_the_measured_plans_do() -> None:
     """Splits over {a, b} once measured 0.9x their prediction (another executor setting, an
-    earlier moment). While device c alone measures 1.05x its own, an untried split over {a, b}
-    is expected at its prediction, not 10 % below it; where the measured plan beats its own
+    earlier moment). While the single device measures 1.05x its own, an untried split is
+    expected at its prediction, not 10 % below it; where the measured plan beats its own
     prediction by more (0.8x), the earlier 0.9 stands; with nothing measured now, too."""
     g = _graph("resnet18", (3, 64, 64))
-    costs = Costs({n: _profile(g, n, 0.05) for n in "abc"}, {}, FREE)
+    costs = Costs({"a": _profile(g, "a", 0.05), "b": _profile(g, "b", 0.05)}, {}, FREE)
     earlier = {frozenset({"a", "b"}): 0.9}
-    single = PlanSpec.single("c")
+    single = PlanSpec.single("a")
     predicted = predict(g, single, costs, slab_rows=8)
 
     def split_errors(ratio: float | None) -> set[float]:
         seen = {} if ratio is None else \
             {spec_key(single, 8): MeasuredPlan(single, 8, ratio * predicted)}
-        choice = choose_plan(g, ["a", "b", "c"], costs, slab_rows=8, measured=seen, earlier_errors=earlier)
+        choice = choose_plan(g, ["a", "b"], costs, slab_rows=8, measured=seen, earlier_errors=earlier)
         return {round(c.model_error, 6) for c in choice.candidates
-                if c.measured_ms is None and _active(g, c) == {"a", "b"} and c.spec.strategy == "stripes"}
+                if c.measured_ms is None and len(_active(g, c)) == 2 and c.spec.strategy == "stripes"}
 
     assert split_errors(1.05) == {1.0}
     assert split_errors(0.8) == {0.9}
     assert split_errors(None) == {0.9}
-
-
-def test_an_untried_split_misses_at_least_as_much_as_a_plan_measured_now_on_part_of_its_nodes() -> None:
-    """default: device a alone measured 1.17x its prediction (the machine slowed, or a just
-    started); a split giving a most of the rows, expected at its prediction, looked 15 % faster
-    and was run for a round, measuring no faster. Splits with a carry 1.17, those without it do
-    not; an earlier ratio of a (its measurement no longer valid: it changed speed) spreads to
-    no split."""
-    g = _graph("resnet18", (3, 64, 64))
-    costs = Costs({n: _profile(g, n, 0.05) for n in "abc"}, {}, FREE)
-    single = PlanSpec.single("a")
-    predicted = predict(g, single, costs, slab_rows=8)
-    seen = {spec_key(single, 8): MeasuredPlan(single, 8, 1.17 * predicted)}
-    choice = choose_plan(g, ["a", "b", "c"], costs, slab_rows=8, measured=seen)
-    splits = [c for c in choice.candidates if c.measured_ms is None and c.spec.strategy == "stripes"]
-    with_a = [c for c in splits if "a" in _active(g, c)]
-    without_a = [c for c in splits if "a" not in _active(g, c)]
-    assert with_a and all(c.model_error == pytest.approx(1.17) for c in with_a)
-    assert without_a and all(c.model_error == pytest.approx(1.0) for c in without_a)
-    stale = choose_plan(g, ["a", "b", "c"], costs, slab_rows=8, earlier_errors={frozenset({"a"}): 1.17})
-    assert all(c.model_error == pytest.approx(1.0) for c in stale.candidates if c.spec.strategy == "stripes")
 
 
 def _after_a_three_node_split(factor: float) -> tuple:

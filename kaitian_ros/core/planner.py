@@ -80,11 +80,6 @@ def _group_count(group: object, whole: bool) -> int | None:
     return group if isinstance(group, int) else None
 
 
-def _node_names(key: frozenset[str]) -> frozenset[str]:
-    """The nodes of an error key, without the prefix of its kind."""
-    return frozenset(n.split(":", 1)[-1] for n in key)
-
-
 def _error_group(key: frozenset[str]) -> int | str:
     """The group whose errors an untried plan without its own falls back on: every layer-wise
     plan; every plan with the same number of nodes at once, the whole-image ones apart."""
@@ -345,14 +340,9 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
     errors: dict[frozenset | int | str, float] = {}
     active_of: dict[tuple, frozenset] = {}  # candidate key -> its error key (the nodes it keeps busy)
     untried_floor = 0.0  # set below, once the measured plans are known
-    measured_parts: list[tuple[frozenset[str], float]] = []  # (nodes, measured / predicted), likewise
 
     def model_error(active: frozenset) -> float:
-        got = max(set_error(active), untried_floor)
-        if not _is_layerwise_key(active):
-            names = _node_names(active)
-            got = max([got] + [ratio for nodes, ratio in measured_parts if nodes < names])
-        return got
+        return max(set_error(active), untried_floor)
 
     def set_error(active: frozenset) -> float:
         if active in errors:
@@ -444,15 +434,6 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
     now_ratios = [c.measured_ms / c.predicted_ms for c in cands.values()
                   if c.measured_ms is not None and math.isfinite(c.predicted_ms) and c.predicted_ms > 0]
     untried_floor = min(1.0, *now_ratios) if now_ratios else 0.0
-    # An untried split misses at least as much as a plan measured now over a part of its nodes:
-    # a node slower than its profile says (the machine slowed, it has just started) slows
-    # every plan it works in. In `default` the device alone measured 1.17x its prediction, and
-    # a split giving that device 81 % of the rows, expected at its prediction, was run for a
-    # round and measured no faster. Current measurements only: an earlier one of a node that
-    # changed speed since says nothing about its speed now.
-    measured_parts = [(_node_names(active_of[key]), min(MODEL_ERROR_MAX, c.measured_ms / c.predicted_ms))
-                      for key, c in cands.items() if c.measured_ms is not None and math.isfinite(c.predicted_ms)
-                      and c.predicted_ms > 0 and not _is_layerwise_key(active_of[key])]
 
     if strategy in ("auto", "single"):
         for n in ids:

@@ -528,34 +528,6 @@ def test_a_split_over_fewer_nodes_than_any_that_ran_takes_the_nearest_larger_spl
     assert all(c.model_error == 1.0 for c in again.candidates if len(_active(g, c)) == 1)
 
 
-def test_plans_given_the_whole_image_keep_their_own_error_apart_from_streamed_ones() -> None:
-    """robot_two_edges: a streamed three-node split measured 1.45x its prediction (its many
-    messages cost CPU the model does not see on shared cores), the same nodes given the whole
-    image 0.98x. The whole-image splits keep their own error (here floored at 1: no measured
-    plan beats its prediction now), the streamed ones take 1.45; without any whole-image
-    evidence, a whole-image split takes the streamed ones' error."""
-    g = _graph("resnet18", (3, 64, 64))
-    costs = Costs({n: _profile(g, n, 0.05) for n in "abc"}, {}, FREE)
-    first = choose_plan(g, ["a", "b", "c"], costs, slab_rows=8, shares=(1.0, 1.0, 1.0))
-    ran = next(c for c in first.candidates if len(_active(g, c)) == 3 and c.slab_rows == 8)
-    seen = {spec_key(ran.spec, 8): MeasuredPlan(ran.spec, 8, 1.45 * ran.predicted_ms)}
-    whole = error_key(ran.spec, _active(g, ran), whole_image=True)
-    assert whole != error_key(ran.spec, _active(g, ran))
-
-    def errors(earlier: dict) -> tuple[set[float], set[float]]:
-        choice = choose_plan(g, ["a", "b", "c"], costs, slab_rows=8, shares=(1.0, 1.0, 1.0), measured=seen,
-                             earlier_errors=earlier)
-        untried = [c for c in choice.candidates if c.measured_ms is None and c.spec.strategy == "stripes"
-                   and len(_active(g, c)) == 3]
-        return ({round(c.model_error, 6) for c in untried if c.slab_rows == 8},
-                {round(c.model_error, 6) for c in untried if c.slab_rows == 64})
-
-    streamed, given_whole = errors({whole: 0.98})
-    assert streamed == {1.45} and given_whole == {1.0}
-    streamed, given_whole = errors({})
-    assert streamed == {1.45} and given_whole == {1.45}
-
-
 def test_layer_wise_plans_carry_the_error_of_layer_wise_plans_not_of_splits() -> None:
     """A layer-wise plan computes a request on one node after the other: a split's error
     (nodes contending for shared cores) is not its own. robot_two_edges: after a three-node

@@ -14,7 +14,7 @@ from kaitian_ros.core.plan_memory import (
     PlanMemory,
     same_speed,
 )
-from kaitian_ros.core.planner import error_key, spec_key
+from kaitian_ros.core.planner import spec_key
 
 
 @dataclass
@@ -22,7 +22,6 @@ class _Plan:  # what PlanMemory reads of a Plan
     spec: PlanSpec
     slab_rows: int = 8
     estimated_ms: float = 50.0
-    input_shape: tuple = (3, 64, 64)  # slabs of 8 rows: a streamed plan
 
     def active_nodes(self) -> tuple[str, ...]:
         return tuple(self.spec.node_ids)
@@ -69,11 +68,6 @@ def test_earlier_errors_keep_the_models_error_on_a_set_of_nodes_across_a_speed_c
     errors = memory.earlier_errors(float(MEASURED_MIN))
     assert errors == {frozenset(("a", "b")): 2.0}  # 80 ms measured, 40 ms predicted
     assert memory.earlier_errors(OBSERVED_TTL_S + MEASURED_MIN) == {}
-    # the same nodes given the whole image in one slab: an error of its own (planner.error_key)
-    whole = _Plan(PlanSpec.stripes(("a", "b"), (1.0, 1.0)), slab_rows=64)
-    _run(memory, whole, [44.0] * MEASURED_MIN, t0=10.0)
-    assert memory.earlier_errors(10.0 + MEASURED_MIN) == {
-        frozenset(("a", "b")): 2.0, error_key(whole.spec, ("a", "b"), whole_image=True): 1.1}
 
 
 def test_a_node_that_left_gets_back_the_plan_it_left_only_while_the_others_keep_their_speed() -> None:

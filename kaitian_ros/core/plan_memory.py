@@ -97,9 +97,7 @@ class PlanMemory:
         seen = self.observed.get(key)
         if seen is None or not self.still_valid(seen, now, profiles, alive):
             self.observed[key] = ObservedPlan(spec, slab_rows, (ms,), 1, now, trunks, predicted_ms,
-                                              planner.error_key(spec, plan.active_nodes(),
-                                                                whole_image=slab_rows >= plan.input_shape[1]),
-                                              run_rows)
+                                              planner.error_key(spec, plan.active_nodes()), run_rows)
         else:  # the speeds it now ran at: a slow drift of a profile while it runs is its speed
             self.observed[key] = ObservedPlan(spec, slab_rows, (*seen.samples, ms)[-MEASURED_WINDOW:], seen.n + 1,
                                               now, trunks, predicted_ms, seen.active, run_rows)

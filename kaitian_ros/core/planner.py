@@ -43,24 +43,15 @@ SLAB_REFINED = 4
 MODEL_ERROR_MAX = 3.0  # a measured/predicted ratio applied to untried plans is clamped to [1/3, 3]
 _LAYERWISE = "layerwise"  # the key of every layer-wise plan's error (like a node count for splits)
 _LAYERWISE_NODE = "layerwise:"  # prefix of the nodes of a layer-wise plan's error key
-_WHOLE_NODE = "whole:"  # prefix of the nodes of a split's error key when it does not stream its input
 
 
-def error_key(spec: PlanSpec, active: Sequence[str] | frozenset[str], *, whole_image: bool = False) -> frozenset[str]:
+def error_key(spec: PlanSpec, active: Sequence[str] | frozenset[str]) -> frozenset[str]:
     """The key of a plan's model error (measured / predicted): the set of nodes computing at
     once. A layer-wise plan computes a request on one node after the other, so it does not
     contend for cores as a split of the same nodes does, nor does a split's error say how far
-    the model is off for it: its key is its own (node names, which never hold a colon, prefixed).
-    So is that of a plan given the image in one slab (`whole_image`): what the model misses most
-    on shared cores is the CPU every message costs outside the nodes' compute (sending,
-    the middleware's threads, the network stack), and a streamed plan sends many more - in
-    `robot_two_edges` a streamed three-node split measured 1.45x its prediction and the same
-    nodes given the whole image 0.98x, and with one key for both the first priced the second
-    out."""
+    the model is off for it: its key is its own (node names, which never hold a colon, prefixed)."""
     if spec.strategy == "layerwise":
         return frozenset(_LAYERWISE_NODE + n for n in active)
-    if whole_image:
-        return frozenset(_WHOLE_NODE + n for n in active)
     return frozenset(active)
 
 
@@ -68,24 +59,10 @@ def _is_layerwise_key(key: frozenset[str]) -> bool:
     return any(n.startswith(_LAYERWISE_NODE) for n in key)
 
 
-def _is_whole_key(key: frozenset[str]) -> bool:
-    return any(n.startswith(_WHOLE_NODE) for n in key)
-
-
-def _group_count(group: object, whole: bool) -> int | None:
-    """The node count of an error group of the kind asked (fed the whole image, or streamed);
-    None for any other key."""
-    if whole:
-        return int(group[len(_WHOLE_NODE):]) if isinstance(group, str) and group.startswith(_WHOLE_NODE) else None
-    return group if isinstance(group, int) else None
-
-
 def _error_group(key: frozenset[str]) -> int | str:
     """The group whose errors an untried plan without its own falls back on: every layer-wise
-    plan; every plan with the same number of nodes at once, the whole-image ones apart."""
-    if _is_layerwise_key(key):
-        return _LAYERWISE
-    return f"{_WHOLE_NODE}{len(key)}" if _is_whole_key(key) else len(key)
+    plan, else every plan with the same number of nodes at once."""
+    return _LAYERWISE if _is_layerwise_key(key) else len(key)
 
 
 @dataclass(frozen=True)
@@ -351,42 +328,24 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
             # an untried layer-wise plan misses as the layer-wise plans that ran did, else as
             # the single-node plans (one node computing at a time), not as the splits
             return errors.get(_LAYERWISE, errors.get(1, 1.0))
-        # as the plans over as many nodes that were fed alike (streamed, or the whole image)
-        # did; without any, as those fed the other way: no evidence that the model does better
-        whole = _is_whole_key(active)
-        for kind_whole in (whole, not whole):
-            got = count_error(len(active), kind_whole)
-            if got is not None:
-                return got
-        return 1.0
-
-    def count_error(n: int, whole: bool) -> float | None:
-        """The error of the plans of one kind by the number of nodes computing at once; None
-        without any evidence."""
-        def key(k: int) -> int | str:
-            return f"{_WHOLE_NODE}{k}" if whole else k
-
-        counts = sorted(c for k in errors if (c := _group_count(k, whole)) is not None)
-        if n in counts:
-            return errors[key(n)]
-        if n < 2:
-            return None
+        if len(active) in errors:
+            return errors[len(active)]
         # more nodes at once miss at least as much as fewer did (more contention)
-        fewer = [errors[key(k)] for k in counts if 2 <= k < n]
-        if fewer:
-            return max(fewer)
+        fewer = [errors[k] for k in errors if isinstance(k, int) and 2 <= k < len(active)]
+        if fewer or len(active) < 2:
+            return max(fewer, default=1.0)
         # a split over fewer nodes than any that ran: the nearest larger split's error is the
         # best evidence of what splitting costs here (1.0 sent the search through every
         # untried pair after a three-node split had measured 1.5x its prediction)
-        larger = [k for k in counts if k > n]
-        return errors[key(larger[0])] if larger else None
+        larger = [k for k in errors if isinstance(k, int) and k > len(active)]
+        return errors[min(larger)] if larger else 1.0
 
     def evaluate(spec: PlanSpec, slab: int = slab_rows) -> float:
         key = spec_key(spec, slab)
         if key not in cands:
             plan = build_plan(graph, spec, slab_rows=slab)
             active = plan.active_nodes()
-            active_of[key] = error_key(spec, active, whole_image=slab >= whole)
+            active_of[key] = error_key(spec, active)
             if spec.strategy != "single" and len(active) < 2:
                 ms = math.inf  # rows too few to split: a single-node plan under another name
             elif any(n not in costs.profiles for n in active):

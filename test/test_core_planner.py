@@ -485,29 +485,6 @@ def test_an_earlier_error_on_a_set_of_nodes_still_counts_after_its_latency_stopp
     assert all(c.model_error == 1.0 for c in bad.candidates)
 
 
-def test_an_untried_plan_beats_its_prediction_no_more_than_the_measured_plans_do() -> None:
-    """Splits over {a, b} once measured 0.9x their prediction (another executor setting, an
-    earlier moment). While the single device measures 1.05x its own, an untried split is
-    expected at its prediction, not 10 % below it; where the measured plan beats its own
-    prediction by more (0.8x), the earlier 0.9 stands; with nothing measured now, too."""
-    g = _graph("resnet18", (3, 64, 64))
-    costs = Costs({"a": _profile(g, "a", 0.05), "b": _profile(g, "b", 0.05)}, {}, FREE)
-    earlier = {frozenset({"a", "b"}): 0.9}
-    single = PlanSpec.single("a")
-    predicted = predict(g, single, costs, slab_rows=8)
-
-    def split_errors(ratio: float | None) -> set[float]:
-        seen = {} if ratio is None else \
-            {spec_key(single, 8): MeasuredPlan(single, 8, ratio * predicted)}
-        choice = choose_plan(g, ["a", "b"], costs, slab_rows=8, measured=seen, earlier_errors=earlier)
-        return {round(c.model_error, 6) for c in choice.candidates
-                if c.measured_ms is None and len(_active(g, c)) == 2 and c.spec.strategy == "stripes"}
-
-    assert split_errors(1.05) == {1.0}
-    assert split_errors(0.8) == {0.9}
-    assert split_errors(None) == {0.9}
-
-
 def _after_a_three_node_split(factor: float) -> tuple:
     """Three equal nodes; a three-node split ran `factor` x its prediction: the graph, the
     costs, the planner's choice now and the measurement."""

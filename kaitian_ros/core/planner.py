@@ -316,12 +316,8 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
     # error key (or the number of nodes at once, or _LAYERWISE) -> measured / predicted
     errors: dict[frozenset | int | str, float] = {}
     active_of: dict[tuple, frozenset] = {}  # candidate key -> its error key (the nodes it keeps busy)
-    untried_floor = 0.0  # set below, once the measured plans are known
 
     def model_error(active: frozenset) -> float:
-        return max(set_error(active), untried_floor)
-
-    def set_error(active: frozenset) -> float:
         if active in errors:
             return errors[active]
         if _is_layerwise_key(active):
@@ -385,14 +381,6 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
             by_nodes[nodes] = [ratio]
             by_nodes.setdefault(_error_group(nodes), []).append(ratio)
     errors.update({k: min(MODEL_ERROR_MAX, max(1.0 / MODEL_ERROR_MAX, *v)) for k, v in by_nodes.items()})
-    # An untried plan is not expected to beat its prediction by more than the plans measured
-    # now beat theirs: an error below 1 taken under other conditions (another variant's
-    # executor setting, an earlier moment) made a split look 10 % faster than predicted, and
-    # `default` and `robot_edge` left the measured single device for it, for a round, when that
-    # measured 5-8 % above its prediction (the split then measured no faster)
-    now_ratios = [c.measured_ms / c.predicted_ms for c in cands.values()
-                  if c.measured_ms is not None and math.isfinite(c.predicted_ms) and c.predicted_ms > 0]
-    untried_floor = min(1.0, *now_ratios) if now_ratios else 0.0
 
     if strategy in ("auto", "single"):
         for n in ids:

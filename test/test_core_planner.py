@@ -15,7 +15,7 @@ from kaitian_ros.core.costs import COORDINATOR, Costs, DeviceProfile, LinkEstima
 from kaitian_ros.core.models import build_model
 from kaitian_ros.core.plan import PlanSpec, build_plan
 from kaitian_ros.core.planner import MeasuredPlan, choose_plan, error_key, predict, spec_key, speed_shares, stripe_specs
-from kaitian_ros.core.profiling import MeasuredCosts, executor_run_ms, measure_profile, probe
+from kaitian_ros.core.profiling import MeasuredCosts, measure_profile, probe
 from kaitian_ros.core.simulate import simulate
 from kaitian_ros.core.split import split_model
 from kaitian_ros.core.stripe import StripeRunner
@@ -311,38 +311,6 @@ def test_measure_profile_applies_the_slowdown() -> None:
     assert len(inputs) == g.num_values
     assert all((t is not None) == (u in g.ops[got.probe_ops[0]].inputs) for u, t in enumerate(inputs))
     assert probe(g, got, _TickClock(1e-3), 3.0, inputs) == pytest.approx(3.0)
-
-
-class _ManualClock:
-    """A clock that only moves when the test moves it."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-@pytest.mark.parametrize("extra_ms", [0.0, 0.3])
-def test_executor_run_ms_is_what_a_real_run_costs_beyond_its_fit(monkeypatch, extra_ms: float) -> None:
-    """The calibration streams an image through the real executor: every run there costs its
-    op's fit plus `extra_ms` (a clock double advanced by each real run), which is what it must
-    find per run; with no extra, its floor (the shadow replay's bookkeeping, 0 on this clock)."""
-    g = _graph("resnet18", (3, 64, 64))
-    fits = tuple(OpCost(0.05 + 0.01 * j, 0.002) for j in range(len(g.ops)))
-    clock = _ManualClock()
-    real_compute = StripeRunner._compute
-    runs = []
-
-    def costed_compute(self, j: int, a: int, b: int) -> None:
-        real_compute(self, j, a, b)
-        clock.t += (fits[j].ms(b - a) + extra_ms) / 1e3
-        runs.append(b - a)
-
-    monkeypatch.setattr(StripeRunner, "_compute", costed_compute)
-    got = executor_run_ms(g, fits, clock, torch.randn(1, *g.input_shape), slab_rows=8, reps=3)
-    assert runs  # the real executor ran
-    assert got == pytest.approx(extra_ms, abs=1e-9)
 
 
 def test_measure_profile_structure_with_a_real_clock() -> None:

@@ -109,8 +109,7 @@ def measure_profile(graph: ModelGraph, clock: Callable[[], float], *, slowdown: 
                     _sync(graph)
                     times.append((clock() - c0) * 1e3)
                 samples[j].append((rows, statistics.median(times[1:])))  # first: kernel warm-up
-        fits = tuple(fit_op_cost(s) for s in samples)
-        costs = tuple(c.scaled(slowdown) for c in fits)
+        costs = tuple(fit_op_cost(s).scaled(slowdown) for s in samples)
         # the probe: consecutive ops from the middle of the trunk, whole maps, until they take
         # PROBE_MS (long enough that timer and cache noise stay small, short enough to run
         # often); its reference time is taken the way later probes take theirs
@@ -123,67 +122,30 @@ def measure_profile(graph: ModelGraph, clock: Callable[[], float], *, slowdown: 
         probe_ops = tuple(range(first, last))
         keep = {u for j in probe_ops for u in graph.ops[j].inputs}
         inputs = [vals[u] if u in keep else None for u in range(len(vals))]
-        run_ms = executor_run_ms(graph, fits, clock, vals[0]) * slowdown
+    run_ms = executor_run_ms(graph, costs, clock) * slowdown
     measured = MeasuredCosts(costs, statistics.median(trunk) * slowdown, run_ms, probe_ops, 0.0, 0.0)
     base = statistics.median(probe(graph, measured, clock, slowdown, inputs) for _ in range(5))
     return MeasuredCosts(costs, measured.trunk_ms, run_ms, probe_ops, base, time.monotonic() - t_start), inputs
 
 
-CALIBRATION_SLAB_ROWS = 16  # short runs: many more of them than in one slab, so their cost shows
-CALIBRATION_REPS = 7
-
-
 def executor_run_ms(graph: ModelGraph, op_costs: tuple[OpCost, ...], clock: Callable[[], float],
-                    image: torch.Tensor, *, slab_rows: int = CALIBRATION_SLAB_ROWS,
-                    reps: int = CALIBRATION_REPS) -> float:
-    """What a run costs in the stripe executor beyond its op's fitted cost (ms, `op_costs` and
-    the result at slowdown 1).
-
-    The op fits come from each op called again and again on its own. In the executor a run
-    also finds its rows, reads its input from the pieces they arrived in, keeps the interval
-    bookkeeping, and runs right after other ops: ResNet-18 at 224x224 here costs 0.08-0.16 ms
-    more per run than its fits say, ten times the bookkeeping alone, so a plan of many short runs
-    (small slabs, thin stripes) was predicted too cheap next to one of few (the whole image, one
-    run per op): the single device streamed in 64-row slabs measured 2.4 ms (8 %) above the whole
-    image, predicted 0.6 ms above. So it is measured on the real executor: `image` streamed in
-    slabs of `slab_rows` rows with every run as short as the slabs allow, against the image in
-    one slab, alternately, `reps` pairs after a warm-up pair; the median difference of a pair,
-    less what the fits predict for it, per extra run. Its floor is the bookkeeping alone (the
-    simulator's shadow replay of the same plan): where the fits over-price short runs (VGG-11
-    here) the difference does not go negative."""
+                    slab_rows: int = 8, reps: int = 3) -> float:
+    """The stripe executor's own cost per run - finding runs, interval bookkeeping, routing
+    emissions - which the op timings above do not contain: a single-node plan in small slabs
+    replayed by the simulator's shadow runner, which does that bookkeeping and nothing else."""
     from .costs import Costs, DeviceProfile, LinkEstimate
     from .plan import PlanSpec, build_plan
     from .simulate import simulate
-    from .stripe import StripeRunner
 
-    h = graph.input_shape[1]
-    slab_rows = max(1, min(slab_rows, h))
-    setups = []  # (plan, min_run_rows, predicted busy ms, runs, shadow replay ms)
-    for rows in dict.fromkeys((slab_rows, h)):
-        profile = DeviceProfile("probe", 0, "", "", 1.0, op_costs, 1.0, 0.0, min_run_rows=rows)
-        costs = Costs({"probe": profile}, {}, LinkEstimate(1e9, 0.0), slab_rows=rows)
-        plan = build_plan(graph, PlanSpec.single("probe"), slab_rows=rows)
+    profile = DeviceProfile("probe", 0, "", "", 1.0, op_costs, 1.0, 0.0, min_run_rows=slab_rows)
+    costs = Costs({"probe": profile}, {}, LinkEstimate(1e9, 0.0), slab_rows=slab_rows)
+    plan = build_plan(graph, PlanSpec.single("probe"), slab_rows=slab_rows)
+    times, runs = [], 1
+    for _ in range(reps):
         c0 = clock()
-        predicted = simulate(graph, plan, costs)
-        setups.append((plan, rows, predicted.node_busy_ms["probe"], predicted.node_runs["probe"],
-                       (clock() - c0) * 1e3))
-    bookkeeping = setups[0][4] / max(1, setups[0][3])
-    if len(setups) < 2 or setups[0][3] <= setups[1][3]:
-        return bookkeeping  # an input of one slab: no plan with more runs to compare
-    times: list[list[float]] = [[], []]
-    with torch.no_grad():
-        for k in range(reps + 1):
-            for (plan, rows, *_), got in zip(setups, times):
-                runner = StripeRunner(graph, plan, "probe", min_run_rows=rows)
-                c0 = clock()
-                for a in range(0, h, rows):
-                    runner.feed(0, a, image[:, :, a:a + rows])
-                _sync(graph)
-                if k:  # the first pair: shapes new to the kernels
-                    got.append((clock() - c0) * 1e3)
-    (_, _, p_streamed, n_streamed, _), (_, _, p_whole, n_whole, _) = setups
-    extra = statistics.median(s - w for s, w in zip(*times)) - (p_streamed - p_whole)
-    return max(bookkeeping, extra / (n_streamed - n_whole))
+        runs = simulate(graph, plan, costs).node_runs["probe"]
+        times.append((clock() - c0) * 1e3)
+    return min(times) / max(1, runs)
 
 
 def probe(graph: ModelGraph, measured: MeasuredCosts, clock: Callable[[], float], slowdown: float,

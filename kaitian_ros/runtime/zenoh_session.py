@@ -7,6 +7,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,20 +272,35 @@ def parse_liveliness(key: str) -> LivelinessEntry | None:
     return None
 
 
+CONFIRM_QUERIES = 2  # liveliness queries that must find no holder before a departure is reported
+CONFIRM_PAUSE_S = 0.2
+
+
 def watch_departures(session: Any, domain: int, on_gone: Any) -> Any:
     """A liveliness subscriber calling ``on_gone(entry)`` (a LivelinessEntry, kind NN) when a
     node's token disappears - its session closed, or its process died and the link with it.
 
     Called on a thread of its own, after asking whether anyone still holds that token: anyone can
     declare and undeclare a copy of a node's token key, which must not pass for the node leaving.
+    Asked twice, `CONFIRM_PAUSE_S` apart, before a departure is reported: on a loaded 2-core
+    machine one query in about fifteen runs of the copied-token test found no holder of a live
+    node's token right after the copy was withdrawn, and the live node was reported gone (the
+    ROS runtime polls the graph every 0.25 s, so a departure reported 0.2 s later is no slower
+    than there).
     """
-    def confirm(key: str, entry: LivelinessEntry) -> None:
+    def held(key: str) -> bool | None:
         try:
-            for reply in session.liveliness().get(key, timeout=1.0):
-                if reply.ok is not None:
-                    return  # still held: not a departure
+            return any(reply.ok is not None for reply in session.liveliness().get(key, timeout=1.0))
         except zenoh.ZError:  # session closing
-            return
+            return None
+
+    def confirm(key: str, entry: LivelinessEntry) -> None:
+        for attempt in range(CONFIRM_QUERIES):
+            if attempt:
+                time.sleep(CONFIRM_PAUSE_S)
+            answer = held(key)
+            if answer is None or answer:
+                return  # closing, or still held: not a departure
         on_gone(entry)
 
     def handler(sample: Any) -> None:

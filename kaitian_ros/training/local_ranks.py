@@ -20,6 +20,8 @@ from kaitian_ros.processes import tie_to_parent
 from kaitian_ros.training.affinity import pin_local_rank
 from kaitian_ros.training.process_group import DistEnv, init_distributed, shutdown_distributed
 
+PORT_ATTEMPTS = 3  # rendezvous ports tried before giving up
+
 
 def _local_child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple,
                  env: dict[str, str], timeout_s: float, q: Any) -> None:
@@ -56,6 +58,22 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any,
     there. ``fn`` returns picklable values. Returns the results in rank order; raises
     RuntimeError with the first failing rank's error.
     """
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            return _run_local_once(fn, world_size, args, env_per_rank, timeout_s)
+        except _PortTaken:
+            if attempt == PORT_ATTEMPTS - 1:
+                raise RuntimeError(f"rank 0 could not listen on a free port {PORT_ATTEMPTS} times "
+                                   "(another process took each one first)") from None
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(Exception):
+    """Rank 0's rendezvous port was taken between `free_port` and its listen."""
+
+
+def _run_local_once(fn: Callable[..., Any], world_size: int, args: tuple,
+                    env_per_rank: Sequence[dict[str, str]] | None, timeout_s: float) -> list[Any]:
     fork = not torch.cuda.is_available()
     ctx = mp.get_context("fork") if fork else mp.get_context("spawn")
     if fork:  # each rank would import it on its own, per run (bench: a dozen runs)
@@ -90,6 +108,10 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any,
                 continue
             if ok:
                 results[r] = pickle.loads(out)  # noqa: S301 - bytes our own child pickled
+            elif "EADDRINUSE" in out:
+                # a free port is only free until someone binds it: parallel test workers and
+                # benchmarks pick theirs at the same moment; the other ranks are stopped below
+                raise _PortTaken(out)
             else:
                 errors[r] = out
     finally:

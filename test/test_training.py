@@ -158,6 +158,7 @@ def test_ctrl_c_stops_the_forked_ranks_in_one_line(tmp_path: Path) -> None:
     training after the SIGINT, as this test saw twice in full suite runs (cause there unknown)."""
     p = _spawn(["--ranks", "2", "--devices", "cpu", "--epochs", "500", "--global-batch", "64"],
                {"TMPDIR": str(tmp_path)}, sigint_ignored=True)
+    kids: dict[int, int] = {}  # the finally below kills them also when waiting for them failed
     try:
         kids = wait_until(lambda: _children(p.pid) if len(_children(p.pid)) == 2 else None, "two ranks", 60.0)
         assert sorted(Path(f"/proc/{k}/comm").read_text().strip() for k in kids.values()) == \

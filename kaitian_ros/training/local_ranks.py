@@ -58,14 +58,13 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any,
     there. ``fn`` returns picklable values. Returns the results in rank order; raises
     RuntimeError with the first failing rank's error.
     """
-    for attempt in range(PORT_ATTEMPTS):
+    for _ in range(PORT_ATTEMPTS):  # as launcher.start_on_free_port does for routers
         try:
             return _run_local_once(fn, world_size, args, env_per_rank, timeout_s)
         except _PortTaken:
-            if attempt == PORT_ATTEMPTS - 1:
-                raise RuntimeError(f"rank 0 could not listen on a free port {PORT_ATTEMPTS} times "
-                                   "(another process took each one first)") from None
-    raise AssertionError("unreachable")
+            continue
+    raise RuntimeError(f"rank 0 could not listen on a free port {PORT_ATTEMPTS} times "
+                       "(another process took each one first)")
 
 
 class _PortTaken(Exception):

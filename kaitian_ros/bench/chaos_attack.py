@@ -142,6 +142,9 @@ def flood(args: argparse.Namespace) -> int:
         wait = start + sent * period - time.monotonic()
         if wait > 0:
             time.sleep(wait)
+    # the flood is over: a SIGTERM from now on must not kill us before we report. Python puts
+    # its own handlers back to the default as the interpreter finalises, an ignored signal it keeps
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     took = time.monotonic() - start
     _say({"sent": sent, "seconds": round(took, 2), "rate": round(sent / took, 1) if took else 0.0,
           "payload_mb": round(bytes_sent / 1e6, 1), "stopped_early": stop.is_set()})

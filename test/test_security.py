@@ -33,6 +33,17 @@ from kaitian_ros import certs
 from kaitian_ros.runtime import security
 from kaitian_ros.scenario import ScenarioError, load_scenario
 
+_SAY_LOCK = threading.Lock()
+
+
+def _say(record: dict) -> None:
+    """One JSON line on stdout from any thread: print() writes the text and its newline
+    separately, so two callbacks printing at once could share a line."""
+    with _SAY_LOCK:
+        sys.stdout.write(json.dumps(record) + "\n")
+        sys.stdout.flush()
+
+
 PUBLISHER_ROLES = security.ROLES  # coordinator, scheduler, compute, node
 OUTSIDERS = ("tcp", "tls_no_cert", "other_ca")
 
@@ -551,7 +562,7 @@ def _child_publisher(role: str) -> None:
         marker.publish(MARKER.make(f"{role}:{i}"))
 
     rt.create_timer(0.1, tick)
-    print(json.dumps({"ready": role}), flush=True)
+    _say({"ready": role})
     rt.spin()
     rt.close()
 
@@ -574,7 +585,7 @@ def _child_subscriber() -> None:
 
     def show(t: Topic, msg: Any) -> None:
         label = t.label(msg)
-        print(json.dumps({"topic": t.name, "label": label}), flush=True)
+        _say({"topic": t.name, "label": label})
         if t is MARKER:
             seen.add(label.split(":")[0])
             if seen >= set(PUBLISHER_ROLES):
@@ -595,10 +606,10 @@ def _child_subscriber() -> None:
                                          consolidation=zenoh.ConsolidationMode.NONE, timeout=10.0)
                 answers[t.name] = sorted(t.label(interfaces.decode(r.ok.payload.to_bytes(), t.msg_type))
                                          for r in replies if r.ok is not None)
-        print(json.dumps({"latched": answers}), flush=True)
+        _say({"latched": answers})
 
     threading.Thread(target=ask_caches, daemon=True).start()
-    print(json.dumps({"ready": "sub"}), flush=True)
+    _say({"ready": "sub"})
     rt.spin()
     rt.close()
 
@@ -644,7 +655,7 @@ def _child_outsider(variant: str, cert_dir: str, other_ca_dir: str) -> None:
     stop = {"now": False}
     signal.signal(signal.SIGINT, lambda *_: stop.__setitem__("now", True))
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
-    print(json.dumps({"ready": variant}), flush=True)
+    _say({"ready": variant})
     i = 0
     while not stop["now"]:
         i += 1
@@ -652,9 +663,9 @@ def _child_outsider(variant: str, cert_dir: str, other_ca_dir: str) -> None:
         session.put(plan_key, bytes(interfaces.encode(forged_plan, "LoadAssignment")))
         forged_telemetry = interfaces.make("NodeTelemetry", node_id=f"outsider-{variant}:{i}")
         session.put(telemetry_key, bytes(interfaces.encode(forged_telemetry, "NodeTelemetry")))
-        print(json.dumps({"tried": {"puts": i, "received": received["n"],
-                                    "routers": len(list(session.info.routers_zid())),
-                                    "peers": len(list(session.info.peers_zid()))}}), flush=True)
+        _say({"tried": {"puts": i, "received": received["n"],
+                        "routers": len(list(session.info.routers_zid())),
+                        "peers": len(list(session.info.peers_zid()))}})
         time.sleep(0.1)  # the outsider's pace of attempts (it runs until stopped), not a wait
     subscriber.undeclare()
     session.close()

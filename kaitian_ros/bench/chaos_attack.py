@@ -47,7 +47,9 @@ WRONG_TYPE = "String"  # what a wrong-type message on a topic is (its key names 
 
 
 def _say(obj: dict[str, Any]) -> None:
-    print(json.dumps(obj), flush=True)
+    # one write: print() sends the text and its newline separately
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
 
 
 def _runtime(name: str) -> Any:

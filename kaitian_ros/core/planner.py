@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -161,6 +161,30 @@ def resuming(choice: Choice, resume: MeasuredPlan | None, min_gain: float) -> Ch
     if again is None or worth_switching(again.expected_ms, again.measured_ms is not None, choice.best, min_gain):
         return choice
     return Choice(again, choice.best, choice.candidates)
+
+
+def streaming_twin(choice: Choice | None, spec: PlanSpec, slab_rows: int, measured_ms: float, *,
+                   whole: int, streamed: int, measured: Collection[tuple], min_gain: float) -> Candidate | None:
+    """The running plan (`spec`, `slab_rows`) with its input sent the other way - the whole
+    image in one slab if it streams, in `streamed`-row slabs if it does not - when that twin is
+    worth a trial: no measurement of it (`measured`: `spec_key`s with one) and the newest
+    round (`choice`) predicting it within `min_gain` of what the running plan measures
+    (`measured_ms`), as a prediction and as corrected by the model's error on these nodes.
+
+    Between the two the model cannot choose: it prices each slab's extra runs from isolated
+    per-op calls, which put ResNet-18's streamed single device 1-2 % over its whole image,
+    while the executor measured 8 % (short runs of the first layers, rows copied together) and
+    streaming hides a link of a few ms; which wins moves with the machine's speed. Measured,
+    the faster of the two is kept (`Candidate.expected_ms`), as between any two plans."""
+    if choice is None or streamed >= whole:
+        return None
+    twin_key = spec_key(spec, whole if slab_rows < whole else streamed)
+    if twin_key in measured:
+        return None
+    twin = next((c for c in choice.candidates if spec_key(c.spec, c.slab_rows) == twin_key), None)
+    if twin is None or max(twin.predicted_ms, twin.expected_ms) > measured_ms * (1.0 + min_gain):
+        return None
+    return twin
 
 
 def simpler_margin(simpler: Candidate, fastest: Candidate, margin: float) -> float:

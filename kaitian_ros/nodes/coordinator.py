@@ -245,15 +245,34 @@ class Coordinator(RequestFlow):
         t, gain = time.monotonic(), self.params["min_plan_gain"]
         now = self.memory.observe(plan, ms, predicted, t, self.profiles, self.alive)
         version = self.current.version if self.current is not None else 0
+        if now is None or not is_running or now.n < MEASURED_MIN:
+            return
         # when its measurement first counts, and once per version (a plan kept on an older one):
         # the model was wrong, a plan that ran before or the newest round's runner-up is better
-        if now is not None and is_running and now.n >= MEASURED_MIN and (
-                now.n == MEASURED_MIN or self.measure_replanned != version) and (
+        if (now.n == MEASURED_MIN or self.measure_replanned != version) and (
                 now.ms > self.predicted_ms * (1 + gain)
                 or self.memory.beaten(plan, now.ms, planner.measured_margin(gain), t, self.profiles, self.alive)
                 or planner.worth_leaving(self.choice, planner.spec_key(plan.spec, plan.slab_rows), now.ms, gain)):
             self.measure_replanned = version
             self._replan_soon(f"measured {now.ms:.1f} ms, predicted {self.predicted_ms:.1f} ms")
+        elif self.pending is None:
+            self._try_twin(plan, now.ms, t)
+
+    def _try_twin(self, plan: Plan, ms: float, now: float) -> None:
+        """Run the plan's `planner.streaming_twin` for a trial, if it has one (only where
+        measurements are followed, so a twin that measures worse is left again)."""
+        alive = tuple(n for n in self.nodes if n in self.alive)
+        if self._shares_for(alive)[1] != "adaptive" or self.params["input_pacing_ms"] > 0 or self.choice is None:
+            return
+        twin_of = self.choice
+        twin = planner.streaming_twin(twin_of, plan.spec, plan.slab_rows, ms, whole=self.spec.input_shape[1],
+                                      streamed=self.params["slab_rows"],
+                                      measured=self.memory.measured(now, self.profiles, self.alive),
+                                      min_gain=self.params["min_plan_gain"])
+        request = self._plan_request(f"measured {ms:.1f} ms", 0, False) if twin is not None else None
+        if twin is not None and request is not None:
+            trial = dataclasses.replace(twin, label=f"{twin.label} (trial: streamed or not, only measuring tells)")
+            self._apply_plan(request, planner.Choice(trial, twin_of.best, twin_of.candidates), None)
 
     def running_plan(self) -> Plan | None:
         """The plan of the version in effect (None before the first)."""
@@ -464,26 +483,6 @@ class Coordinator(RequestFlow):
         reason, incarnation = proto.answer_on_own_topic(self.rt, self.guard, msg, proto.PLAN_TOPIC, time.monotonic())
         if incarnation is not None:
             self._reincarnate(incarnation, reason)
-
-    def _reincarnate(self, incarnation: int, reason: str) -> None:
-        """Publish the running plan again under a new incarnation: compute nodes take it as a
-        restart, retire the impostor's incarnation with our old one, and drop the requests they
-        held, so every request in flight is sent again under the re-announced plan."""
-        self.incarnation = incarnation
-        self.counts["reincarnations"] += 1
-        self.rt.logger.warning(f"{reason}: re-announcing the plan as incarnation {incarnation:016x}")
-        if self.current is None:
-            return
-        pv = dataclasses.replace(self.current, version=self.current.version + 1,
-                                 reason=f"re-announced after an impostor: {self.current.reason}")
-        plan = self.plans[self.current.version]
-        self.plans[pv.version] = plan
-        self.pending = None  # a held switch was announced under the old incarnation: plan again
-        for req in list(self.requests.values()):
-            self._restart(req, pv.version, plan)
-        self._activate(pv)
-        for req in list(self.requests.values()):
-            self._send_inputs(req)
 
 
 def _members(a: Assignment) -> frozenset:

@@ -85,6 +85,7 @@ class RequestFlow:
     chunk_pubs: dict[str, Publisher]
     fused_pub: Publisher
     _sendq: queue.SimpleQueue | None
+    incarnation: int  # the coordinator's authority (compute nodes reset on a new one)
 
     def _activate(self, pv: Assignment) -> None:
         """Put plan version `pv` in effect (the coordinator's: it publishes the plan)."""
@@ -373,6 +374,26 @@ class RequestFlow:
         req.inputs_sent_s = None
         req.predicted_ms = self.predicted_ms
         self.counts["redispatched"] += 1
+
+    def _reincarnate(self, incarnation: int, reason: str) -> None:
+        """Publish the running plan again under a new incarnation: compute nodes take it as a
+        restart, retire the impostor's incarnation with our old one, and drop the requests they
+        held, so every request in flight is sent again under the re-announced plan."""
+        self.incarnation = incarnation
+        self.counts["reincarnations"] += 1
+        self.rt.logger.warning(f"{reason}: re-announcing the plan as incarnation {incarnation:016x}")
+        if self.current is None:
+            return
+        pv = dataclasses.replace(self.current, version=self.current.version + 1,
+                                 reason=f"re-announced after an impostor: {self.current.reason}")
+        plan = self.plans[self.current.version]
+        self.plans[pv.version] = plan
+        self.pending = None  # a held switch was announced under the old incarnation: plan again
+        for req in list(self.requests.values()):
+            self._restart(req, pv.version, plan)
+        self._activate(pv)
+        for req in list(self.requests.values()):
+            self._send_inputs(req)
 
 
 def _owners_missing(req: Request) -> list[str]:

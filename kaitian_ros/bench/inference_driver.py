@@ -211,9 +211,11 @@ class Driver:
         if msg is None:
             return "none"
         try:
-            return self.ic.spec_from_msg(msg).describe(self.graph)
+            text = self.ic.spec_from_msg(msg).describe(self.graph)
         except ValueError as exc:
             return f"unreadable plan v{msg.version}: {exc}"
+        # the plan message has no slab size: the chosen plan's label in its reason says it
+        return text + (", whole image" if ", whole image" in msg.reason.split("; runner-up")[0] else "")
 
     def prediction(self, version: int) -> float:
         """The coordinator's current prediction of plan `version`: its /diagnostics value when

@@ -254,7 +254,8 @@ class Coordinator(RequestFlow):
                 or self.memory.beaten(plan, now.ms, planner.measured_margin(gain), t, self.profiles, self.alive)
                 or planner.worth_leaving(self.choice, planner.spec_key(plan.spec, plan.slab_rows), now.ms, gain)):
             self.measure_replanned = version
-            self._replan_soon(f"measured {now.ms:.1f} ms, predicted {self.predicted_ms:.1f} ms")
+            self._replan_soon(f"measured {now.ms:.1f} ms, predicted {self.predicted_ms:.1f} ms",
+                              quick=len(plan.active_nodes()) > 1)
         elif self.pending is None:
             self._try_twin(plan, now.ms, t)
 
@@ -294,9 +295,9 @@ class Coordinator(RequestFlow):
         Only the adaptive policy follows measurements: with fixed shares (no scheduler, or the
         scheduler's static/equal/profile_once policies) a plan is chosen when the nodes, the
         parameters or the proposed shares (`proposal`) change, and then kept.
-        `quick`: a node of the running plan changed speed - first a round over single-node
-        plans only (a few ms instead of a full search's 100-350 ms, while every request runs
-        at the changed speed), then the full search.
+        `quick`: a node of the running plan changed speed, or a split measured worse than it
+        should - first a round over single-node plans only (a few ms instead of a full search's
+        100-350 ms, or seconds on a slow machine, while every request runs slow), then the full search.
         `periodic`: nothing happened but time passed - skipped when every input of the round
         is where it was at the last round (`PlanRequest.material`): the same choice again."""
         self.last_replan = time.monotonic()

@@ -21,6 +21,7 @@ a forced strategy the second best).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Collection, Mapping, Sequence
@@ -185,6 +186,23 @@ def streaming_twin(choice: Choice | None, spec: PlanSpec, slab_rows: int, measur
     if twin is None or max(twin.predicted_ms, twin.expected_ms) > measured_ms * (1.0 + min_gain):
         return None
     return twin
+
+
+def measured_return(choice: Choice | None, measured: Mapping[tuple, MeasuredPlan], running_key: tuple,
+                    running_ms: float, min_gain: float) -> Candidate | None:
+    """The fastest plan that measured lately (`measured`, by `spec_key`) and is a candidate of
+    the newest round (`choice`, for its prediction), when the running plan (`running_key`,
+    measuring `running_ms`) is worth leaving for it (`worth_switching`, both measured); else
+    None. Going back to what users measured needs no search: a twin that measured worse in
+    its trial, or a plan tried on a prediction that measured worse than the one it replaced,
+    went back only after a full planning round, which on a slow machine outlasted the
+    benchmark's rounds (`robot_two_edges` ran such plans for whole rounds)."""
+    if choice is None:
+        return None
+    seen = [dataclasses.replace(c, measured_ms=measured[k].ms) for c in choice.candidates
+            if (k := spec_key(c.spec, c.slab_rows)) in measured and k != running_key]
+    best = min(seen, key=lambda c: c.expected_ms, default=None)
+    return best if best is not None and worth_switching(running_ms, True, best, min_gain) else None
 
 
 def simpler_margin(simpler: Candidate, fastest: Candidate, margin: float) -> float:

@@ -15,7 +15,8 @@ that stops sending heartbeats leaves the plan; its in-flight requests are re-dis
 survivors under a new version so no frame is lost.
 
 Requests run in `coordinator_requests`, /diagnostics in `coordinator_report`, parameters in
-`coordinator_params`, plan prices in `coordinator_costs`, plans that ran in `core.plan_memory`.
+`coordinator_params`, plan prices in `coordinator_costs`, plans that ran in `core.plan_memory`,
+what a measured latency sets off in `coordinator_measured`.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ from kaitian_ros.core import lateness, planner
 from kaitian_ros.core.authority import AuthorityTracker, ImpersonationGuard, new_incarnation
 from kaitian_ros.core.costs import DeviceProfile, LinkMeter, profile_problem
 from kaitian_ros.core.plan import Plan, same_spec
-from kaitian_ros.core.plan_memory import MEASURED_MIN, PlanMemory, same_speed
+from kaitian_ros.core.plan_memory import PlanMemory, same_speed
 from kaitian_ros.core.policy import Assignment
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.nodes import protocol as proto
 from kaitian_ros.nodes.coordinator_costs import planning_costs
+from kaitian_ros.nodes.coordinator_measured import observe_latency
 from kaitian_ros.nodes.coordinator_params import PARAMETERS, PLAN_SETTINGS
 from kaitian_ros.nodes.coordinator_report import report
 from kaitian_ros.nodes.coordinator_requests import Request, RequestFlow
@@ -166,12 +168,12 @@ class Coordinator(RequestFlow):
             self.rt.logger.info(why_not)
         if d is None:
             return False
-        request = self._plan_request(f"{node} joined again", 0, True)
+        request = self.plan_request(f"{node} joined again", 0, True)
         if request is None or not set(d.spec.node_ids) <= set(request.nodes):
             return False  # fixed shares that leave a node of it out now: plan by them
         cand = planner.Candidate(d.spec, d.predicted_ms, f"{d.spec.describe(self.graph)} (the plan it left)",
                                  d.measured_ms, d.slab_rows)
-        self._apply_plan(request, planner.Choice(cand, None, (cand,)), None)
+        self.apply_plan(request, planner.Choice(cand, None, (cand,)), None)
         return True
 
     def _on_profile(self, msg: Any) -> None:
@@ -194,7 +196,7 @@ class Coordinator(RequestFlow):
         # periodic round (every full search costs the coordinator's host CPU time)
         if profile.node_id in self.alive and (old is None or not same_speed(old.trunk_ms, profile.trunk_ms)):
             running = self.running_plan()
-            self._replan_soon(f"{profile.node_id} profile v{profile.version}: trunk "
+            self.replan_soon(f"{profile.node_id} profile v{profile.version}: trunk "
                               f"{old.trunk_ms if old else 0.0:.1f} -> {profile.trunk_ms:.1f} ms",
                               quick=running is not None and profile.node_id in running.active_nodes())
 
@@ -221,10 +223,10 @@ class Coordinator(RequestFlow):
             # proposal kept the planner process busy back to back while speeds changed (the
             # scheduler proposes every few hundred ms then) - a core the compute nodes lacked
             return
-        self._replan_soon(f"scheduler v{proposal.version}: {proposal.reason}",
+        self.replan_soon(f"scheduler v{proposal.version}: {proposal.reason}",
                           effective=proposal.effective_from_request, proposal=True)
 
-    def _shares_for(self, alive: tuple[str, ...]) -> tuple[tuple[float, ...], str]:
+    def shares_for(self, alive: tuple[str, ...]) -> tuple[tuple[float, ...], str]:
         """The proposed shares of the alive nodes (aligned with `alive`) and their policy."""
         if self.params["use_scheduler"] and self.assignment is not None:
             table = dict(zip(self.assignment.node_ids, self.assignment.shares))
@@ -234,46 +236,7 @@ class Coordinator(RequestFlow):
         return tuple(table[n] for n in alive), "static"
 
     def _observe_latency(self, plan: Plan, ms: float) -> None:
-        """Remember what a plan really took (requests that ran alone only: two requests in
-        flight share the nodes, and the planner predicts one request), and what it was
-        predicted to take then."""
-        running = self.running_plan()
-        is_running = running is not None and \
-            planner.spec_key(running.spec, running.slab_rows) == planner.spec_key(plan.spec, plan.slab_rows)
-        # the newest prediction of the running plan (re-predicted every round), else its own
-        predicted = self.predicted_ms if is_running else plan.estimated_ms
-        t, gain = time.monotonic(), self.params["min_plan_gain"]
-        now = self.memory.observe(plan, ms, predicted, t, self.profiles, self.alive)
-        version = self.current.version if self.current is not None else 0
-        if now is None or not is_running or now.n < MEASURED_MIN:
-            return
-        # when its measurement first counts, and once per version (a plan kept on an older one):
-        # the model was wrong, a plan that ran before or the newest round's runner-up is better
-        if (now.n == MEASURED_MIN or self.measure_replanned != version) and (
-                now.ms > self.predicted_ms * (1 + gain)
-                or self.memory.beaten(plan, now.ms, planner.measured_margin(gain), t, self.profiles, self.alive)
-                or planner.worth_leaving(self.choice, planner.spec_key(plan.spec, plan.slab_rows), now.ms, gain)):
-            self.measure_replanned = version
-            self._replan_soon(f"measured {now.ms:.1f} ms, predicted {self.predicted_ms:.1f} ms",
-                              quick=len(plan.active_nodes()) > 1)
-        elif self.pending is None:
-            self._try_twin(plan, now.ms, t)
-
-    def _try_twin(self, plan: Plan, ms: float, now: float) -> None:
-        """Run the plan's `planner.streaming_twin` for a trial, if it has one (only where
-        measurements are followed, so a twin that measures worse is left again)."""
-        alive = tuple(n for n in self.nodes if n in self.alive)
-        if self._shares_for(alive)[1] != "adaptive" or self.params["input_pacing_ms"] > 0 or self.choice is None:
-            return
-        twin_of = self.choice
-        twin = planner.streaming_twin(twin_of, plan.spec, plan.slab_rows, ms, whole=self.spec.input_shape[1],
-                                      streamed=self.params["slab_rows"],
-                                      measured=self.memory.measured(now, self.profiles, self.alive),
-                                      min_gain=self.params["min_plan_gain"])
-        request = self._plan_request(f"measured {ms:.1f} ms", 0, False) if twin is not None else None
-        if twin is not None and request is not None:
-            trial = dataclasses.replace(twin, label=f"{twin.label} (trial: streamed or not, only measuring tells)")
-            self._apply_plan(request, planner.Choice(trial, twin_of.best, twin_of.candidates), None)
+        observe_latency(self, plan, ms)
 
     def running_plan(self) -> Plan | None:
         """The plan of the version in effect (None before the first)."""
@@ -283,12 +246,12 @@ class Coordinator(RequestFlow):
         """Choose the plan for the alive nodes now (membership, parameters: `force`), and
         publish it as a new version if it differs from the newest one. `resume`: parameters
         were set; a measured plan that ran under them before is kept unless clearly beaten."""
-        request = self._plan_request(reason, effective, force, resume)
+        request = self.plan_request(reason, effective, force, resume)
         if request is not None:
             self.last_material = request.material()
-            self._apply_plan(request, *plan_round(self.graph, request))
+            self.apply_plan(request, *plan_round(self.graph, request))
 
-    def _replan_soon(self, reason: str, effective: int = 0, proposal: bool = False, quick: bool = False,
+    def replan_soon(self, reason: str, effective: int = 0, proposal: bool = False, quick: bool = False,
                      periodic: bool = False) -> None:
         """Re-predict with new measurements in the planner process (a full search takes up to a
         few hundred ms: the executor goes on serving frames); `_check` applies the result.
@@ -301,12 +264,12 @@ class Coordinator(RequestFlow):
         `periodic`: nothing happened but time passed - skipped when every input of the round
         is where it was at the last round (`PlanRequest.material`): the same choice again."""
         self.last_replan = time.monotonic()
-        if not proposal and self._shares_for(tuple(n for n in self.nodes if n in self.alive))[1] != "adaptive":
+        if not proposal and self.shares_for(tuple(n for n in self.nodes if n in self.alive))[1] != "adaptive":
             return
         if self.planner.busy is not None:
             self._replan_again = (reason, max(effective, self._replan_again[1] if self._replan_again else 0))
             return
-        request = self._plan_request(reason, effective, False)
+        request = self.plan_request(reason, effective, False)
         if request is None:
             return
         material = request.material()
@@ -325,7 +288,7 @@ class Coordinator(RequestFlow):
             self.planner_lost = True
             self.rt.logger.warning("planner process not running: planning on the executor from now on")
         # still starting: the first seconds (nodes join, the scheduler adapts) must not wait for it
-        self._apply_plan(request, *plan_round(self.graph, request))
+        self.apply_plan(request, *plan_round(self.graph, request))
 
     def _collect_plan(self) -> None:
         """Apply a finished planning round's choice (on the executor thread)."""
@@ -340,19 +303,19 @@ class Coordinator(RequestFlow):
             # a structural change while it planned was planned again at once: drop this result
             if request.alive == tuple(n for n in self.nodes if n in self.alive) and \
                     request.latest_version == (latest.version if latest else 0):
-                self._apply_plan(*planned)
+                self.apply_plan(*planned)
         if self._replan_again is not None:
             reason, effective = self._replan_again
             self._replan_again = None
-            self._replan_soon(reason, effective, proposal=True)
+            self.replan_soon(reason, effective, proposal=True)
 
     def _settings(self) -> tuple:
         return tuple(tuple(v) if isinstance(v := self.params[k], list) else v for k in PLAN_SETTINGS)
 
-    def _plan_request(self, reason: str, effective: int, force: bool, resume: bool = False) -> PlanRequest | None:
+    def plan_request(self, reason: str, effective: int, force: bool, resume: bool = False) -> PlanRequest | None:
         self.last_replan = time.monotonic()
         alive = tuple(n for n in self.nodes if n in self.alive)
-        shares, policy = self._shares_for(alive)
+        shares, policy = self.shares_for(alive)
         nodes = alive
         if policy != "adaptive":
             # fixed shares say which nodes take part: a zero share keeps a node out of every
@@ -380,7 +343,7 @@ class Coordinator(RequestFlow):
                            # input pacing emulates a slow link per slab: one slab would skip it
                            self.params["input_pacing_ms"] <= 0, self.memory.earlier_errors(now), resume=again)
 
-    def _apply_plan(self, request: PlanRequest, choice: planner.Choice | None, was: Any) -> None:
+    def apply_plan(self, request: PlanRequest, choice: planner.Choice | None, was: Any) -> None:
         if choice is None:
             self.rt.logger.error(f"cannot plan over {request.nodes} ({request.reason}): {was}")
             return
@@ -475,7 +438,7 @@ class Coordinator(RequestFlow):
         if dead:
             self._drop(dead, f"silent > {self.params['dead_after_s']} s")
         elif self.alive and time.monotonic() - self.last_replan >= self.params["replan_period_s"]:
-            self._replan_soon("periodic re-prediction", periodic=True)
+            self.replan_soon("periodic re-prediction", periodic=True)
         self._collect_plan()
         self._time_out_requests()
 

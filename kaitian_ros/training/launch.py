@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -53,6 +54,7 @@ from kaitian_ros.ports import free_port
 from kaitian_ros.processes import name_process, start_child, stop_children, take_sigint, tie_own_group
 from kaitian_ros.training import netif
 from kaitian_ros.training.affinity import pin_local_rank
+from kaitian_ros.training.local_ranks import PORT_ATTEMPTS
 from kaitian_ros.training.process_group import DistEnv, init_distributed, shutdown_distributed
 
 if TYPE_CHECKING:  # imported at run time where used, as the functions below do
@@ -146,6 +148,10 @@ class Placement:
 
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's
+# rank 0 found its rendezvous port taken (errno EADDRINUSE): where this process chose the port
+# (one host, no --master-port), another process bound it after `free_port`; the ranks start
+# again on another port, up to PORT_ATTEMPTS times (as `local_ranks.run_local` does)
+PORT_TAKEN_EXIT = 98
 
 
 def _placement(a: argparse.Namespace, ranks: int) -> Placement:
@@ -335,7 +341,7 @@ def _rank_main(cfg: Any) -> int:
         return 130
     except Exception as e:  # noqa: BLE001 - e.g. a bad MASTER_PORT: one error line, exit code 1
         print(f"kaitian train: error: {e}", file=sys.stderr)
-        return 1
+        return PORT_TAKEN_EXIT if os.environ.get("RANK") == "0" and "EADDRINUSE" in str(e) else 1
 
 
 def _can_fork_ranks(cfg: Any) -> bool:
@@ -353,8 +359,9 @@ def _fork_rank(cfg: Any, env: dict[str, str]) -> _ForkedRank:
     return _ForkedRank(process)
 
 
-def _spawn_local(argv: list[str], cfg: Any, placement: Placement, as_json: bool) -> int:
-    """Spawn this host's ranks with torchrun env; watch them; aggregate their results."""
+def _spawn_local(argv: list[str], cfg: Any, placement: Placement, as_json: bool, retry_port: bool = False) -> int:
+    """Spawn this host's ranks with torchrun env; watch them; aggregate their results.
+    `retry_port`: this process chose the rendezvous port (`PORT_TAKEN_EXIT`)."""
     if cfg.save_weights:
         try:  # before minutes of training, not after
             Path(cfg.save_weights).resolve().parent.mkdir(parents=True, exist_ok=True)
@@ -371,13 +378,22 @@ def _spawn_local(argv: list[str], cfg: Any, placement: Placement, as_json: bool)
         return 130
     tmp = Path(tempfile.mkdtemp(prefix="kaitian-train-"))  # where each rank leaves its result
     try:
-        return _run_ranks(argv, cfg, placement, as_json, tmp)
+        for _ in range(PORT_ATTEMPTS if retry_port else 1):
+            code = _run_ranks(argv, cfg, placement, as_json, tmp, retry_port)
+            if code is not None:
+                return code
+            placement = dataclasses.replace(placement, master_port=free_port())
+        print(f"kaitian train: error: rank 0 could not listen on a free rendezvous port {PORT_ATTEMPTS} times "
+              "(another process took each one first)", file=sys.stderr)
+        return 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _run_ranks(argv: list[str], cfg: Any, placement: Placement, as_json: bool, tmp: Path) -> int:
-    """Start this host's ranks, watch them, and print their aggregated result."""
+def _run_ranks(argv: list[str], cfg: Any, placement: Placement, as_json: bool, tmp: Path,
+               retry_port: bool) -> int | None:
+    """Start this host's ranks, watch them, and print their aggregated result; None when rank
+    0's rendezvous port was taken and `retry_port` (the ranks are stopped: start them again)."""
     ranks = placement.ranks
     procs: list[subprocess.Popen | _ForkedRank] = []
     fork = _can_fork_ranks(cfg)
@@ -417,6 +433,9 @@ def _run_ranks(argv: list[str], cfg: Any, placement: Placement, as_json: bool, t
         stop_children(procs, ((signal.SIGINT, 2.0), (signal.SIGTERM, 2.0), (signal.SIGKILL, 2.0)))
         print("kaitian train: interrupted", file=sys.stderr)
         return 130
+    if first_dead is not None and retry_port and first_dead == (0, PORT_TAKEN_EXIT):
+        stop_children(procs, ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)))  # waiting for rank 0's store
+        return None
     if first_dead is not None:
         local, c = first_dead
         r = placement.global_rank(local)
@@ -466,7 +485,7 @@ def main_train(argv: list[str]) -> int:
         return 2
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _rank_main(cfg)
-    return _spawn_local(argv, cfg, placement, a.json)
+    return _spawn_local(argv, cfg, placement, a.json, retry_port=a.nnodes == 1 and a.master_port is None)
 
 
 if __name__ == "__main__":

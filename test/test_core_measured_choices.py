@@ -1,5 +1,6 @@
 """`planner.streaming_twin`: the running plan with its input sent the other way (whole image or
-streamed) is tried when the model cannot tell the two apart and it has no measurement."""
+streamed) is tried when the model cannot tell the two apart and it has no measurement; and
+`planner.measured_return`: a plan that measured faster lately is gone back to without a search."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 from kaitian_ros.core.costs import Costs, DeviceProfile, LinkEstimate, OpCost
 from kaitian_ros.core.models import build_model
-from kaitian_ros.core.planner import Choice, MeasuredPlan, choose_plan, spec_key, streaming_twin
+from kaitian_ros.core.planner import Choice, MeasuredPlan, choose_plan, measured_return, spec_key, streaming_twin
 from kaitian_ros.core.split import split_model
 
 SLAB = 8
@@ -67,3 +68,18 @@ def test_a_twin_the_round_did_not_predict_is_not_tried(graph, choice) -> None:
     only_streamed = Choice(streamed, None, (streamed,))
     assert streaming_twin(only_streamed, streamed.spec, SLAB, 1e9, whole=whole, streamed=SLAB, measured=(),
                           min_gain=0.1) is None
+
+
+def test_a_plan_that_measured_faster_lately_is_returned_to_without_a_search(graph, choice) -> None:
+    """`measured_return`: the fastest measured candidate, when the running plan is worth leaving for it."""
+    whole = graph.input_shape[1]
+    streamed, one_slab = _with_slab(choice, SLAB), _with_slab(choice, whole)
+    running = spec_key(streamed.spec, SLAB)
+    measured = {spec_key(one_slab.spec, whole): MeasuredPlan(one_slab.spec, whole, 50.0),
+                running: MeasuredPlan(streamed.spec, SLAB, 60.0)}
+    back = measured_return(choice, measured, running, 60.0, 0.1)
+    assert back is not None and back.slab_rows == whole and back.measured_ms == 50.0
+    assert back.predicted_ms == one_slab.predicted_ms  # the round's prediction, not the measurement
+    assert measured_return(choice, measured, running, 52.0, 0.1) is None  # within half of min_gain: noise
+    assert measured_return(choice, {running: measured[running]}, running, 60.0, 0.1) is None  # nothing else ran
+    assert measured_return(None, measured, running, 60.0, 0.1) is None

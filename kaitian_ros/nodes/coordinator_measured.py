@@ -1,0 +1,88 @@
+"""What a measured latency sets off in the coordinator.
+
+A request that ran alone is a measurement of its plan (`core.plan_memory`). Once the running
+plan's measurement counts, the coordinator either leaves it - at once for a plan that measured
+faster lately (`planner.measured_return`), else through a planning round (first over single
+nodes when a split missed) - or, when it keeps it, tries its streaming twin
+(`planner.streaming_twin`): streamed or not is settled by measuring both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+from kaitian_ros.core import planner
+from kaitian_ros.core.plan import Plan
+from kaitian_ros.core.plan_memory import MEASURED_MIN
+
+if TYPE_CHECKING:
+    from kaitian_ros.nodes.coordinator import Coordinator
+
+
+def observe_latency(c: Coordinator, plan: Plan, ms: float) -> None:
+    """Remember what a plan really took (requests that ran alone only: two requests in flight
+    share the nodes, and the planner predicts one request), and what it was predicted to take
+    then; leave the running plan or try its twin as the measurement says."""
+    running = c.running_plan()
+    key = planner.spec_key(plan.spec, plan.slab_rows)
+    is_running = running is not None and planner.spec_key(running.spec, running.slab_rows) == key
+    # the newest prediction of the running plan (re-predicted every round), else its own
+    predicted = c.predicted_ms if is_running else plan.estimated_ms
+    t, gain = time.monotonic(), c.params["min_plan_gain"]
+    now = c.memory.observe(plan, ms, predicted, t, c.profiles, c.alive)
+    version = c.current.version if c.current is not None else 0
+    if now is None or not is_running or now.n < MEASURED_MIN:
+        return
+    # when its measurement first counts, and once per version (a plan kept on an older one):
+    # the model was wrong, a plan that ran before or the newest round's runner-up is better
+    if (now.n == MEASURED_MIN or c.measure_replanned != version) and (
+            now.ms > c.predicted_ms * (1 + gain)
+            or c.memory.beaten(plan, now.ms, planner.measured_margin(gain), t, c.profiles, c.alive)
+            or planner.worth_leaving(c.choice, key, now.ms, gain)):
+        c.measure_replanned = version
+        why = f"measured {now.ms:.1f} ms, predicted {c.predicted_ms:.1f} ms"
+        if not _return_to_measured(c, plan, now.ms, why, t):
+            c.replan_soon(why, quick=len(plan.active_nodes()) > 1)
+    elif c.pending is None:
+        _try_twin(c, plan, now.ms, t)
+
+
+def _following(c: Coordinator) -> bool:
+    """Whether the coordinator follows measurements now: only with the `adaptive` policy (with
+    fixed shares the plan is kept), and not under `input_pacing_ms` (one slab would skip it)."""
+    alive = tuple(n for n in c.nodes if n in c.alive)
+    return c.shares_for(alive)[1] == "adaptive" and c.params["input_pacing_ms"] <= 0 and c.choice is not None
+
+
+def _return_to_measured(c: Coordinator, plan: Plan, ms: float, why: str, now: float) -> bool:
+    """Switch to the plan that measured fastest lately, if the running plan is worth leaving
+    for it (`planner.measured_return`); whether it did."""
+    if not _following(c) or c.pending is not None:
+        return False
+    measured = c.memory.measured(now, c.profiles, c.alive)
+    if c.params["strategy"] != "auto":
+        measured = {k: m for k, m in measured.items() if m.spec.strategy == c.params["strategy"]}
+    back = planner.measured_return(c.choice, measured, planner.spec_key(plan.spec, plan.slab_rows), ms,
+                                   c.params["min_plan_gain"])
+    request = c.plan_request(why, 0, False) if back is not None and c.choice is not None else None
+    if back is None or request is None or c.choice is None or not set(back.spec.node_ids) <= set(request.nodes):
+        return False
+    c.apply_plan(request, planner.Choice(back, c.choice.best, c.choice.candidates), None)
+    return True
+
+
+def _try_twin(c: Coordinator, plan: Plan, ms: float, now: float) -> None:
+    """Run the plan's `planner.streaming_twin` for a trial, if it has one (only where
+    measurements are followed, so a twin that measures worse is left again)."""
+    if not _following(c) or c.choice is None:
+        return
+    twin_of = c.choice
+    twin = planner.streaming_twin(twin_of, plan.spec, plan.slab_rows, ms, whole=c.spec.input_shape[1],
+                                  streamed=c.params["slab_rows"], measured=c.memory.measured(now, c.profiles, c.alive),
+                                  min_gain=c.params["min_plan_gain"])
+    request = c.plan_request(f"measured {ms:.1f} ms", 0, False) if twin is not None else None
+    if twin is not None and request is not None:
+        trial = dataclasses.replace(twin, label=f"{twin.label} (trial: streamed or not, only measuring tells)")
+        c.apply_plan(request, planner.Choice(trial, twin_of.best, twin_of.candidates), None)

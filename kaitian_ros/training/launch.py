@@ -300,7 +300,8 @@ def _run_one_rank(cfg: Any) -> int:
                 msg = f"rank {env.rank}: aborting, {why} ({type(e).__name__})"
         print(f"kaitian train: {msg}", file=sys.stderr, flush=True)
         shutdown_distributed(hb, "aborting")
-        os._exit(1)  # don't let a half-dead process group hang interpreter shutdown
+        taken = hb is None and env.rank == 0 and "EADDRINUSE" in str(e)  # its store could not listen
+        os._exit(PORT_TAKEN_EXIT if taken else 1)  # don't let a half-dead process group hang interpreter shutdown
     out = os.environ.get(_CHILD_RESULT_ENV)
     if out:
         Path(out).write_text(json.dumps(res.summary()))
@@ -341,7 +342,7 @@ def _rank_main(cfg: Any) -> int:
         return 130
     except Exception as e:  # noqa: BLE001 - e.g. a bad MASTER_PORT: one error line, exit code 1
         print(f"kaitian train: error: {e}", file=sys.stderr)
-        return PORT_TAKEN_EXIT if os.environ.get("RANK") == "0" and "EADDRINUSE" in str(e) else 1
+        return 1
 
 
 def _can_fork_ranks(cfg: Any) -> bool:

@@ -29,6 +29,7 @@ sys.exit(code)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_kaitian_train_starts_its_ranks_again_on_another_port() -> None:
     proc = subprocess.run([sys.executable, "-c", _TRAIN_WITH_A_TAKEN_PORT, "--ranks", "2", "--devices", "cpu",

@@ -22,6 +22,7 @@ a forced strategy the second best).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Collection, Mapping, Sequence
@@ -95,6 +96,17 @@ class Choice:
     runner_up: Candidate | None
     candidates: tuple[Candidate, ...]  # fastest first
 
+    @functools.cached_property
+    def by_key(self) -> dict[tuple, Candidate]:
+        """The candidates by `spec_key` (the fastest of a key). Built once per choice: a key
+        costs tens of microseconds for a split with many cuts, and the coordinator looks its
+        running plan's twin up after every measured request (a scan of 79 candidates took
+        2.6 ms on the 2026-12-06 machine)."""
+        table: dict[tuple, Candidate] = {}
+        for c in self.candidates:
+            table.setdefault(spec_key(c.spec, c.slab_rows), c)
+        return table
+
     def plan(self, graph: ModelGraph) -> Plan:
         return build_plan(graph, self.best.spec, slab_rows=self.best.slab_rows, estimated_ms=self.best.predicted_ms)
 
@@ -158,7 +170,7 @@ def resuming(choice: Choice, resume: MeasuredPlan | None, min_gain: float) -> Ch
     key = spec_key(resume.spec, resume.slab_rows)
     if spec_key(choice.best.spec, choice.best.slab_rows) == key:
         return choice
-    again = next((c for c in choice.candidates if spec_key(c.spec, c.slab_rows) == key), None)
+    again = choice.by_key.get(key)
     if again is None or worth_switching(again.expected_ms, again.measured_ms is not None, choice.best, min_gain):
         return choice
     return Choice(again, choice.best, choice.candidates)
@@ -182,7 +194,7 @@ def streaming_twin(choice: Choice | None, spec: PlanSpec, slab_rows: int, measur
     twin_key = spec_key(spec, whole if slab_rows < whole else streamed)
     if twin_key in measured:
         return None
-    twin = next((c for c in choice.candidates if spec_key(c.spec, c.slab_rows) == twin_key), None)
+    twin = choice.by_key.get(twin_key)
     if twin is None or max(twin.predicted_ms, twin.expected_ms) > measured_ms * (1.0 + min_gain):
         return None
     return twin

@@ -49,40 +49,48 @@ def observe_latency(c: Coordinator, plan: Plan, ms: float) -> None:
         _try_twin(c, plan, now.ms, t)
 
 
-def _following(c: Coordinator) -> bool:
-    """Whether the coordinator follows measurements now: only with the `adaptive` policy (with
-    fixed shares the plan is kept), and not under `input_pacing_ms` (one slab would skip it)."""
+def _following(c: Coordinator) -> planner.Choice | None:
+    """The newest planning round's choice if the coordinator follows measurements now: only
+    with the `adaptive` policy (with fixed shares the plan is kept), not under `input_pacing_ms`
+    (one slab would skip it), and once a round has chosen; else None."""
     alive = tuple(n for n in c.nodes if n in c.alive)
-    return c.shares_for(alive)[1] == "adaptive" and c.params["input_pacing_ms"] <= 0 and c.choice is not None
+    if c.shares_for(alive)[1] != "adaptive" or c.params["input_pacing_ms"] > 0:
+        return None
+    return c.choice
+
+
+def _switch(c: Coordinator, choice: planner.Choice, to: planner.Candidate, why: str) -> bool:
+    """Run `to` now, the newest round's candidates kept for later looks; whether it did."""
+    request = c.plan_request(why, 0, False)
+    if request is None or not set(to.spec.node_ids) <= set(request.nodes):
+        return False
+    c.apply_plan(request, planner.Choice(to, choice.best, choice.candidates), None)
+    return True
 
 
 def _return_to_measured(c: Coordinator, plan: Plan, ms: float, why: str, now: float) -> bool:
     """Switch to the plan that measured fastest lately, if the running plan is worth leaving
     for it (`planner.measured_return`); whether it did."""
-    if not _following(c) or c.pending is not None:
+    choice = _following(c)
+    if choice is None or c.pending is not None:
         return False
     measured = c.memory.measured(now, c.profiles, c.alive)
     if c.params["strategy"] != "auto":
         measured = {k: m for k, m in measured.items() if m.spec.strategy == c.params["strategy"]}
-    back = planner.measured_return(c.choice, measured, planner.spec_key(plan.spec, plan.slab_rows), ms,
+    back = planner.measured_return(choice, measured, planner.spec_key(plan.spec, plan.slab_rows), ms,
                                    c.params["min_plan_gain"])
-    request = c.plan_request(why, 0, False) if back is not None and c.choice is not None else None
-    if back is None or request is None or c.choice is None or not set(back.spec.node_ids) <= set(request.nodes):
-        return False
-    c.apply_plan(request, planner.Choice(back, c.choice.best, c.choice.candidates), None)
-    return True
+    return back is not None and _switch(c, choice, back, why)
 
 
 def _try_twin(c: Coordinator, plan: Plan, ms: float, now: float) -> None:
     """Run the plan's `planner.streaming_twin` for a trial, if it has one (only where
     measurements are followed, so a twin that measures worse is left again)."""
-    if not _following(c) or c.choice is None:
+    choice = _following(c)
+    if choice is None:
         return
-    twin_of = c.choice
-    twin = planner.streaming_twin(twin_of, plan.spec, plan.slab_rows, ms, whole=c.spec.input_shape[1],
+    twin = planner.streaming_twin(choice, plan.spec, plan.slab_rows, ms, whole=c.spec.input_shape[1],
                                   streamed=c.params["slab_rows"], measured=c.memory.measured(now, c.profiles, c.alive),
                                   min_gain=c.params["min_plan_gain"])
-    request = c.plan_request(f"measured {ms:.1f} ms", 0, False) if twin is not None else None
-    if twin is not None and request is not None:
+    if twin is not None:
         trial = dataclasses.replace(twin, label=f"{twin.label} (trial: streamed or not, only measuring tells)")
-        c.apply_plan(request, planner.Choice(trial, twin_of.best, twin_of.candidates), None)
+        _switch(c, choice, trial, f"measured {ms:.1f} ms")

@@ -53,6 +53,7 @@ def _node(name: str, zid: str) -> str:
 @pytest.fixture(autouse=True)
 def _no_waiting(monkeypatch) -> None:
     monkeypatch.setattr(graph_client, "SETTLE_S", 0.0)
+    monkeypatch.setattr(graph_client, "EMPTY_WAIT_S", 0.2)
 
 
 def test_a_partial_first_answer_is_asked_again_until_two_answers_agree() -> None:
@@ -66,6 +67,13 @@ def test_an_empty_graph_is_asked_until_the_deadline_then_reported_empty() -> Non
     session = SessionDoubleWithScriptedAnswers([[]])
     assert _client_on(session).liveliness(wait_s=0.05) == []
     assert session.asked >= 2
+
+
+def test_empty_answers_are_asked_again_past_the_settling_deadline() -> None:
+    camera = [_node("camera", "a1")]
+    session = SessionDoubleWithScriptedAnswers([[]] * 3 + [camera])
+    # wait_s 0 would answer at once; a short wait_s still waits out EMPTY_WAIT_S for a first node
+    assert [e.node_name for e in _client_on(session).liveliness(wait_s=0.001)] == ["camera"]
 
 
 def test_no_wait_means_one_answer() -> None:

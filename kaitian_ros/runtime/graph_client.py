@@ -16,6 +16,9 @@ from kaitian_ros.runtime import zenoh_session as zs
 
 QUERY_TIMEOUT_S = 3.0
 DISCOVERY_WAIT_S = 2.0  # how long a lookup by name keeps asking before "not found"
+# how long an empty answer is asked again: a running graph always has a node, and on a loaded
+# machine a new session's first answers can stay empty for over two seconds (CI once listed no node)
+EMPTY_WAIT_S = 6.0
 SETTLE_S = 0.3
 
 
@@ -67,15 +70,18 @@ class GraphClient:
 
     def liveliness(self, wait_s: float = DISCOVERY_WAIT_S) -> list[zs.LivelinessEntry]:
         """Every entity's liveliness entry: asked until two answers ``SETTLE_S`` apart agree, for
-        up to ``wait_s`` (0: one answer). A session that just connected can get a partial answer
-        while its direct links to the other peers come up (CI's `kaitian node list` once printed
-        one of five nodes on a loaded machine), or none before its router has it in the graph."""
-        deadline = time.monotonic() + wait_s
+        up to ``wait_s`` (0: one answer), and an empty answer for up to ``EMPTY_WAIT_S``. A session
+        that just connected can get a partial answer while its direct links to the other peers
+        come up (CI's `kaitian node list` once printed one of five nodes on a loaded machine), or
+        none before its router has it in the graph (CI once printed none after two seconds)."""
+        start = time.monotonic()
+        deadline, empty_deadline = start + wait_s, start + max(wait_s, EMPTY_WAIT_S)
         previous: Counter[zs.LivelinessEntry] | None = None
         while True:
             entries = self._ask_liveliness()
             answer = Counter(entries)  # two publishers of one node on one topic are two entries
-            if time.monotonic() >= deadline or (entries and answer == previous):
+            now = time.monotonic()
+            if wait_s <= 0 or (entries and (answer == previous or now >= deadline)) or now >= empty_deadline:
                 return entries
             previous = answer
             time.sleep(SETTLE_S)

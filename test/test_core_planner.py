@@ -13,12 +13,12 @@ import torch
 
 from kaitian_ros.core.costs import COORDINATOR, Costs, DeviceProfile, LinkEstimate, OpCost
 from kaitian_ros.core.models import build_model
-from kaitian_ros.core.plan import PlanSpec, build_plan
+from kaitian_ros.core.plan import WHOLE_RUNS, PlanSpec, build_plan
 from kaitian_ros.core.planner import MeasuredPlan, choose_plan, error_key, predict, spec_key, speed_shares, stripe_specs
 from kaitian_ros.core.profiling import MeasuredCosts, measure_profile, probe
 from kaitian_ros.core.simulate import simulate
 from kaitian_ros.core.split import split_model
-from kaitian_ros.core.stripe import StripeRunner
+from kaitian_ros.core.stripe import StripeRunner, run_plan_locally
 
 torch.set_num_threads(1)
 
@@ -99,6 +99,29 @@ def test_simulated_runs_are_the_executors_runs() -> None:
     batched = simulate(g, plan, Costs({"a": _profile(g, "a", 0.05, call_ms=0.3, message_ms=0.2,
                                                      min_run_rows=10**6)}, {}, FREE))
     assert got.node_busy_ms["a"] > batched.node_busy_ms["a"]
+
+
+def test_a_whole_image_runs_every_op_once_per_stripe_and_the_simulator_knows() -> None:
+    """With the whole image at once a node's executor does not split an op around halo rows
+    still to come (`Plan.run_rows`): its runs are one per op it computes, in the executor and
+    in the simulator alike, and the split result still equals one device's."""
+    g = _graph("vgg11", (3, 64, 64))  # two rows at the deepest op: both stripes reach it
+    h = g.input_shape[1]
+    spec = PlanSpec.stripes(("a", "b"), (0.5, 0.5), cuts=(g.cut_values[3],))
+    whole, streamed = build_plan(g, spec, slab_rows=h), build_plan(g, spec, slab_rows=4)
+    assert whole.whole_image and not streamed.whole_image
+    assert whole.run_rows(1) == WHOLE_RUNS and streamed.run_rows(1) == 1
+    x = torch.randn(1, *g.input_shape)
+    runners: dict[str, StripeRunner] = {}
+    got = run_plan_locally(g, whole, x, min_run_rows=whole.run_rows(1), runners_out=runners)
+    torch.testing.assert_close(got, g.run_trunk(x), rtol=1e-4, atol=1e-4)
+    profiles = {n: _profile(g, n, 0.05, min_run_rows=1) for n in ("a", "b")}
+    predicted = simulate(g, whole, Costs(profiles, {}, FREE))
+    # both stripes reach through every op: one run per op on each node
+    executed = {n: r.stats()["runs"] for n, r in runners.items()}
+    assert predicted.node_runs == executed == dict.fromkeys(runners, len(g.ops))
+    eager = simulate(g, replace(whole, slab_rows=h - 1), Costs(profiles, {}, FREE))
+    assert all(eager.node_runs[n] > predicted.node_runs[n] for n in runners)  # one row short of whole: split runs
 
 
 def test_a_slower_link_costs_bytes_over_rate() -> None:

@@ -214,8 +214,7 @@ class Driver:
             text = self.ic.spec_from_msg(msg).describe(self.graph)
         except ValueError as exc:
             return f"unreadable plan v{msg.version}: {exc}"
-        # the plan message has no slab size: the chosen plan's label in its reason says it
-        return text + (", whole image" if ", whole image" in msg.reason.split("; runner-up")[0] else "")
+        return text + (", whole image" if msg.slab_rows >= self.graph.input_shape[1] else "")
 
     def prediction(self, version: int) -> float:
         """The coordinator's current prediction of plan `version`: its /diagnostics value when

@@ -37,6 +37,8 @@ from .cost_model import CostModel, PlanCosts
 from .graph import EMPTY, Interval, ModelGraph, intersect, iv_sub
 
 STRATEGIES = ("stripes", "single", "layerwise")
+# a run length no stripe reaches: a node's executor runs every op once per stripe (Plan.run_rows)
+WHOLE_RUNS = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,20 @@ class Plan:
             return self.node_ids.index(node_id)
         except ValueError:
             raise ValueError(f"node {node_id!r} is not in the plan {self.node_ids}") from None
+
+    @property
+    def whole_image(self) -> bool:
+        """The coordinator sends each node its input rows in one piece, not in slabs."""
+        return self.slab_rows >= self.input_shape[1]
+
+    def run_rows(self, streamed_run_rows: int) -> int:
+        """The shortest run a node's executor computes while rows next to it are still to come
+        (`stripe.Wavefront`): `streamed_run_rows` (the node's `min_run_rows`) while slabs stream
+        in, and one run per op and stripe for a whole image. Then the only rows still to come
+        are halos from a neighbour, which arrive within a few ms; computing the interior rows
+        first split every op after a cut into two calls, and in MobileNetV2's many small ops
+        that cost more than the wait (docs/planner.md, "Streamed or not")."""
+        return WHOLE_RUNS if self.whole_image else streamed_run_rows
 
     def input_rows_for(self, node_id: str) -> tuple[int, int]:
         return self.segments[0].in_rows[self.index(node_id)]

@@ -57,7 +57,7 @@ class _ShadowRunner(Wavefront[_Sent]):
 
     def __init__(self, graph: ModelGraph, plan: Plan, node_id: str, costs: Costs) -> None:
         profile = costs.profiles[node_id]
-        super().__init__(graph, plan, node_id, min_run_rows=profile.min_run_rows)
+        super().__init__(graph, plan, node_id, min_run_rows=plan.run_rows(profile.min_run_rows))
         self._profile = profile
         self.clock_ms = 0.0
         self.busy_ms = 0.0
@@ -90,7 +90,7 @@ class _ShadowRunner(Wavefront[_Sent]):
 
 def simulate(graph: ModelGraph, plan: Plan, costs: Costs) -> Prediction:
     """Predicted latency of `plan` with `costs` (see module docstring); each node defers short
-    runs as its profile's `min_run_rows` says."""
+    runs as its executor will (`Plan.run_rows` of its profile's `min_run_rows`)."""
     nodes = plan.active_nodes()
     runners = {n: _ShadowRunner(graph, plan, n, costs) for n in nodes}
     free: dict[tuple[str, str], float] = {}  # ("up"|"down", node) -> when that link is free

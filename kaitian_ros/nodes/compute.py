@@ -311,7 +311,8 @@ class ComputeNode:
                 self._make_room()
                 state = RequestState(int(msg.request_id), version,
                                      StripeRunner(self.graph, plan, self.node_id,
-                                                  min_run_rows=self.params["min_run_rows"], on_run=self._on_run),
+                                                  min_run_rows=plan.run_rows(self.params["min_run_rows"]),
+                                                  on_run=self._on_run),
                                      started_s=now, frame_id=msg.header.frame_id)
             spent, wall = self._feed(state, plan, msg, rows)
         except (ValueError, interfaces.DecodeError) as exc:

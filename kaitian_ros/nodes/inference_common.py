@@ -191,8 +191,9 @@ def spec_from_msg(msg: Any) -> PlanSpec:
 
 
 def plan_from_msg(graph: ModelGraph, msg: Any, slab_rows: int) -> Plan:
-    """The plan a /kaitian/plan message describes (ValueError with the reason)."""
-    return build_plan(graph, spec_from_msg(msg), slab_rows=slab_rows,
+    """The plan a /kaitian/plan message describes (ValueError with the reason); `slab_rows`
+    where the message names no slab size."""
+    return build_plan(graph, spec_from_msg(msg), slab_rows=int(msg.slab_rows) or slab_rows,
                       estimated_ms=float(msg.predicted_makespan_ms))
 
 

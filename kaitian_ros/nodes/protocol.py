@@ -73,7 +73,7 @@ def assignment_msg(a: Assignment, incarnation: int, plan: Plan | None = None, ru
         fields = {"strategy": spec.strategy, "cut_values": np.asarray(spec.cuts, np.uint16),
                   "segment_shares": np.asarray([] if uniform and spec.strategy == "stripes" else
                                                [x for row in spec.segment_shares for x in row], np.float64),
-                  "runner_up": runner_up, "runner_up_ms": float(runner_up_ms)}
+                  "runner_up": runner_up, "runner_up_ms": float(runner_up_ms), "slab_rows": plan.slab_rows}
     return interfaces.make("LoadAssignment", incarnation=incarnation, version=a.version,
                            effective_from_request=a.effective_from_request,
                            node_ids=list(a.node_ids), shares=np.asarray(a.shares, np.float64),

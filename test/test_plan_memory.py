@@ -22,6 +22,7 @@ class _Plan:  # what PlanMemory reads of a Plan
     spec: PlanSpec
     slab_rows: int = 8
     estimated_ms: float = 50.0
+    whole_image: bool = False
 
     def active_nodes(self) -> tuple[str, ...]:
         return tuple(self.spec.node_ids)
@@ -60,6 +61,16 @@ def test_a_plan_counts_as_measured_after_measured_min_requests_and_while_valid()
     # a new measurement starts when the old one is no longer valid
     seen = memory.observe(plan, 70.0, 40.0, 5.0, {"a": _Profile(30.0)}, ("a",))
     assert seen is not None and seen.n == 1 and seen.trunks == {"a": 30.0}
+
+
+def test_a_whole_image_plan_keeps_its_measurement_when_min_run_rows_changes() -> None:
+    """Its executor runs every op once per stripe whatever the node's min_run_rows (Plan.run_rows):
+    the benchmark's no_stream variant sets 4096 and measures the same computation."""
+    memory, plan = PlanMemory(), _Plan(PlanSpec.single("a"), slab_rows=4096, whole_image=True)
+    _run(memory, plan, [50.0] * MEASURED_MIN, profiles={"a": _Profile(10.0, min_run_rows=4096)})
+    key = spec_key(plan.spec, plan.slab_rows)
+    assert memory.measured(MEASURED_MIN, {"a": _Profile(10.0, min_run_rows=32)}, ("a",))[key].ms == 50.0
+    assert memory.measured(MEASURED_MIN, {"a": _Profile(20.0, min_run_rows=32)}, ("a",)) == {}  # speed still counts
 
 
 def test_earlier_errors_keep_the_models_error_on_a_set_of_nodes_across_a_speed_change() -> None:

@@ -57,7 +57,7 @@ class ObservedPlan:
     trunks: dict  # node -> profile trunk_ms at its latest request
     predicted_ms: float  # the plan's predicted latency at the latest request
     active: frozenset  # the nodes it keeps busy (`planner.error_key`)
-    run_rows: dict  # node -> its executor's min_run_rows at its latest request (profile)
+    run_rows: dict  # node -> its executor's min_run_rows at its latest request (profile); {}: whole image
 
     @property
     def ms(self) -> float:
@@ -92,7 +92,8 @@ class PlanMemory:
         predicted to take `predicted_ms` then; the plan's observation now (None if forgotten)."""
         spec, slab_rows = plan.spec, plan.slab_rows
         trunks = {n: profiles[n].trunk_ms for n in spec.node_ids if n in profiles}
-        run_rows = _run_rows(spec.node_ids, profiles)
+        # a whole image runs every op once per stripe whatever the nodes' min_run_rows (Plan.run_rows)
+        run_rows = {} if plan.whole_image else _run_rows(spec.node_ids, profiles)
         key = planner.spec_key(spec, slab_rows)
         seen = self.observed.get(key)
         if seen is None or not self.still_valid(seen, now, profiles, alive):
@@ -111,16 +112,17 @@ class PlanMemory:
                     alive: Collection[str]) -> bool:
         """A measurement stays valid while it is recent and no node of the plan changed speed
         since its latest request (its profile's trunk time within SPEED_CHANGE of what it was
-        then) or the way its executor groups rows (`min_run_rows`: the same plan with every
-        op run once per node is another computation than in runs of a few rows; the
-        benchmark's `no_stream` variant measured a plan so that `auto` then took for its own).
+        then) or, for a streamed plan, the way its executor groups rows (`min_run_rows`: the same
+        plan with every op run once per node is another computation than in runs of a few rows;
+        the benchmark's `no_stream` variant measured a plan so that `auto` then took for its
+        own). A whole image runs every op once per stripe whatever `min_run_rows` says.
         Since the latest, not the first: a profile refined from live requests drifts
         away from the start-up measurement, and compared with the first request the single
         device lost its measurement in the benchmark's `default` scenario while it ran, and
         the search went back to a stripes plan measured worse."""
         return now - seen.last_s <= OBSERVED_TTL_S and all(n in alive for n in seen.spec.node_ids) and \
             changed_speed(seen.trunks, profiles) is None and \
-            _run_rows(seen.spec.node_ids, profiles) == seen.run_rows
+            (not seen.run_rows or _run_rows(seen.spec.node_ids, profiles) == seen.run_rows)
 
     def measured(self, now: float, profiles: Mapping[str, DeviceProfile],
                  alive: Collection[str]) -> dict[tuple, planner.MeasuredPlan]:

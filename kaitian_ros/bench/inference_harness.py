@@ -21,7 +21,7 @@ import numpy as np
 
 from kaitian_ros.bench.inference_driver import Driver, ProductConfig
 from kaitian_ros.bench.inference_graph import Graph
-from kaitian_ros.bench.inference_report import VARIANTS
+from kaitian_ros.bench.inference_report import VARIANTS, ours_over_best_heldout
 from kaitian_ros.bench.inference_scenarios import BenchScenario
 
 WHOLE = 4096  # slab_rows / min_run_rows meaning "whole stripe" / "one run per op"
@@ -352,11 +352,14 @@ def _result(sc: BenchScenario, args: argparse.Namespace, driver: Driver, series:
     bound["device_trunk_ms_product"] = [round(statistics.median(c), 2) if c else None for c in product]
     best_other = min(v for k, v in lat.items() if k != "ours")
     per_round = max(1, args.frames // args.rounds)
+    heldout, heldout_best = ours_over_best_heldout({k: s.samples for k, s in series.items()})
     return {
         "latency_ms": {k: round(v, 2) for k, v in lat.items()},
         "bound_ms": round(bound_ms, 2),
         "speedup_vs_single": round(lat["single"] / lat["ours"], 3),
         "speedup_vs_best_other": round(best_other / lat["ours"], 3),
+        "ours_over_best_heldout": round(heldout, 3),
+        "best_heldout": heldout_best,
         "ours_over_bound": round(lat["ours"] / bound_ms, 3),
         **_ours_choice(driver, series["ours"]),
         "emulated": any(s != 1.0 for s in sc.slowdowns),

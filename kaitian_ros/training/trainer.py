@@ -238,6 +238,9 @@ class RankTrainer:
             loss_sum = 0.0
             with ddp.no_sync():
                 while (rng := claims.next()) is not None:
+                    # a claim is a round trip to the store: communication, which a slower
+                    # device does not slow down; only the chunk's compute is emulated
+                    emu["mark"] = time.perf_counter()
                     loss_sum += forward_backward(sl.batch[rng[0]:rng[1]], d)
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)

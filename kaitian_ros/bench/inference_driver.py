@@ -216,6 +216,12 @@ class Driver:
             return f"unreadable plan v{msg.version}: {exc}"
         return text + (", whole image" if msg.slab_rows >= self.graph.input_shape[1] else "")
 
+    def planning_rounds(self) -> int:
+        """Planning rounds the coordinator has sent its planner process so far (its newest
+        /diagnostics; they come once a second, so a count may lag by that much)."""
+        with self.lock:
+            return int(self.status.get("plan_rounds", "0") or 0)
+
     def prediction(self, version: int) -> float:
         """The coordinator's current prediction of plan `version`: its /diagnostics value when
         that reports this version (re-predicted every replan_period_s with the newest

@@ -39,6 +39,7 @@ class Series:
     failures: list[str] = field(default_factory=list)
     predicted: list[float] = field(default_factory=list)  # ours: the coordinator's prediction per frame
     plans: list[str] = field(default_factory=list)        # ours: the plan that ran each frame
+    planning_rounds: int = 0  # ours: rounds the coordinator sent its planner process while measured
 
     def add(self, r: dict) -> None:
         if not r["ok"]:
@@ -68,6 +69,7 @@ class Series:
                **self.config}
         if self.plans:
             out["plans_ran"] = dict(collections.Counter(self.plans).most_common())
+            out["planning_rounds"] = self.planning_rounds
         if self.plans and len(self.plans) == len(self.samples):
             # what each plan took while it ran: tells a plan measured slow from a slow switch
             by_plan: dict[str, list[float]] = {}
@@ -287,7 +289,10 @@ def _measure_rounds(driver: Driver, gp: Graph, measure: Measurer, cfgs: dict[str
         for name, cfg in cfgs.items():
             driver.configure(cfg)
             if name == "ours":
+                rounds_before = driver.planning_rounds()
                 measure(series[name], driver.ours_frame, per_round, warmup=OURS_WARMUP)
+                # planning runs in a process of its own on the same cores as the nodes
+                series[name].planning_rounds += driver.planning_rounds() - rounds_before
             else:
                 measure(series[name], driver.product_frame, per_round, warmup=2 if r == 0 else 1)
         for name, chain in chains.items():

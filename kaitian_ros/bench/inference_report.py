@@ -96,6 +96,9 @@ def table(res: dict) -> str:
                      f"{100 * res['prediction_error']:.0f} %, vs the coordinator's own latency "
                      f"{100 * res['prediction_error_vs_coordinator']:.0f} %); runner-up {res['runner_up']} "
                      f"{res['runner_up_ms']} ms")
+        if "planning_rounds" in v["ours"]:
+            lines.append(f"ours: {v['ours']['planning_rounds']} planning rounds sent to the planner process "
+                         f"while its {v['ours']['frames']} frames were measured (and their warm-up)")
     lines.append(f"speedup_vs_single {res['speedup_vs_single']:.2f} (target >= 1.40)   speedup_vs_best_other "
                  f"{res['speedup_vs_best_other']:.2f} (>= 1.25)   "
                  f"ours_over_bound {res['ours_over_bound']:.2f} (<= 1.10)")

@@ -171,7 +171,7 @@ class Plan:
         in, and one run per op and stripe for a whole image. Then the only rows still to come
         are halos from a neighbour, which arrive within a few ms; computing the interior rows
         first split every op after a cut into two calls, and in MobileNetV2's many small ops
-        that cost more than the wait (docs/planner.md, "Streamed or not")."""
+        that cost more than the wait (docs/planner.md, "A whole image runs every op once per stripe")."""
         return WHOLE_RUNS if self.whole_image else streamed_run_rows
 
     def input_rows_for(self, node_id: str) -> tuple[int, int]:

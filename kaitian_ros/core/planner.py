@@ -211,8 +211,8 @@ def measured_return(choice: Choice | None, measured: Mapping[tuple, MeasuredPlan
     benchmark's rounds (`robot_two_edges` ran such plans for whole rounds)."""
     if choice is None:
         return None
-    seen = [dataclasses.replace(c, measured_ms=measured[k].ms) for c in choice.candidates
-            if (k := spec_key(c.spec, c.slab_rows)) in measured and k != running_key]
+    seen = [dataclasses.replace(c, measured_ms=measured[k].ms) for k, c in choice.by_key.items()
+            if k in measured and k != running_key]
     best = min(seen, key=lambda c: c.expected_ms, default=None)
     return best if best is not None and worth_switching(running_ms, True, best, min_gain) else None
 

@@ -43,7 +43,7 @@ def observe_latency(c: Coordinator, plan: Plan, ms: float) -> None:
             or planner.worth_leaving(c.choice, key, now.ms, gain)):
         c.measure_replanned = version
         why = f"measured {now.ms:.1f} ms, predicted {c.predicted_ms:.1f} ms"
-        if not _return_to_measured(c, plan, now.ms, why, t):
+        if not _return_to_measured(c, key, now.ms, why, t):
             c.replan_soon(why, quick=len(plan.active_nodes()) > 1)
     elif c.pending is None:
         _try_twin(c, plan, now.ms, t)
@@ -68,17 +68,16 @@ def _switch(c: Coordinator, choice: planner.Choice, to: planner.Candidate, why: 
     return True
 
 
-def _return_to_measured(c: Coordinator, plan: Plan, ms: float, why: str, now: float) -> bool:
-    """Switch to the plan that measured fastest lately, if the running plan is worth leaving
-    for it (`planner.measured_return`); whether it did."""
+def _return_to_measured(c: Coordinator, running_key: tuple, ms: float, why: str, now: float) -> bool:
+    """Switch to the plan that measured fastest lately, if the running plan (`running_key`) is
+    worth leaving for it (`planner.measured_return`); whether it did."""
     choice = _following(c)
     if choice is None or c.pending is not None:
         return False
     measured = c.memory.measured(now, c.profiles, c.alive)
     if c.params["strategy"] != "auto":
         measured = {k: m for k, m in measured.items() if m.spec.strategy == c.params["strategy"]}
-    back = planner.measured_return(choice, measured, planner.spec_key(plan.spec, plan.slab_rows), ms,
-                                   c.params["min_plan_gain"])
+    back = planner.measured_return(choice, measured, running_key, ms, c.params["min_plan_gain"])
     return back is not None and _switch(c, choice, back, why)
 
 

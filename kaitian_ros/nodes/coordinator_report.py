@@ -21,8 +21,7 @@ IMPOSTOR_REPORT_S = 30.0  # ERROR on /diagnostics this long after a forged plan 
 
 def plan_text(graph: ModelGraph, plan: Plan) -> str:
     """The plan in words, with the slabs its input rows are sent in."""
-    h = graph.input_shape[1]
-    return plan.spec.describe(graph) + (", whole image" if plan.slab_rows >= h
+    return plan.spec.describe(graph) + (", whole image" if plan.whole_image
                                         else f", slabs of {plan.slab_rows} rows")
 
 

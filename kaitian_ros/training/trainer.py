@@ -237,15 +237,16 @@ class RankTrainer:
                                 min_chunk=max(1, round(mb // 4 * scale)), max_chunk=mb)
             loss_sum = 0.0
             with ddp.no_sync():
+                # a claim is a round trip to the store: communication, which a slower device
+                # does not slow down; only the chunks' compute is emulated (the mark is set after
+                # every claim, the last one, that finds nothing left, included)
                 while (rng := claims.next()) is not None:
-                    # a claim is a round trip to the store: communication, which a slower
-                    # device does not slow down; only the chunk's compute is emulated
                     emu["mark"] = time.perf_counter()
                     loss_sum += forward_backward(sl.batch[rng[0]:rng[1]], d)
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     emulate()  # at the emulated pace, so the slow rank claims late
-                    emu["mark"] = time.perf_counter()
+            emu["mark"] = time.perf_counter()
             x, y = gather_batch(data.train, [])
             loss = nn.functional.cross_entropy(ddp(x.to(self.device)), y.to(self.device),
                                                reduction="sum")

@@ -11,7 +11,7 @@ import torch
 from plan_checks import assert_close
 
 from kaitian_ros.core.models import build_model
-from kaitian_ros.core.plan import make_plan
+from kaitian_ros.core.plan import PlanSpec, build_plan, make_plan
 from kaitian_ros.core.split import split_model
 from kaitian_ros.core.stripe import Emission, RowPieces, StripeRunner, run_plan_locally
 
@@ -166,6 +166,33 @@ def test_emit_hands_on_each_emission_as_its_rows_exist() -> None:
     slow = StripeRunner(g, plan, "a", min_run_rows=1)
     slow.feed(0, lo, x[:, :, lo:hi], emit=lambda e: time.sleep(0.05))  # a slow callback is the case under test
     assert slow.stats()["compute_s"] < 0.05 * len(handed)
+
+
+@pytest.mark.parametrize("name,shape", [("mobilenet_v2", (3, 128, 96)), ("resnet18", (3, 64, 64))])
+def test_a_one_segment_plan_with_all_its_input_runs_each_op_once_in_order(
+        name: str, shape: tuple[int, int, int]) -> None:
+    """A one-segment plan (one device, or stripes without cuts) whose input rows are all here
+    computes every op in one run, in topological order, each run reported to `on_run` with
+    its rows; its output equals the single-device trunk and the rows fed slab by slab."""
+    g = _graph(name, shape)
+    x = torch.randn(1, *shape, generator=torch.Generator().manual_seed(4))
+    for spec in (PlanSpec.single("a"), PlanSpec.stripes(("a", "b"), (0.5, 0.5), cuts=())):
+        plan = build_plan(g, spec, slab_rows=shape[1])
+        assert plan.num_segments == 1
+        lo, hi = plan.input_rows_for("a")
+        runs: list[tuple[int, int]] = []
+        runner = StripeRunner(g, plan, "a", min_run_rows=1, on_run=lambda j, r, s, runs=runs: runs.append((j, r)))
+        (out,) = runner.feed(0, lo, x[:, :, lo:hi])
+        computed = runner._comp  # the rows the plan gives each value, to check the runs against
+        expected = [(j, b - a) for j in range(len(g.ops)) for a, b in [computed[j + 1]] if b > a]
+        assert runs == expected and runner.stats()["runs"] == len(expected) and runner.done
+        streamed = StripeRunner(g, plan, "a", min_run_rows=1)
+        slabs = [e for r0 in range(lo, hi, 5) for e in streamed.feed(0, r0, x[:, :, r0:min(r0 + 5, hi)])]
+        assert streamed.stats()["runs"] > len(expected)  # slab by slab: ops split into several runs
+        assert_close(torch.cat([e.rows for e in slabs], dim=2), out.rows)
+        a, b = plan.output_rows_for("a")
+        assert (out.role, out.row_offset, out.rows.shape[2]) == ("OUTPUT", a, b - a) and a < b
+        assert_close(out.rows, g.run_trunk(x)[:, :, a:b])
 
 
 def test_row_pieces_read_views_one_piece_and_copies_across_pieces_and_padding() -> None:

@@ -27,7 +27,7 @@ from typing import Generic, TypeVar
 import torch
 from torch import Tensor
 
-from .graph import ModelGraph, memory_format_of
+from .graph import ModelGraph, TrunkOp, memory_format_of
 from .intervals import EMPTY, Interval, intersect, iv_add, iv_intersect, iv_sub
 from .plan import Plan
 
@@ -76,7 +76,8 @@ class RowPieces:
         k = max(0, bisect.bisect_right(self._starts, lo) - 1)
         a, b, t = self._pieces[k]
         if top <= 0 and bottom <= 0 and a <= lo and hi <= b:
-            return t[:, :, lo - a:hi - a]
+            # a whole piece as it is: slicing a tensor costs microseconds, read per op and run
+            return t if a == lo and b == hi else t[:, :, lo - a:hi - a]
         n, c, _, w = t.shape
         out = torch.empty((n, c, top + (hi - lo) + bottom, w), dtype=t.dtype, device=t.device,
                           memory_format=memory_format_of(t))
@@ -139,6 +140,10 @@ class Wavefront(Generic[_E]):
             [self._comp[v]] if self._comp[v][0] < self._comp[v][1] else [] for v in range(nv)]
         self._avail: list[list[Interval]] = [[] for _ in range(nv)]
         self._ops = [j for j in range(len(graph.ops)) if self._remaining[j + 1]]
+        # one segment: every input row comes from the coordinator, none from a neighbour, so
+        # once all of them are here before any run, each op's rows run in one call, in order
+        # (`_run_straight`)
+        self._straight = plan.num_segments == 1
         self._n: int | None = None  # the batch size of the first rows fed
         self._stats = {"rows_computed": 0, "runs": 0, "compute_s": 0.0, "rows_in": 0,
                        "halo_rows_in": 0, "halo_rows_out": 0, "output_rows": 0, "feeds": 0,
@@ -171,6 +176,9 @@ class Wavefront(Generic[_E]):
 
     # ------------------------------------------------------------------ internals
     def _advance(self, changed: set[int], sink: Callable[[_E], None]) -> None:
+        if self._straight and not self._expect[self._seg_in[0]]:
+            self._run_straight(sink)
+            return
         ops = self.graph.ops
         for j in self._ops:
             v = j + 1
@@ -191,9 +199,21 @@ class Wavefront(Generic[_E]):
                 if b - a < self.min_run_rows and (_contains(rem, a - 1) or _contains(rem, b)):
                     continue  # more rows next to this run are coming: compute them together
                 self._compute(j, a, b)
+                self._straight = False  # some rows are computed: the rest as the wavefront goes
                 changed.add(v)
                 for e in self._emit(v, a, b):
                     sink(e)
+
+    def _run_straight(self, sink: Callable[[_E], None]) -> None:
+        """All of a one-segment plan's input is here and nothing is computed yet: each op's rows
+        in one run, in topological order - the runs `_advance` would make, without working
+        out per op which rows its inputs now cover (for MobileNetV2's 62 ops that bookkeeping
+        cost ~1 ms of a 25 ms trunk, docs/architecture-core.md)."""
+        for j in self._ops:
+            a, b = self._comp[j + 1]
+            self._compute(j, a, b)
+            for e in self._emit(j + 1, a, b):
+                sink(e)
 
     def _compute(self, j: int, a: int, b: int) -> None:
         raise NotImplementedError
@@ -216,6 +236,7 @@ class StripeRunner(Wavefront[Emission]):
                  on_run: Callable[[int, int, float], None] | None = None) -> None:
         super().__init__(graph, plan, node_id, min_run_rows=min_run_rows, on_run=on_run)
         self._rows = [RowPieces() for _ in range(graph.num_values)]
+        self._format = graph.activation_format
 
     def feed(self, segment: int, row_offset: int, rows: Tensor,
              emit: Callable[[Emission], None] | None = None) -> list[Emission]:
@@ -263,24 +284,42 @@ class StripeRunner(Wavefront[Emission]):
     # ------------------------------------------------------------------ internals
     def _compute(self, j: int, a: int, b: int) -> None:
         t0 = time.perf_counter() if self.on_run is not None else 0.0
-        op = self.graph.ops[j]
+        self._store(j, a, b, self._op_rows(self.graph.ops[j], a, b), t0)
+        v = j + 1
+        self._avail[v] = iv_add(self._avail[v], (a, b))
+        self._remaining[v] = iv_sub(self._remaining[v], (a, b))
+
+    def _run_straight(self, sink: Callable[[Emission], None]) -> None:
+        # the base class's runs, with each value's rows set once instead of through the
+        # interval algebra: this is the path of every single-device request
+        ops, clock, timed = self.graph.ops, time.perf_counter, self.on_run is not None
+        for j in self._ops:
+            v = j + 1
+            a, b = self._comp[v]
+            t0 = clock() if timed else 0.0
+            self._store(j, a, b, self._op_rows(ops[j], a, b), t0)
+            self._avail[v], self._remaining[v] = [(a, b)], []
+            for e in self._emit(v, a, b):
+                sink(e)
+
+    def _op_rows(self, op: TrunkOp, a: int, b: int) -> Tensor:
+        """Output rows [a, b) of `op` from the rows its inputs hold."""
         if op.window is not None:
             first, stop, top, bottom = op.window.input_rows(a, b)
             rows = self._rows[op.inputs[0]]
             if op.pads_itself(top, bottom):
-                y = op.run_border(rows.read(first, stop), top, bottom, a, b)
-            else:  # padding rows and rows from several pieces in one copy
-                y = op.run([rows.read(first, stop, top, bottom, op.pad_value)], a, b)
-        else:
-            y = op.run([self._rows[u].read(a, b) for u in op.inputs], a, b)
-        v = j + 1
-        self._rows[v].add(a, b, y.contiguous(memory_format=self.graph.activation_format))
+                return op.run_border(rows.read(first, stop), top, bottom, a, b)
+            # padding rows and rows from several pieces in one copy
+            return op.run([rows.read(first, stop, top, bottom, op.pad_value)], a, b)
+        return op.run([self._rows[u].read(a, b) for u in op.inputs], a, b)
+
+    def _store(self, j: int, a: int, b: int, y: Tensor, t0: float) -> None:
+        """Keep op `j`'s run result and report the run's time to `on_run`."""
+        self._rows[j + 1].add(a, b, y.contiguous(memory_format=self._format))
         if self.on_run is not None:
             if self.graph.device.type == "cuda":  # kernels run asynchronously: time them whole
                 torch.cuda.synchronize(self.graph.device)
             self.on_run(j, b - a, time.perf_counter() - t0)
-        self._avail[v] = iv_add(self._avail[v], (a, b))
-        self._remaining[v] = iv_sub(self._remaining[v], (a, b))
         self._stats["rows_computed"] += b - a
         self._stats["runs"] += 1
 

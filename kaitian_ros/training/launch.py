@@ -421,6 +421,8 @@ def _run_ranks(argv: list[str], cfg: Any, placement: Placement, as_json: bool, t
                         break
             if all(c is not None for c in codes):
                 break
+            if retry_port and first_dead == (0, PORT_TAKEN_EXIT):
+                break  # the others wait for a store that never listens: stopped below, at once
             # the survivors normally notice through their own collectives within seconds;
             # past the grace period the parent stops them so nothing hangs
             if first_dead is not None and time.monotonic() - dead_at > min(cfg.timeout_s, 15.0):

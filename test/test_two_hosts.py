@@ -137,7 +137,7 @@ def _echo_fused(links: netns.Links, router: str, listen_ip: str) -> list[dict]:
 
 def _train(links: netns.Links | None, index: int, args: Sequence[str], host: str) -> Host | Proc:
     """``kaitian train`` in namespace ``index`` (or here, in the root namespace, when links is None)."""
-    common = ["train", "--devices", "cpu", "--policy", "equal", "--epochs", "2", "--global-batch", "64",
+    common = ["train", "--devices", "cpu", "--policy", "equal", "--epochs", "1", "--global-batch", "64",
               "--seed", "3", "--json", *args]
     env = _env(KAITIAN_HOST=host)
     if links is None:

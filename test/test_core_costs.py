@@ -21,6 +21,7 @@ from kaitian_ros.core.costs import (
     OpCost,
     fit_op_cost,
     model_key,
+    next_probe_period,
     profile_problem,
 )
 
@@ -232,6 +233,26 @@ def test_idle_probes_showing_a_slower_device_scale_every_op() -> None:
     # feed scales it back
     r.observe_probe(1.0, 1.0)
     assert r.device_ratio == pytest.approx(2.5 / 3.0)
+
+
+def test_idle_probes_back_off_while_the_level_holds_and_come_back_when_it_moves() -> None:
+    """An idle node's probes come less often while they see no change (twice the period each
+    time, up to the cap), and at the full rate again after one that moved the level: a device
+    that recovered while idle is seen at the next probe, and probed closely after that."""
+    r = CostRefiner(BASE)
+    period, periods = 0.1, []
+    for ms in (1.0, 1.1, 0.9, 1.2, 1.0, 1.3):  # noise within the deadband: the level holds
+        level = r.probe_ratio
+        r.observe_probe(ms, 1.0)
+        period = next_probe_period(period, 0.1, 0.5, r.probe_ratio != level)
+        periods.append(period)
+    assert periods == pytest.approx([0.2, 0.4, 0.5, 0.5, 0.5, 0.5])
+    level = r.probe_ratio
+    r.observe_probe(0.3, 1.0)  # 3x faster than the level: one probe moves it
+    assert r.probe_ratio != level
+    assert next_probe_period(period, 0.1, 0.5, r.probe_ratio != level) == 0.1
+    # a cap not above the base period: no backoff
+    assert next_probe_period(0.1, 0.1, 0.1, False) == next_probe_period(0.1, 0.1, 0.0, False) == 0.1
 
 
 def test_a_speed_change_seen_live_is_not_counted_again_by_the_idle_probes() -> None:

@@ -12,8 +12,8 @@ dropped and counted, never a crash.
 Costs: at start-up the node times every trunk op at several row counts (bounded by
 ``profile_budget_s``) and publishes the result on the latched ``/kaitian/profiles`` topic. It
 keeps refining it from the runs it really computes (per op and row count, wall time, the
-emulated slowdown applied) and, while it has nothing to compute, from a short timed probe every
-``probe_period_s``; it measures its incoming links from the chunks it receives. A new profile
+emulated slowdown applied) and, while idle, from a short timed probe every ``probe_period_s``
+(up to ``probe_max_period_s`` while they see no change); it measures its incoming links too. A new profile
 version goes out when the costs moved by ``profile_change`` or more.
 
 Its parameters are `compute_params`; a warm interpreter prepares one in `compute_prepare`.
@@ -31,7 +31,7 @@ import torch
 
 from kaitian_ros.core import profiling
 from kaitian_ros.core.authority import AuthorityTracker
-from kaitian_ros.core.costs import CostRefiner, DeviceProfile, LinkMeter
+from kaitian_ros.core.costs import CostRefiner, DeviceProfile, LinkMeter, next_probe_period
 from kaitian_ros.core.plan import Plan
 from kaitian_ros.core.pooled import RowSum, sum_outputs
 from kaitian_ros.core.stripe import StripeRunner
@@ -205,15 +205,24 @@ class ComputeNode:
 
     def _probe_timer(self) -> Any:
         period = self.params["probe_period_s"]
+        self.probe_interval, self.last_probe_s = period, 0.0
         return self.rt.create_timer(period, self._probe) if period > 0 else None
 
     def _probe(self) -> None:
-        """Idle: time the probe op, so that a device with no rows still shows a speed change."""
-        if self.requests or time.monotonic() - self.last_run_s < self.params["probe_period_s"]:
+        """Idle: time the probe op, so that a device with no rows still shows a speed change;
+        less often while the probes see none (`costs.next_probe_period`)."""
+        now, base = time.monotonic(), self.params["probe_period_s"]
+        if self.requests or now - self.last_run_s < base:
+            self.probe_interval = base  # computing: once idle again, probe at the full rate
             return
+        if now - self.last_probe_s < self.probe_interval - 0.5 * base:  # (timer ticks jitter)
+            return
+        self.last_probe_s, level = now, self.refiner.probe_ratio
         ms = profiling.probe(self.graph, self.measured, self.busy_clock, self.params["emulated_slowdown"],
                              self.probe_inputs)
         self.refiner.observe_probe(ms, self.measured.probe_base_ms)
+        self.probe_interval = next_probe_period(self.probe_interval, base, self.params["probe_max_period_s"],
+                                                self.refiner.probe_ratio != level)
         self._maybe_publish_profile()
 
     # --- plans --------------------------------------------------------------------------
@@ -360,7 +369,7 @@ class ComputeNode:
                 torch.cuda.synchronize(self.device)
             e0 = self.busy_clock()
             if slowdown > 1.0:  # EMULATED: a device s times slower has these rows only now
-                _sleep_until(wall0 + slowdown * (e0 - t0 - outside))
+                ic.sleep_until(wall0 + slowdown * (e0 - t0 - outside))
             self._publish(state, plan, [e])
             outside += self.busy_clock() - e0
 
@@ -369,7 +378,7 @@ class ComputeNode:
             torch.cuda.synchronize(self.device)
         spent = self.busy_clock() - t0 - outside
         if slowdown > 1.0 and spent > 0:
-            _sleep_until(wall0 + slowdown * spent)  # emulated: this device is s times slower
+            ic.sleep_until(wall0 + slowdown * spent)  # emulated: this device is s times slower
             spent *= slowdown
         wall = time.perf_counter() - wall0
         state.feeds_predicted_ms += self._feed_predicted
@@ -481,13 +490,6 @@ class ComputeNode:
             "emulated_slowdown": self.params["emulated_slowdown"], "in_flight": len(self.requests),
             "plans": ",".join(map(str, self.plans)),
             "coordinator_incarnation": f"{self.coordinator.incarnation:016x}"})
-
-
-def _sleep_until(deadline: float) -> None:
-    """Sleep until perf_counter() reaches `deadline` (at once if it has passed)."""
-    left = deadline - time.perf_counter()
-    if left > 0:
-        time.sleep(left)
 
 
 def main(argv: list[str] | None = None) -> int:

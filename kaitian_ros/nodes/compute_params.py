@@ -25,6 +25,9 @@ PARAMETERS = ic.MODEL_PARAMETERS + (
       read_only=True),
     P("probe_period_s", T.DOUBLE, 0.1, "while idle, time a probe (about 1 ms of ops) this often (0 = never)",
       0.0, 60.0),
+    P("probe_max_period_s", T.DOUBLE, 0.5,
+      "while idle probes see no change, their period doubles up to this (<= probe_period_s: no backoff)",
+      0.0, 60.0),
     P("profile_change", T.DOUBLE, 0.1,
       "publish a new cost profile when the costs moved by this fraction (trunk time or a link)", 0.01, 10.0),
 )

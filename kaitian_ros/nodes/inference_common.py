@@ -166,6 +166,14 @@ def busy_clock(device: torch.device) -> Callable[[], float]:
     return time.perf_counter
 
 
+def sleep_until(deadline: float) -> None:
+    """Sleep until perf_counter() reaches `deadline` (at once if it has passed): an EMULATED
+    slower device releases its rows only then."""
+    left = deadline - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
 def spec_from_msg(msg: Any) -> PlanSpec:
     """The plan spec a /kaitian/plan message carries (ValueError with the reason).
 

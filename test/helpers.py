@@ -39,6 +39,7 @@ if str(REPO) not in sys.path:
 
 # after the sys.path insert above: this file also runs as a script from a source tree
 from kaitian_ros.ports import free_port  # noqa: E402 - one definition, shared with the package
+from kaitian_ros.processes import DEFAULT_ESCALATION  # noqa: E402 - the launcher's stop escalation
 
 
 def child_env(router: str, **extra: str) -> dict[str, str]:
@@ -161,11 +162,14 @@ class Proc:
         return code
 
     def stop(self) -> None:
-        """SIGINT, then SIGKILL if it does not end; always reaps."""
+        """SIGINT, then SIGKILL if it does not end within what a launcher may take to stop its
+        nodes (its own SIGINT, SIGTERM, SIGKILL escalation, and a margin): killed earlier, it
+        would leave them to die on their own, after a test's check that nothing is left;
+        always reaps."""
         if self.p.poll() is None:
             self.p.send_signal(signal.SIGINT)
             try:
-                self.p.wait(timeout=5.0)
+                self.p.wait(timeout=sum(grace for _, grace in DEFAULT_ESCALATION) + 3.0)
             except subprocess.TimeoutExpired:
                 self.p.kill()
                 self.p.wait()

@@ -1,6 +1,6 @@
 """Start-up cost measurement: every trunk op timed as the stripe executor calls it.
 
-`measure_profile` runs each op on row windows of a few sizes as `StripeRunner._compute` runs
+`measure_profile` runs each op on row windows of a few sizes as `StripeRunner._run` runs
 a streamed run - a window op's input rows copied first, as a run reading rows of two pieces
 copies them - and fits `OpCost` per op. The whole trunk is timed too. A time
 budget bounds it; ops left unmeasured when it runs out get their full-map time per row.

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 from .costs import COORDINATOR, Costs
 from .graph import ModelGraph
-from .intervals import iv_add, iv_sub
 from .plan import Plan
 from .stripe import Wavefront
 
@@ -63,14 +62,11 @@ class _ShadowRunner(Wavefront[_Sent]):
         self.busy_ms = 0.0
         self.runs = 0
 
-    def _compute(self, j: int, a: int, b: int) -> None:
+    def _run(self, j: int, a: int, b: int) -> None:
         ms = self._profile.op_costs[j].ms(b - a) + self._profile.run_ms
         self.clock_ms += ms
         self.busy_ms += ms
         self.runs += 1
-        v = j + 1
-        self._avail[v] = iv_add(self._avail[v], (a, b))
-        self._remaining[v] = iv_sub(self._remaining[v], (a, b))
 
     def _emit(self, v: int, a: int, b: int) -> list[_Sent]:
         out: list[_Sent] = []

@@ -207,15 +207,26 @@ class Wavefront(Generic[_E]):
     def _run_straight(self, sink: Callable[[_E], None]) -> None:
         """All of a one-segment plan's input is here and nothing is computed yet: each op's rows
         in one run, in topological order - the runs `_advance` would make, without working
-        out per op which rows its inputs now cover (for MobileNetV2's 62 ops that bookkeeping
-        cost ~1 ms of a 25 ms trunk, docs/architecture-core.md)."""
+        out per op which rows its inputs now cover and with each value's rows set once instead
+        of through the interval algebra (for MobileNetV2's 62 ops that bookkeeping cost ~1 ms
+        of a 25 ms trunk, docs/architecture-core.md). The path of every single-device request."""
         for j in self._ops:
-            a, b = self._comp[j + 1]
-            self._compute(j, a, b)
-            for e in self._emit(j + 1, a, b):
+            v = j + 1
+            a, b = self._comp[v]
+            self._run(j, a, b)
+            self._avail[v], self._remaining[v] = [(a, b)], []
+            for e in self._emit(v, a, b):
                 sink(e)
 
     def _compute(self, j: int, a: int, b: int) -> None:
+        """Run op `j` on rows [a, b) and mark them available and done."""
+        self._run(j, a, b)
+        v = j + 1
+        self._avail[v] = iv_add(self._avail[v], (a, b))
+        self._remaining[v] = iv_sub(self._remaining[v], (a, b))
+
+    def _run(self, j: int, a: int, b: int) -> None:
+        """What a run of op `j` on rows [a, b) does (the subclass's): compute them, or cost them."""
         raise NotImplementedError
 
     def _emit(self, v: int, a: int, b: int) -> list[_E]:
@@ -282,25 +293,17 @@ class StripeRunner(Wavefront[Emission]):
         return out
 
     # ------------------------------------------------------------------ internals
-    def _compute(self, j: int, a: int, b: int) -> None:
+    def _run(self, j: int, a: int, b: int) -> None:
+        """Compute op `j`'s rows [a, b), keep them and report the run's time to `on_run`."""
         t0 = time.perf_counter() if self.on_run is not None else 0.0
-        self._store(j, a, b, self._op_rows(self.graph.ops[j], a, b), t0)
-        v = j + 1
-        self._avail[v] = iv_add(self._avail[v], (a, b))
-        self._remaining[v] = iv_sub(self._remaining[v], (a, b))
-
-    def _run_straight(self, sink: Callable[[Emission], None]) -> None:
-        # the base class's runs, with each value's rows set once instead of through the
-        # interval algebra: this is the path of every single-device request
-        ops, clock, timed = self.graph.ops, time.perf_counter, self.on_run is not None
-        for j in self._ops:
-            v = j + 1
-            a, b = self._comp[v]
-            t0 = clock() if timed else 0.0
-            self._store(j, a, b, self._op_rows(ops[j], a, b), t0)
-            self._avail[v], self._remaining[v] = [(a, b)], []
-            for e in self._emit(v, a, b):
-                sink(e)
+        y = self._op_rows(self.graph.ops[j], a, b)
+        self._rows[j + 1].add(a, b, y.contiguous(memory_format=self._format))
+        if self.on_run is not None:
+            if self.graph.device.type == "cuda":  # kernels run asynchronously: time them whole
+                torch.cuda.synchronize(self.graph.device)
+            self.on_run(j, b - a, time.perf_counter() - t0)
+        self._stats["rows_computed"] += b - a
+        self._stats["runs"] += 1
 
     def _op_rows(self, op: TrunkOp, a: int, b: int) -> Tensor:
         """Output rows [a, b) of `op` from the rows its inputs hold."""
@@ -312,16 +315,6 @@ class StripeRunner(Wavefront[Emission]):
             # padding rows and rows from several pieces in one copy
             return op.run([rows.read(first, stop, top, bottom, op.pad_value)], a, b)
         return op.run([self._rows[u].read(a, b) for u in op.inputs], a, b)
-
-    def _store(self, j: int, a: int, b: int, y: Tensor, t0: float) -> None:
-        """Keep op `j`'s run result and report the run's time to `on_run`."""
-        self._rows[j + 1].add(a, b, y.contiguous(memory_format=self._format))
-        if self.on_run is not None:
-            if self.graph.device.type == "cuda":  # kernels run asynchronously: time them whole
-                torch.cuda.synchronize(self.graph.device)
-            self.on_run(j, b - a, time.perf_counter() - t0)
-        self._stats["rows_computed"] += b - a
-        self._stats["runs"] += 1
 
     def _emit(self, v: int, a: int, b: int) -> list[Emission]:
         out: list[Emission] = []

@@ -254,11 +254,13 @@ class PlannerProcess:
             return (request, *got) if request is not None else None
         return None
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 2.0) -> None:
+        """Close the pipe, which ends the child by itself; kill it if it has not ended within
+        `grace_s` (at niceness 10 on loaded cores its exit alone can take seconds)."""
         try:
             self._conn.close()
         finally:
-            self._proc.join(timeout=2.0)
+            self._proc.join(timeout=grace_s)
             if self._proc.is_alive():
                 self._proc.kill()
                 self._proc.join(timeout=5.0)  # reaped: once close() returns, it is not alive()

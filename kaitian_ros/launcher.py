@@ -46,7 +46,7 @@ import yaml
 
 from kaitian_ros import warm_start
 from kaitian_ros.fork_server import WARM, ForkedProcess, ForkServer, preload_modules
-from kaitian_ros.ports import free_port
+from kaitian_ros.ports import PortTaken, on_free_port
 from kaitian_ros.processes import LineOut, start_child, stop_children
 from kaitian_ros.runtime import security
 from kaitian_ros.runtime import zenoh_session as zs
@@ -442,22 +442,22 @@ def router_seen_here(router_endpoint: str, host_router: bool) -> str:
     return zs.local_endpoint(router_endpoint) if host_router else router_endpoint
 
 
-def start_on_free_port(scenario: Scenario, *, out: LineOut = sys.stdout, attempts: int = 5,
-                       host: str = "127.0.0.1", **launcher_options: Any) -> Launcher:
+def start_on_free_port(scenario: Scenario, *, out: LineOut = sys.stdout, host: str = "127.0.0.1",
+                       **launcher_options: Any) -> Launcher:
     """Start a graph whose router listens on a fresh port of ``host`` (loopback by default;
-    ``launcher.router_endpoint``); ``launcher_options`` go to :class:`Launcher`.
+    ``launcher.router_endpoint``), another port while one is taken before the router listens;
+    ``launcher_options`` go to :class:`Launcher`. Raises `PortTaken` after `PORT_ATTEMPTS`."""
 
-    A port can be taken between ``free_port()`` and the router's listen: retry a few times.
-    """
-    for _ in range(attempts):
-        launcher = Launcher(scenario, f"tcp/{host}:{free_port()}", out=out, **launcher_options)
+    def attempt(port: int) -> Launcher:
+        launcher = Launcher(scenario, f"tcp/{host}:{port}", out=out, **launcher_options)
         try:
             launcher.start()
-        except RuntimeError:
+        except RuntimeError as exc:
             launcher.stop()
-            continue
+            raise PortTaken(str(exc)) from exc
         return launcher
-    raise RuntimeError("could not host a router on a free port")
+
+    return on_free_port(attempt, what="the graph's router")
 
 
 def launch(scenario: Scenario, router_endpoint: str, *, duration_s: float | None = None,

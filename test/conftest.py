@@ -15,9 +15,11 @@ torch.set_num_threads(1)
 # seconds each took on 2 cores (pytest --durations), longest first; files not named come after
 # these in their usual order. The order only schedules: the tests of a file are independent of
 # the files run before them.
-LONGEST_FILES = ("test_ros_real.py", "test_two_hosts.py", "test_training.py", "test_inference_e2e.py",
-                 "test_control_plane_faults.py", "test_scheduler_e2e.py", "test_cli_launch.py",
-                 "test_security.py", "test_digits_demo.py", "test_inference_faults.py", "test_trainer_node.py")
+# (a clean-clone run of e818888, where test_ros_real.py also builds the ROS 2 environment)
+LONGEST_FILES = ("test_ros_real.py", "test_cli_launch.py", "test_two_hosts.py", "test_scheduler_e2e.py",
+                 "test_training.py", "test_inference_e2e.py", "test_control_plane_faults.py",
+                 "test_lateness_e2e.py", "test_security.py", "test_digits_demo.py", "test_trainer_node.py",
+                 "test_bag.py", "test_inference_faults.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

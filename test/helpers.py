@@ -38,7 +38,7 @@ if str(REPO) not in sys.path:
 # --- ports, routers, environments ---------------------------------------------------------
 
 # after the sys.path insert above: this file also runs as a script from a source tree
-from kaitian_ros.ports import free_port  # noqa: E402 - one definition, shared with the package
+from kaitian_ros.ports import PortTaken, free_port, on_free_port  # noqa: E402, F401 - shared with the package; the tests import free_port from here
 from kaitian_ros.processes import DEFAULT_ESCALATION  # noqa: E402 - the launcher's stop escalation
 
 
@@ -56,15 +56,14 @@ class Router:
     def __init__(self) -> None:
         from kaitian_ros.runtime import zenoh_session as zs
 
-        last: Exception | None = None
-        for _ in range(5):  # the port could be taken between free_port() and listen: retry
-            self.endpoint = f"tcp/127.0.0.1:{free_port()}"
+        def attempt(port: int) -> None:
+            self.endpoint = f"tcp/127.0.0.1:{port}"
             try:
                 self.session = zs.open_session("router", listen=self.endpoint)
-                return
             except zs.SessionError as exc:  # pragma: no cover - rare race
-                last = exc
-        raise RuntimeError(f"could not host a router: {last}")
+                raise PortTaken(str(exc)) from exc
+
+        on_free_port(attempt, what="the test's router")
 
     def close(self) -> None:
         self.session.close()

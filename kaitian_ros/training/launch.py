@@ -50,11 +50,10 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from kaitian_ros.ports import free_port
+from kaitian_ros.ports import PORT_ATTEMPTS, PortTaken, free_port, on_free_port
 from kaitian_ros.processes import name_process, start_child, stop_children, take_sigint, tie_own_group
 from kaitian_ros.training import netif
 from kaitian_ros.training.affinity import pin_local_rank
-from kaitian_ros.training.local_ranks import PORT_ATTEMPTS
 from kaitian_ros.training.process_group import DistEnv, init_distributed, shutdown_distributed
 
 if TYPE_CHECKING:  # imported at run time where used, as the functions below do
@@ -379,14 +378,18 @@ def _spawn_local(argv: list[str], cfg: Any, placement: Placement, as_json: bool,
         return 130
     tmp = Path(tempfile.mkdtemp(prefix="kaitian-train-"))  # where each rank leaves its result
     try:
-        for _ in range(PORT_ATTEMPTS if retry_port else 1):
-            code = _run_ranks(argv, cfg, placement, as_json, tmp, retry_port)
-            if code is not None:
-                return code
-            placement = dataclasses.replace(placement, master_port=free_port())
-        print(f"kaitian train: error: rank 0 could not listen on a free rendezvous port {PORT_ATTEMPTS} times "
-              "(another process took each one first)", file=sys.stderr)
-        return 1
+        def attempt(port: int) -> int:
+            code = _run_ranks(argv, cfg, dataclasses.replace(placement, master_port=port), as_json, tmp, retry_port)
+            if code is None:
+                raise PortTaken(f"port {port}")
+            return code
+
+        try:
+            return on_free_port(attempt, PORT_ATTEMPTS if retry_port else 1, first=placement.master_port,
+                                what="rank 0's rendezvous store")
+        except PortTaken as exc:
+            print(f"kaitian train: error: {exc}", file=sys.stderr)
+            return 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

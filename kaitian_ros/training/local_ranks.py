@@ -3,6 +3,7 @@ process group (the tests and ``kaitian bench training``)."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -15,12 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kaitian_ros.ports import free_port
+from kaitian_ros.ports import PortTaken, on_free_port
 from kaitian_ros.processes import tie_to_parent
 from kaitian_ros.training.affinity import pin_local_rank
 from kaitian_ros.training.process_group import DistEnv, init_distributed, shutdown_distributed
-
-PORT_ATTEMPTS = 3  # rendezvous ports tried before giving up
 
 
 def _local_child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple,
@@ -58,21 +57,12 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any,
     there. ``fn`` returns picklable values. Returns the results in rank order; raises
     RuntimeError with the first failing rank's error.
     """
-    for _ in range(PORT_ATTEMPTS):  # as launcher.start_on_free_port does for routers
-        try:
-            return _run_local_once(fn, world_size, args, env_per_rank, timeout_s)
-        except _PortTaken:
-            continue
-    raise RuntimeError(f"rank 0 could not listen on a free port {PORT_ATTEMPTS} times "
-                       "(another process took each one first)")
-
-
-class _PortTaken(Exception):
-    """Rank 0's rendezvous port was taken between `free_port` and its listen."""
+    return on_free_port(functools.partial(_run_local_once, fn, world_size, args, env_per_rank, timeout_s),
+                        what="rank 0's rendezvous store")
 
 
 def _run_local_once(fn: Callable[..., Any], world_size: int, args: tuple,
-                    env_per_rank: Sequence[dict[str, str]] | None, timeout_s: float) -> list[Any]:
+                    env_per_rank: Sequence[dict[str, str]] | None, timeout_s: float, port: int) -> list[Any]:
     fork = not torch.cuda.is_available()
     ctx = mp.get_context("fork") if fork else mp.get_context("spawn")
     if fork:  # each rank would import it on its own, per run (bench: a dozen runs)
@@ -80,7 +70,6 @@ def _run_local_once(fn: Callable[..., Any], world_size: int, args: tuple,
 
         import_lazy_dependencies()
     q = ctx.Queue()
-    port = free_port()
     procs = []
     for r in range(world_size):
         env = dict(env_per_rank[r]) if env_per_rank else {}
@@ -110,7 +99,7 @@ def _run_local_once(fn: Callable[..., Any], world_size: int, args: tuple,
             elif "EADDRINUSE" in out:
                 # a free port is only free until someone binds it: parallel test workers and
                 # benchmarks pick theirs at the same moment; the other ranks are stopped below
-                raise _PortTaken(out)
+                raise PortTaken(out)
             else:
                 errors[r] = out
     finally:

@@ -69,8 +69,9 @@ def preflight(scenario: Scenario) -> str:
 def _inference_model_problems(params: Mapping[str, Any]) -> list[str]:
     """A weights file that does not load into the model, labels that do not fit its classes."""
     from kaitian_ros.nodes import inference_common as ic
+    from kaitian_ros.nodes.model_params import MODEL_PARAMETERS
 
-    defaults = {p.name: p.default for p in ic.MODEL_PARAMETERS}
+    defaults = {p.name: p.default for p in MODEL_PARAMETERS}
 
     def get(key: str) -> Any:
         return params.get(key, defaults.get(key))

@@ -294,10 +294,15 @@ def apply_overrides(nodes: list[NodeSpec], overrides: Sequence[tuple[str, Any]])
 
 
 def declared_parameters(executable: str) -> frozenset[str]:
-    """Names of the parameters a node executable declares (imports the node module)."""
+    """Names of the parameters a node executable declares: from its `<executable>_params`
+    module where it has one (the coordinator and the compute node, whose own modules import
+    torch: seconds of CPU in the launcher for a `name:=value` not in the scenario's file), else
+    from the node module."""
     import importlib
+    import importlib.util
 
-    module = importlib.import_module(f"kaitian_ros.nodes.{executable}")
+    name = f"kaitian_ros.nodes.{executable}"
+    module = importlib.import_module(name + "_params" if importlib.util.find_spec(name + "_params") else name)
     return frozenset(d.name for d in module.PARAMETERS)
 
 

@@ -369,7 +369,9 @@ def test_hetero_inference_graph_on_rclpy_equals_the_single_device_result(ros_env
         assert got.returncode == 0 and "GRAPH OK" in got.stdout, got.stdout[-3000:] + got.stderr[-3000:]
 
     # the coordinator's model: its declared defaults, then what the parameter file set
-    declared = {d.name: d.default for d in ic.MODEL_PARAMETERS}
+    from kaitian_ros.nodes.model_params import MODEL_PARAMETERS
+
+    declared = {d.name: d.default for d in MODEL_PARAMETERS}
     spec = ic.ModelSpec.from_params(declared | data["coordinator"]["ros__parameters"])
     graph = ic.build_graph(spec)
     c, h, w = spec.input_shape

@@ -33,11 +33,11 @@ def lw_topic(name: str) -> str:
 
 # =========================================================================== layer-wise worker
 def _worker_parameters() -> tuple:
-    from kaitian_ros.nodes import inference_common as ic
+    from kaitian_ros.nodes.model_params import MODEL_PARAMETERS
     from kaitian_ros.runtime.api import ParameterDescriptor as P
     from kaitian_ros.runtime.api import ParameterType as T
 
-    return ic.MODEL_PARAMETERS + (
+    return MODEL_PARAMETERS + (
         P("threads", T.INTEGER, 1, "torch CPU threads", 1, 256),
         P("emulated_slowdown", T.DOUBLE, 1.0, "EMULATED slower device: sleep (s-1)x each compute",
           1.0, 100.0),

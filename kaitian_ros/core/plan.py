@@ -35,8 +35,8 @@ from dataclasses import dataclass, replace
 
 from .cost_model import CostModel, PlanCosts
 from .graph import EMPTY, Interval, ModelGraph, intersect, iv_sub
+from .strategy_names import STRATEGIES
 
-STRATEGIES = ("stripes", "single", "layerwise")
 # a run length no stripe reaches: a node's executor runs every op once per stripe (Plan.run_rows)
 WHOLE_RUNS = 1 << 30
 

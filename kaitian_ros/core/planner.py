@@ -31,10 +31,10 @@ from typing import NamedTuple
 
 from .costs import Costs
 from .graph import ModelGraph
-from .plan import STRATEGIES, Plan, PlanSpec, build_plan, choose_cuts, normalise_shares, split_rows
+from .plan import Plan, PlanSpec, build_plan, choose_cuts, normalise_shares, split_rows
 from .simulate import simulate
+from .strategy_names import STRATEGY_CHOICES
 
-STRATEGY_CHOICES = ("auto", *STRATEGIES)
 # share_i ~ speed_i ** gamma: gamma > 1 favours fast nodes (their thicker stripes pay less
 # per-call and halo cost), gamma < 1 slow ones (a local device that needs no link)
 GAMMAS = (0.5, 1.0, 2.0)

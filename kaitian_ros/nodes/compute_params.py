@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.nodes import protocol as proto
+from kaitian_ros.nodes.model_params import MODEL_PARAMETERS
 from kaitian_ros.runtime.api import ParameterDescriptor as P
 from kaitian_ros.runtime.api import ParameterType as T
 
-PARAMETERS = ic.MODEL_PARAMETERS + (
+PARAMETERS = MODEL_PARAMETERS + (
     P("device", T.STRING, "cpu", "torch device this node computes on (cpu, cuda:0, ...; checked at start)",
       read_only=True),
     P("threads", T.INTEGER, 1, "torch CPU threads for this node", 1, 256),

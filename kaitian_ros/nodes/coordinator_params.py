@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kaitian_ros.core import planner
-from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.core.strategy_names import STRATEGY_CHOICES
 from kaitian_ros.nodes import protocol as proto
+from kaitian_ros.nodes.model_params import MODEL_PARAMETERS
 from kaitian_ros.runtime.api import ParameterDescriptor as P
 from kaitian_ros.runtime.api import ParameterType as T
 
@@ -12,7 +12,7 @@ from kaitian_ros.runtime.api import ParameterType as T
 # new values resumes unless clearly beaten)
 PLAN_SETTINGS = ("static_shares", "use_scheduler", "strategy", "slab_rows", "share_search")
 
-PARAMETERS = ic.MODEL_PARAMETERS + (
+PARAMETERS = MODEL_PARAMETERS + (
     P("input_topic", T.STRING, "/camera/image_raw", "camera topic (sensor_msgs/Image)", read_only=True),
     P("compute_nodes", T.STRING_ARRAY, ["compute_0", "compute_1"], "compute node ids in row order",
       read_only=True),
@@ -32,7 +32,7 @@ PARAMETERS = ic.MODEL_PARAMETERS + (
       "EMULATED slow input link: pause between input slabs (0 = send at once)", 0.0, 10000.0),
     P("threads", T.INTEGER, 1, "torch CPU threads for preprocessing and the head", 1, 256),
     P("strategy", T.STRING, "auto", "plan strategy: auto (fastest predicted) | single | layerwise | stripes",
-      choices=planner.STRATEGY_CHOICES),
+      choices=STRATEGY_CHOICES),
     P("share_search", T.BOOL, True,
       "with the scheduler's adaptive policy, also try stripes by measured speed over every subset of "
       "nodes (false: stripes use the scheduler's shares as proposed)"),

@@ -22,28 +22,11 @@ import torch
 from kaitian_ros.core.costs import DeviceProfile, LinkEstimate, OpCost, model_key
 from kaitian_ros.core.graph import ModelGraph
 from kaitian_ros.core.models import build_model
-from kaitian_ros.core.plan import STRATEGIES, Plan, PlanSpec, build_plan
+from kaitian_ros.core.plan import Plan, PlanSpec, build_plan
 from kaitian_ros.core.split import split_model
+from kaitian_ros.core.strategy_names import STRATEGIES
 from kaitian_ros.nodes.protocol import ROLE_INPUT, assignment_from_msg
 from kaitian_ros.runtime import interfaces
-from kaitian_ros.runtime.api import ParameterDescriptor as P
-from kaitian_ros.runtime.api import ParameterType as T
-
-MODEL_PARAMETERS = (
-    P("model", T.STRING, "resnet18", "reference CNN name or 'package.module:callable'", read_only=True),
-    P("input_height", T.INTEGER, 224, "model input height (rows)", 8, 4096, read_only=True),
-    P("input_width", T.INTEGER, 224, "model input width", 8, 4096, read_only=True),
-    P("input_channels", T.INTEGER, 3, "model input channels", 1, 4, read_only=True),
-    P("num_classes", T.INTEGER, 1000, "classifier outputs", 1, 100000, read_only=True),
-    P("seed", T.INTEGER, 0, "seed of the random weights (when no weights file)", 0, 2**31 - 1, read_only=True),
-    P("weights", T.STRING, "", "state_dict file to load ('' = random weights from seed)", read_only=True),
-    P("slab_rows", T.INTEGER, 8,
-      "image rows per streamed input slab (the coordinator's planner may send a plan's input whole instead)",
-      1, 4096),
-    P("normalise", T.BOOL, True, "ImageNet mean/std normalisation of the input (on the compute nodes)",
-      read_only=True),
-)
-
 
 MAX_LABELS_FILE_BYTES = 16 << 20
 MAX_LABEL_CHARS = 256

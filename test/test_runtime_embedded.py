@@ -388,3 +388,44 @@ def test_a_latched_cache_answer_after_that_publishers_live_sample_is_dropped(pro
     probe.rt.post(lambda: done.append(True))
     wait_until(lambda: done, "the executor drained the subscription")
     assert got == ["a4", "b7"] and probe.rt.rejected.total == 0
+
+
+# a node whose build gets SIGINT while Python runs a weakref callback (importlib's module locks
+# use them): the stop raised there cannot leave the callback; the build must stop all the same
+STOPPED_IN_A_CALLBACK = """
+import os, signal, sys, time, weakref
+from kaitian_ros.runtime import run_node
+
+class Thing:
+    pass
+
+def factory(rt):
+    thing = Thing()
+
+    def callback(_):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(100000):  # the handler runs here, inside the callback
+            pass
+
+    ref = weakref.ref(thing, callback)
+    del thing  # the callback runs now
+    print("callback done", flush=True)
+    for _ in range(1000):  # the rest of a long build (10 s)
+        time.sleep(0.01)
+    print("built", ref, flush=True)
+
+sys.exit(run_node(factory, "stopper", []))
+"""
+
+
+def test_a_stop_that_a_callback_swallowed_still_stops_the_build_without_a_traceback(router):
+    import subprocess
+    import sys
+
+    from helpers import REPO, child_env
+
+    out = subprocess.run([sys.executable, "-c", STOPPED_IN_A_CALLBACK], cwd=str(REPO), capture_output=True,
+                         text=True, timeout=60, env=child_env(router.endpoint), check=False)
+    assert out.returncode == 0, out.stderr
+    assert "callback done" in out.stdout and "built" not in out.stdout, out.stdout
+    assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr

@@ -44,6 +44,27 @@ class _StoppedWhileStarting(BaseException):
     node's own may swallow it)."""
 
 
+STOP_RETRY_S = 0.01  # a stop that a callback swallowed is raised again this much later
+
+
+def _stop_again_when_swallowed(starting: Callable[[], bool]) -> Callable[[Any], None]:
+    """An `sys.unraisablehook` for the start of a node. Python runs a signal's handler between
+    any two bytecodes, also inside a callback that cannot pass an exception on (a weakref's,
+    which importlib uses for its module locks; a `__del__`): there the stop raised by the handler
+    is printed as "Exception ignored" and the build goes on. This hook keeps that off the log and
+    raises the stop again a moment later (SIGALRM, same handler), from wherever the build is
+    then."""
+    default = sys.unraisablehook
+
+    def hook(info: Any) -> None:
+        if starting() and isinstance(info.exc_value, _StoppedWhileStarting):
+            signal.setitimer(signal.ITIMER_REAL, STOP_RETRY_S)
+            return
+        default(info)
+
+    return hook
+
+
 def run_node(node_factory: Callable[[Runtime], Any], default_name: str,
              argv: Sequence[str] | None = None) -> int:
     """Entry point body of every node executable: build, spin until SIGINT/SIGTERM, clean up."""
@@ -65,12 +86,18 @@ def run_node(node_factory: Callable[[Runtime], Any], default_name: str,
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGALRM, stop)
+    default_unraisable = sys.unraisablehook
+    sys.unraisablehook = _stop_again_when_swallowed(lambda: starting)
     try:
         try:
             accept_sigint()  # a Ctrl-C held back while this process started is handled here
             node = node_factory(rt)
         finally:
             starting = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            sys.unraisablehook = default_unraisable
     except _StoppedWhileStarting:
         rt.close()
         return 0

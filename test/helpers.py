@@ -9,6 +9,7 @@ also the small "other process" the transport tests talk to::
     python test/helpers.py qos_pub                   # Strings on /qos/reliable and /qos/best_effort
     python test/helpers.py fused_pub N TOPIC[,TOPIC] # a plan, then N FusedOutputs (+ diagnostics, images)
                                                      # once every TOPIC has a subscriber
+    python test/helpers.py slow_param SECONDS        # a node whose parameter `level` takes SECONDS to set
 
 Every child prints one JSON line ``{"ready": ...}`` once its entities are declared.
 """
@@ -464,6 +465,24 @@ def _role_fused_pub(count: int, wait_for: list[str]) -> None:
     rt.close()
 
 
+def _role_slow_param(seconds: float) -> None:
+    """A node whose on-set callback takes `seconds` (as a coordinator re-planning inside a set
+    on a loaded machine)."""
+    from kaitian_ros.runtime.api import ParameterDescriptor, ParameterType, SetParametersResult
+
+    rt = _child_runtime("slow_param")
+    rt.declare_parameters([ParameterDescriptor("level", ParameterType.INTEGER, 0, "any level", 0, 10)])
+
+    def slowly(changes: dict[str, Any]) -> SetParametersResult:
+        time.sleep(seconds)
+        return SetParametersResult(True)
+
+    rt.add_on_set_parameters_callback(slowly)
+    _ready(node="slow_param")
+    rt.spin()
+    rt.close()
+
+
 def main(argv: list[str]) -> int:
     role, args = argv[0], argv[1:]
     if role == "echo":
@@ -476,6 +495,8 @@ def main(argv: list[str]) -> int:
         _role_qos_pub()
     elif role == "fused_pub":
         _role_fused_pub(int(args[0]), args[1].split(","))
+    elif role == "slow_param":
+        _role_slow_param(float(args[0]))
     else:
         print(f"unknown role {role}", file=sys.stderr)
         return 2

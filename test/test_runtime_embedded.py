@@ -429,3 +429,24 @@ def test_a_stop_that_a_callback_swallowed_still_stops_the_build_without_a_traceb
     assert out.returncode == 0, out.stderr
     assert "callback done" in out.stdout and "built" not in out.stdout, out.stdout
     assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr
+
+
+def test_a_parameter_set_slower_than_a_plain_query_is_still_answered(router):
+    """A node's on-set callback may take seconds (a coordinator re-plans inside a `set`): the
+    client waits longer than the node's own executor time-out, so `kaitian param set` reports
+    what the node answered instead of "not found" for a parameter that was then set."""
+    from helpers import run_cli
+
+    from kaitian_ros.runtime import zenoh_session as zs
+
+    slow_s = 4.0  # longer than a plain query's 3 s, shorter than the node's own time-out
+    assert 3.0 < slow_s < zs.PARAM_SERVE_TIMEOUT_S < zs.PARAM_QUERY_TIMEOUT_S
+    node = spawn_helper("slow_param", str(slow_s), router=router.endpoint)
+    try:
+        node.ready()
+        out = run_cli("param", "set", "/slow_param", "level", "3", router=router.endpoint)
+        assert out.returncode == 0 and "Set parameter successful" in out.stdout, out.stdout + out.stderr
+        got = run_cli("param", "get", "/slow_param", "level", router=router.endpoint)
+        assert got.returncode == 0 and "3" in got.stdout, got.stdout + got.stderr
+    finally:
+        node.stop()

@@ -33,7 +33,6 @@ from kaitian_ros.runtime.embedded_endpoints import EmbeddedPublisher, EmbeddedSu
 from kaitian_ros.runtime.node_args import NodeArgs, resolve_topic
 from kaitian_ros.runtime.security import Security, publish_refusal
 
-PARAM_SET_TIMEOUT_S = 5.0
 _QOS_TOKEN = {QoS.RELIABLE: "1:2:1,10", QoS.BEST_EFFORT: "2:2:1,5", QoS.LATCHED: "1:1:1,1"}
 
 
@@ -242,7 +241,7 @@ class EmbeddedRuntime:
             done.set()
 
         self.post(task)
-        if not done.wait(PARAM_SET_TIMEOUT_S):
+        if not done.wait(zs.PARAM_SERVE_TIMEOUT_S):
             raise TimeoutError("node busy: parameter request not served in time")
         if "error" in box:
             raise box["error"]

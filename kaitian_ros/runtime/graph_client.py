@@ -168,11 +168,12 @@ class GraphClient:
     def _param_request(self, node: str, op: str, request: dict[str, Any]) -> dict[str, Any]:
         fqn = node if node.startswith("/") else "/" + node
         replies = list(self.session.get(zs.param_key(self.domain, fqn, op),
-                                        payload=json.dumps(request).encode(), timeout=QUERY_TIMEOUT_S))
+                                        payload=json.dumps(request).encode(), timeout=zs.PARAM_QUERY_TIMEOUT_S))
         for reply in replies:
             if reply.ok is not None:
                 return json.loads(reply.ok.payload.to_bytes())
-        raise GraphError(f"node '{fqn}' not found (no parameter service answered)")
+        raise GraphError(f"node '{fqn}' not found (no parameter service answered within "
+                         f"{zs.PARAM_QUERY_TIMEOUT_S:.0f} s)")
 
     def list_parameters(self, node: str) -> list[dict[str, Any]]:
         return self._param_request(node, "list", {})["parameters"]

@@ -356,6 +356,15 @@ def attachment_stamp(raw: bytes) -> tuple[int, int]:
     return sequence, stamp
 
 
+# A node answers a parameter request on its executor, after the callback running there (a
+# coordinator re-plans inside a `set`: a search over a few nodes, seconds on a loaded machine);
+# past PARAM_SERVE_TIMEOUT_S it answers "node busy". The asking side waits longer than that, so
+# that a slow answer still arrives: a client that gave up first reported a node "not found"
+# whose parameter was then set.
+PARAM_SERVE_TIMEOUT_S = 5.0
+PARAM_QUERY_TIMEOUT_S = PARAM_SERVE_TIMEOUT_S + 2.0
+
+
 def param_key(domain: int, node_fqn: str, op: str) -> str:
     return f"{PARAM_PREFIX}/{domain}/{node_fqn.strip('/')}/{op}"
 

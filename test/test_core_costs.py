@@ -487,3 +487,14 @@ def test_stale_profile_replace_keeps_checks() -> None:
         r.observe_feed(3.0 * p.op_costs[1].ms(8), p.op_costs[1].ms(8))
     q = replace(p, op_costs=r.current(), run_samples=r.samples, version=2)
     assert _problem(q) == "" and q.op_costs[1].row_ms == pytest.approx(3 * p.op_costs[1].row_ms)
+
+
+def test_observe_link_meters_each_sender_and_no_more_senders_than_its_bound() -> None:
+    from kaitian_ros.core.costs import MAX_METERED_SENDERS, observe_link
+
+    meters: dict = {}
+    for i in range(MAX_METERED_SENDERS + 5):  # forged producer names beyond the bound are not metered
+        observe_link(meters, f"node_{i}", 20000, 1.0, 1.002)
+    assert len(meters) == MAX_METERED_SENDERS and "node_0" in meters
+    observe_link(meters, "node_0", 20000, 1.01, 1.012)
+    assert meters["node_0"].samples >= 1 and f"node_{MAX_METERED_SENDERS}" not in meters

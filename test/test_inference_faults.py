@@ -48,6 +48,15 @@ def latest_values(g: InferenceGraph, node: str) -> dict[str, str]:
     return diags[-1] if diags else {}
 
 
+def plan_followed(g: InferenceGraph, node: str):
+    """The newest plan message `node` holds of the coordinator it follows (None if none yet)."""
+    values = latest_values(g, node)
+    held = set(values.get("plans", "").split(","))
+    plans = [p for p in g.plans.snapshot() if f"{int(p.incarnation):016x}" == values.get(
+        "coordinator_incarnation") and str(int(p.version)) in held]
+    return max(plans, key=lambda p: int(p.version)) if plans else None
+
+
 def wait_values(g: InferenceGraph, node: str, predicate, what: str) -> dict[str, str]:
     def check():
         values = latest_values(g, node)
@@ -279,11 +288,7 @@ def test_forged_chunks_cost_bounded_memory_and_oversized_ones_nothing(graph):
     # the plan compute_0 runs now: the previous test stood in for the coordinator, which took its
     # plans for an impostor's and re-announced under a new incarnation
     def followed():
-        values = latest_values(g, node)
-        held = set(values.get("plans", "").split(","))
-        plans = [p for p in g.plans.snapshot() if f"{int(p.incarnation):016x}" == values.get(
-            "coordinator_incarnation") and str(int(p.version)) in held]
-        return max(plans, key=lambda p: int(p.version)) if plans else None
+        return plan_followed(g, node)
 
     pv = wait_until(followed, f"the plan {node} follows")
     base = wait_values(g, node, lambda v: True, "anything")
@@ -320,3 +325,37 @@ def test_forged_chunks_cost_bounded_memory_and_oversized_ones_nothing(graph):
     assert int(values["in_flight"]) <= 64, values
     frames = g.frames(3, first=400)
     g.check_outputs(frames, g.stream(frames))  # a real request evicts a forged one, never the reverse
+
+
+def test_a_backlog_older_than_max_queue_wait_is_dropped_as_stale_and_the_node_keeps_serving(graph):
+    """Chunks that waited in a compute node's own queue longer than `max_queue_wait_s` (a node
+    behind, flooded with requests it computes) are dropped and counted as stale instead of
+    computed one after the other long after the flood: their requests are late for the
+    coordinator already."""
+    g = graph
+    node = "compute_0"
+    client = g.probe_client()
+    ok, why = client.set_parameters(node, {"max_queue_wait_s": 0.05})
+    assert ok, why
+    try:
+        base = wait_values(g, node, lambda v: True, "anything")
+        pv = wait_until(lambda: plan_followed(g, node), f"the plan {node} follows")
+        plan = ic.plan_from_msg(g.graph, pv, 4)
+        lo, hi = plan.input_rows_for(node)
+        c, height, width = g.spec.input_shape
+        pub = g.probe.rt.create_publisher(proto.chunk_topic(node), "TensorChunk", QoS.RELIABLE)
+        wait_routed(pub, f"{node}'s subscription to its chunks")
+        rows = torch.randn(1, c, hi - lo, width)  # a whole stripe's input: each one is computed
+        for i in range(500):  # back to back: the node falls behind within a few of them
+            pub.publish(ic.chunk_message(request_id=60_000 + i, plan_version=pv.version, producer=proto.COORDINATOR,
+                                         consumer=node, segment=0, role=proto.ROLE_INPUT, row_offset=lo,
+                                         total_rows=height, rows=rows, last_slab=True))
+        before = int(base.get("rejected.stale", "0"))
+        values = wait_values(g, node, lambda v: int(v.get("rejected.stale", "0")) > before, "stale chunks")
+        assert int(values["rejected.stale"]) > before
+    finally:
+        ok, why = client.set_parameters(node, {"max_queue_wait_s": 2.0})
+        assert ok, why
+    frames = g.frames(3, first=700)
+    g.check_outputs(frames, g.stream(frames))
+    assert not g.dead_children()

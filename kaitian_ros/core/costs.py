@@ -354,6 +354,18 @@ DIRECT_LINK_FLOOR = 0.5  # a node-to-node rate below this x its measured legs' i
 REVERSE_LINK_FLOOR = 0.1
 
 
+MAX_METERED_SENDERS = 64  # links metered per receiver: anyone can name a producer
+
+
+def observe_link(meters: dict[str, LinkMeter], sender: str, nbytes: int, sent_s: float, arrived_s: float) -> None:
+    """Feed `sender`'s meter in `meters`, made on its first chunk (up to MAX_METERED_SENDERS)."""
+    meter = meters.get(sender)
+    if meter is None and len(meters) < MAX_METERED_SENDERS:
+        meter = meters[sender] = LinkMeter()
+    if meter is not None:
+        meter.observe(nbytes, sent_s, arrived_s)
+
+
 @dataclass(frozen=True)
 class Costs:
     """Everything measured, as a planner reads it.

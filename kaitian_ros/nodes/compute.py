@@ -6,15 +6,14 @@ whose receptive field has arrived is computed at once), publishes HALO rows to n
 OUTPUT rows to the coordinator as soon as they exist, then NodeTelemetry for the request
 (compute time is device time: ``inference_common.busy_clock``).
 Plans come from the coordinator's latched ``/kaitian/plan`` topic by version (the full spec:
-strategy, cuts, per-segment shares); a chunk of an unknown, retired or mismatched plan is
-dropped and counted, never a crash.
+strategy, cuts, per-segment shares); a chunk of an unknown, retired or mismatched plan, or one
+that waited over ``max_queue_wait_s`` in the node's queue, is dropped and counted, never a crash.
 
 Costs: at start-up the node times every trunk op at several row counts (bounded by
-``profile_budget_s``) and publishes the result on the latched ``/kaitian/profiles`` topic. It
-keeps refining it from the runs it really computes (per op and row count, wall time, the
-emulated slowdown applied) and, while idle, from a short timed probe every ``probe_period_s``
-(up to ``probe_max_period_s`` while they see no change); it measures its incoming links too. A new profile
-version goes out when the costs moved by ``profile_change`` or more.
+``profile_budget_s``) and publishes them on the latched ``/kaitian/profiles``; it refines them
+from the runs it computes (wall time, the emulated slowdown applied), from short probes while
+idle (every ``probe_period_s``, backing off to ``probe_max_period_s``) and from its incoming
+links, and publishes a new version when they moved by ``profile_change``.
 
 Its parameters are `compute_params`; a warm interpreter prepares one in `compute_prepare`.
 """
@@ -31,7 +30,7 @@ import torch
 
 from kaitian_ros.core import profiling
 from kaitian_ros.core.authority import AuthorityTracker
-from kaitian_ros.core.costs import CostRefiner, DeviceProfile, LinkMeter, next_probe_period
+from kaitian_ros.core.costs import CostRefiner, DeviceProfile, LinkMeter, next_probe_period, observe_link
 from kaitian_ros.core.plan import Plan
 from kaitian_ros.core.pooled import RowSum, sum_outputs
 from kaitian_ros.core.stripe import StripeRunner
@@ -253,7 +252,7 @@ class ComputeNode:
             self.retired_below = max(self.retired_below, old + 1)
         waiting, self.pending, self.pending_bytes = self.pending, [], 0
         for _, chunk, info in waiting:
-            self._on_chunk(chunk, info)
+            self._on_chunk(chunk, info, held=True)
 
     # --- chunks -------------------------------------------------------------------------
     def _publisher(self, consumer: str) -> Any:
@@ -262,20 +261,19 @@ class ComputeNode:
             pub = self.pubs[consumer] = self.rt.create_publisher(proto.chunk_topic(consumer), "TensorChunk")
         return pub
 
-    def _on_chunk(self, msg: Any, info: MessageInfo | None = None) -> None:
+    def _on_chunk(self, msg: Any, info: MessageInfo | None = None, held: bool = False) -> None:
         now = time.time()
         t_in = time.perf_counter()
         # arrival as the middleware saw it, not when this (maybe busy) node got to it
         arrived = info.received_s if info is not None else now
         sent = info.source_timestamp_s if info is not None and info.source_timestamp_s else arrived
         if info is not None and info.source_timestamp_s and msg.producer:
-            meter = self.meters.get(msg.producer)
-            if meter is None and len(self.meters) < 64:  # bounded: forged producer names
-                meter = self.meters[msg.producer] = LinkMeter()
-            if meter is not None:
-                meter.observe(len(msg.data), info.source_timestamp_s, info.received_s)
+            observe_link(self.meters, msg.producer, len(msg.data), info.source_timestamp_s, info.received_s)
         if msg.consumer != self.node_id:
             self.rt.rejected.count(f"misaddressed: chunk for {msg.consumer!r}")
+            return
+        if not held and now - arrived > self.params["max_queue_wait_s"]:  # behind (a flood): late already
+            self.rt.rejected.count(f"stale: chunk waited {now - arrived:.1f} s in this node's queue")
             return
         if msg.role not in (proto.ROLE_INPUT, proto.ROLE_HALO):
             self.rt.rejected.count(f"bad role: {msg.role}")

@@ -21,6 +21,8 @@ PARAMETERS = MODEL_PARAMETERS + (
     P("max_requests", T.INTEGER, 64,
       "requests held at once; a new one beyond this evicts the one fed least recently", 1, 1024),
     P("pending_timeout_s", T.DOUBLE, 2.0, "hold chunks of a not-yet-known plan this long", 0.0, 60.0),
+    P("max_queue_wait_s", T.DOUBLE, 2.0,
+      "drop (as stale) an input or halo chunk that waited longer than this in this node's queue", 0.05, 3600.0),
     P("profile_budget_s", T.DOUBLE, 10.0, "time limit of the start-up cost measurement", 0.5, 120.0,
       read_only=True),
     P("probe_period_s", T.DOUBLE, 0.1, "while idle, time a probe (about 1 ms of ops) this often (0 = never)",

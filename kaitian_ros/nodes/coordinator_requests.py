@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from kaitian_ros.core import lateness
-from kaitian_ros.core.costs import LinkMeter
+from kaitian_ros.core.costs import LinkMeter, observe_link
 from kaitian_ros.core.graph import ModelGraph
 from kaitian_ros.core.plan import Plan
 from kaitian_ros.core.policy import Assignment
@@ -184,8 +184,7 @@ class RequestFlow:
 
     def _on_chunk(self, msg: Any, info: MessageInfo | None = None) -> None:
         if info is not None and info.source_timestamp_s and msg.producer in self.nodes:
-            meter = self.meters.setdefault(msg.producer, LinkMeter())
-            meter.observe(len(msg.data), info.source_timestamp_s, info.received_s)
+            observe_link(self.meters, msg.producer, len(msg.data), info.source_timestamp_s, info.received_s)
         summed = msg.role == proto.ROLE_OUTPUT_SUM
         if msg.role not in (proto.ROLE_OUTPUT, proto.ROLE_OUTPUT_SUM) or msg.consumer != proto.COORDINATOR:
             self.rt.rejected.count(f"bad role: coordinator only takes OUTPUT and OUTPUT_SUM chunks, "

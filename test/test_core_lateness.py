@@ -107,3 +107,19 @@ def test_a_plan_with_feeders_blames_only_an_overloaded_node():
                        feeders={"compute_0"}) == ()
     assert late_owners({"compute_1"}, NODES, NODES, elapsed_s=3.0, thresholds_s=_at(0.5),
                        overloaded_nodes={"compute_1"}, feeders={"compute_0"}) == ("compute_1",)
+
+
+def test_requests_a_node_finished_that_the_coordinator_never_issued_count_as_load_for_a_while() -> None:
+    """A flood of complete requests leaves no queue in the node's table (it finishes each); its
+    telemetry for them, counted over FOREIGN_WINDOW_S, makes the node overloaded all the same."""
+    now = 100.0
+    flood = [now - 0.01 * k for k in range(20)]  # 20 finished in the last 0.2 s
+    assert lateness.node_load(1, flood, now) == 21
+    assert lateness.overloaded(lateness.node_load(1, flood, now), max_in_flight=2)
+    assert not lateness.overloaded(lateness.node_load(1, [], now), max_in_flight=2)
+    # the flood ended: once its last report is older than the window the node holds only its own
+    later = now + lateness.FOREIGN_WINDOW_S + 0.01
+    assert lateness.node_load(1, flood, later) == 1
+    q = lateness.quarantine_after(None, now - 10.0, "late")
+    assert not may_rejoin(q, now, lateness.node_load(1, flood, now), max_in_flight=2)
+    assert may_rejoin(q, later, lateness.node_load(1, flood, later), max_in_flight=2)

@@ -34,7 +34,11 @@ def _active(plan_msg) -> set[str]:
     return {n for n, s in zip(plan_msg.node_ids, plan_msg.shares) if s > 0}
 
 
-def test_flooded_node_leaves_the_plan_every_frame_is_answered_and_it_comes_back():
+@pytest.mark.parametrize("flood", ["slabs", "whole_stripes"])
+def test_flooded_node_leaves_the_plan_every_frame_is_answered_and_it_comes_back(flood):
+    """`slabs`: chunks of a few rows, which pile up as requests in the node's table; whole
+    stripes: requests the node computes and finishes, so only its telemetry for requests the
+    coordinator never issued shows the flood (`lateness.FOREIGN_WINDOW_S`)."""
     cfg = scenario_config(**MODEL, slowdowns=[1.0, 1.0], policy="adaptive", dead_after_s=2.0,
                           coordinator=BOTH_NODES)
     with AdaptivityGraph(cfg, fork=shared_fork_server()) as g:
@@ -47,6 +51,7 @@ def test_flooded_node_leaves_the_plan_every_frame_is_answered_and_it_comes_back(
         cmd = [sys.executable, "-u", "-m", "kaitian_ros.bench.chaos_attack", "flood", "--node", victim,
                "--seconds", str(FLOOD_MAX_S), "--rate", "1000", "--model", "resnet18", "--height", "128",
                "--width", "128", "--num-classes", "10", "--slab-rows", "32", "--wait-go"]
+        cmd += ["--whole-stripes"] if flood == "whole_stripes" else []
         attacker = start_child(cmd, own_group=False, env=dict(os.environ, KAITIAN_ROUTER=g.endpoint),
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                bufsize=1)

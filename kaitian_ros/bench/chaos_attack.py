@@ -116,7 +116,7 @@ def flood(args: argparse.Namespace) -> int:
             rt.close()
             return 0
     rng = np.random.default_rng(args.seed)
-    pixels = torch.from_numpy(rng.integers(0, 256, (1, args.channels, args.slab_rows, args.width), dtype=np.uint8))
+    pixels = torch.from_numpy(rng.integers(0, 256, (1, args.channels, args.height, args.width), dtype=np.uint8))
     first_id = proto.first_request_id() + 10_000_000  # a coordinator's id range, ahead of its own
     sent, bytes_sent = 0, 0
     period = 1.0 / args.rate
@@ -131,9 +131,10 @@ def flood(args: argparse.Namespace) -> int:
             aim = target() or aim
             next_aim = now + 0.5
         version, lo, hi = aim
+        slab = hi - lo if args.whole_stripes else args.slab_rows
         a = lo + int(rng.integers(0, max(1, hi - lo)))
-        a = min(a, max(lo, hi - args.slab_rows))
-        z = min(hi, a + args.slab_rows)
+        a = min(a, max(lo, hi - slab))
+        z = min(hi, a + slab)
         msg = ic.chunk_message(request_id=first_id + sent, plan_version=version, producer=proto.COORDINATOR,
                                consumer=args.node, segment=0, role=proto.ROLE_INPUT, row_offset=a,
                                total_rows=args.height, rows=pixels[:, :, :z - a], slab_index=0,
@@ -340,6 +341,9 @@ def main(argv: list[str]) -> int:
     f.add_argument("--width", type=int, default=224)
     f.add_argument("--num-classes", type=int, default=1000)
     f.add_argument("--slab-rows", type=int, default=64)
+    f.add_argument("--whole-stripes", action="store_true",
+                   help="each chunk carries the node's whole input stripe: a request it computes and finishes "
+                        "(--slab-rows slabs of a plan that sends its input whole cost it only their bookkeeping)")
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--wait-go", action="store_true",
                    help="print {\"ready\": ...} when set up, flood after a line on stdin")

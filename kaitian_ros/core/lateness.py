@@ -15,7 +15,7 @@ Pure: times are given by the caller.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 # rows still missing this many times the plan's predicted latency after the inputs went out (and
@@ -35,6 +35,10 @@ STRIKES_FORGOTTEN_S = 60.0  # late again after this long counts as a first time
 # requests a node may hold beyond the coordinator's max_in_flight: those it was dropped from
 # (abandoned, they time out on the node) and one re-dispatched under a newer plan
 SPARE_REQUESTS = 2
+# a node's telemetry for requests the coordinator never issued, counted over this long, adds to
+# what it holds: a flood of complete requests (the node computes and finishes each) leaves no
+# queue in its table, only the work
+FOREIGN_WINDOW_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,12 @@ def late_threshold_s(predicted_ms: float, late_after_s: float, first_of_version:
     if overloaded:
         return min(late_after_s, OVERLOADED_FACTOR * first * max(predicted_ms, 0.0) / 1e3)
     return max(late_after_s, LATE_FACTOR * first * max(predicted_ms, 0.0) / 1e3)
+
+
+def node_load(in_progress: int, foreign_s: Iterable[float], now_s: float) -> int:
+    """Requests on a node: those in progress (its telemetry) plus those it reported finishing in
+    the last FOREIGN_WINDOW_S that the coordinator never issued (`foreign_s`, their times)."""
+    return in_progress + sum(1 for t in foreign_s if now_s - t <= FOREIGN_WINDOW_S)
 
 
 def overloaded(queue_depth: int, max_in_flight: int) -> bool:

@@ -76,6 +76,7 @@ class Coordinator(RequestFlow):
         self.quarantines: dict[str, lateness.Quarantine] = {}
         self.delivered: set[str] = set()  # nodes that delivered rows: warm, judged by lateness
         self.in_progress: dict[str, int] = {}  # requests in progress on each node (its telemetry)
+        self.foreign: dict[str, collections.deque] = {}  # when each node reported requests we never issued
         self.last_finished_s = 0.0  # wall time the latest request completed or timed out
         self.current: Assignment | None = None
         self.pending: Assignment | None = None  # adopted, effective from a later request
@@ -146,6 +147,8 @@ class Coordinator(RequestFlow):
         gone_mono, gone_wall = self.departed.get(msg.node_id, (float("-inf"), float("-inf")))
         if info.received_s <= gone_wall or time.monotonic() - gone_mono < DEPARTED_QUIET_S:
             return  # sent before it died, handled after: it must not rejoin the dead node
+        if int(msg.request_id) >= self.next_request:  # finished a request we never issued: a flood's
+            self.foreign.setdefault(msg.node_id, collections.deque(maxlen=256)).append(time.monotonic())
         if self._held_out(msg.node_id, int(msg.queue_depth)):
             return
         first = msg.node_id not in self.alive

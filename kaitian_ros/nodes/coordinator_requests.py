@@ -71,6 +71,7 @@ class RequestFlow:
     delivered: set[str]  # compute nodes that delivered OUTPUT rows at least once (warm)
     alive: tuple[str, ...]
     in_progress: dict[str, int]  # compute node -> requests in progress on it (its latest telemetry)
+    foreign: dict[str, collections.deque]  # compute node -> times it reported requests we never issued
     last_finished_s: float  # wall time the latest request completed or timed out
     quarantines: dict[str, lateness.Quarantine]  # each node's latest (held out until it ends)
     requests: dict[int, Request]
@@ -309,12 +310,15 @@ class RequestFlow:
         q = self.quarantines.get(node)
         if q is None or q.ended:
             return False
-        if not lateness.may_rejoin(q, time.monotonic(), in_progress, self.params["max_in_flight"]):
+        if not lateness.may_rejoin(q, time.monotonic(), self._load(node), self.params["max_in_flight"]):
             return True
         self.quarantines[node] = dataclasses.replace(q, ended=True)
         self.rt.logger.info(f"{node} back after {time.monotonic() - q.since_s:.1f} s out of the plan ({q.reason}); "
-                            f"{in_progress} requests in progress on it")
+                            f"{self._load(node)} requests on it")
         return False
+
+    def _load(self, node: str) -> int:
+        return lateness.node_load(self.in_progress.get(node, 0), self.foreign.get(node, ()), time.monotonic())
 
     def _drop_late(self, now_m: float, dead: Collection[str]) -> None:
         """Late nodes leave the plan for their quarantine; their requests go to the others."""
@@ -339,7 +343,7 @@ class RequestFlow:
             return {}
         req = min(sent, key=lambda r: r.inputs_sent_s or 0.0)
         elapsed = time.time() - max(req.inputs_sent_s or 0.0, self.last_finished_s)
-        busy = {n for n, depth in self.in_progress.items() if lateness.overloaded(depth, self.params["max_in_flight"])}
+        busy = {n for n in self.in_progress if lateness.overloaded(self._load(n), self.params["max_in_flight"])}
         owners = _owners_missing(req)
         # a node that never delivered is cold (its first calls build kernels): not judged yet
         thresholds = {n: lateness.late_threshold_s(req.predicted_ms, late_after, req.first_of_version, n in busy)
@@ -347,7 +351,7 @@ class RequestFlow:
         late: dict[str, str] = {}
         feeders = req.plan.feeder_nodes()
         for n in lateness.late_owners(owners, req.plan.active_nodes(), self.alive, elapsed, thresholds, busy, feeders):
-            held = f", {self.in_progress[n]} requests in progress on it" if n in busy else ""
+            held = f", {self._load(n)} requests on it" if n in busy else ""
             late[n] = (f"late: rows of request {req.request_id} still missing {elapsed:.2f} s after its inputs "
                        f"(predicted {req.predicted_ms:.0f} ms{held})")
         return late

@@ -184,15 +184,19 @@ def test_killed_node_leaves_the_plan_and_a_restarted_node_rejoins(tmp_path):
             return "compute_2" in plan.node_ids and float(plan.shares[list(plan.node_ids).index("compute_2")]) > 0.15
 
         g.drive(until=full_member, window=2, timeout_s=60.0)
+        t_full = time.monotonic()
         g.drive(4, window=2, timeout_s=60.0)
         records = _assert_every_request_answered_once(g)
         final = records[-1]["shares"]
+        as_member = [r["shares"].get("compute_2", 0.0) for r in records if r["arrived_s"] > t_full]
         print(f"restarted compute_2 served rows {rejoin_s:.1f} s after the restart (share {probe:.3f}), "
               f"shares at the end {({n: round(s, 3) for n, s in final.items()})}; "
               f"{len(records)} requests in {time.monotonic() - t0:.1f} s")
-        # a full member's share, not the probe share (0.05); it moves with telemetry noise after
-        # the wait above saw it over 0.15 (a clean-clone CI run ended at 0.146 of an equal 1/3)
-        assert final.get("compute_2", 0.0) > 2 * 0.05
+        # requests ran with a full member's share, not the probe share (0.05); it moves with
+        # telemetry noise after the wait above saw it over 0.15 (a clean-clone CI run ended at
+        # 0.146 of an equal 1/3), and on a loaded machine the newest request once ran without it
+        # (0.53/0.47 over the other two: the node, busy after its start, briefly out again)
+        assert any(s > 2 * 0.05 for s in as_member), as_member
         assert not [n for n in g.dead_children() if n != "compute_2"] and "compute_2" not in g.dead_children()
 
 

@@ -23,7 +23,8 @@ def _one_line(result) -> str:
 def test_help_shows_the_chaos_options():
     result = run_cli("bench", "chaos", "--help")
     assert result.returncode == 0, result.stderr
-    for option in ("--quick", "--json", "--faults", "--settle", "--flood-rate", "--fuzz-count"):
+    for option in ("--quick", "--json", "--faults", "--settle", "--flood-rate", "--flood-whole-stripes",
+                   "--fuzz-count"):
         assert option in result.stdout, result.stdout
 
 

@@ -131,6 +131,8 @@ def main(argv: list[str]) -> int:
                                                 "(default 30, quick 10)")
     p.add_argument("--flood-seconds", type=float, help="flood duration (default 20, quick 8)")
     p.add_argument("--flood-rate", type=float, help="unsolicited chunks per second (default 1000)")
+    p.add_argument("--flood-whole-stripes", action="store_true",
+                   help="each flood chunk the node's whole input stripe, a request it computes (default: 64-row slabs)")
     p.add_argument("--fuzz-count", type=int, help="fuzzed messages per subscribed topic (default 10000, quick 1000)")
     p.add_argument("--link-mbit", type=float, help=f"{LINK_NODE}'s emulated link (default 1000 Mbit/s)")
     p.add_argument("--collapse-mbit", type=float, help="the link's rate during the collapse (default 1 Mbit/s)")
@@ -149,6 +151,7 @@ def main(argv: list[str]) -> int:
     if args.settle is not None and args.settle < ANSWER_S + 2:
         p.error(f"--settle must be at least {ANSWER_S + 2:g} s (a frame is unanswered after {ANSWER_S:g} s)")
     s = Settings.make(args.quick, settle_s=args.settle, flood_s=args.flood_seconds, flood_rate=args.flood_rate,
+                      flood_whole_stripes=args.flood_whole_stripes or None,
                       fuzz_count=args.fuzz_count, link_mbit=args.link_mbit, collapse_mbit=args.collapse_mbit,
                       collapse_s=args.collapse_seconds)
     json_path = Path(args.json)

@@ -129,6 +129,7 @@ class FaultRun(Run):
                "--seconds", str(s.flood_s), "--rate", str(s.flood_rate), "--model", str(p["model"]),
                "--height", str(p["input_height"]), "--width", str(p["input_width"]),
                "--num-classes", str(p["num_classes"]), "--slab-rows", str(p["slab_rows"]), "--wait-go"]
+        cmd += ["--whole-stripes"] if s.flood_whole_stripes else []
         proc = start_child(cmd, own_group=False, env=dict(os.environ, KAITIAN_ROUTER=g.endpoint),
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
         assert proc.stdout is not None and proc.stderr is not None  # started with pipes

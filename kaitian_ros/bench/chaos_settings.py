@@ -40,6 +40,7 @@ class Settings:
     warmup_s: float
     flood_s: float
     flood_rate: float
+    flood_whole_stripes: bool  # each flood chunk a whole stripe input (a request the node computes)
     collapse_s: float
     link_mbit: float
     collapse_mbit: float
@@ -53,7 +54,8 @@ class Settings:
     def make(cls, quick: bool, **over: Any) -> Settings:
         base: dict[str, Any] = dict(quick=quick, pre_s=4.0 if quick else 6.0, settle_s=10.0 if quick else 30.0,
                     extra_s=10.0 if quick else 15.0, warmup_s=6.0 if quick else 10.0,
-                    flood_s=8.0 if quick else 20.0, flood_rate=1000.0, collapse_s=8.0 if quick else 20.0,
+                    flood_s=8.0 if quick else 20.0, flood_rate=1000.0, flood_whole_stripes=False,
+                    collapse_s=8.0 if quick else 20.0,
                     link_mbit=1000.0, collapse_mbit=1.0, fuzz_count=1000 if quick else 10_000,
                     fuzz_msgs_per_s=2000.0, fuzz_bytes_per_s=50e6, variant_s=2.5,
                     healthy_timeout_s=30.0)

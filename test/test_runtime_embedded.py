@@ -438,9 +438,10 @@ def test_a_parameter_set_slower_than_a_plain_query_is_still_answered(router):
     from helpers import run_cli
 
     from kaitian_ros.runtime import zenoh_session as zs
+    from kaitian_ros.runtime.graph_client import QUERY_TIMEOUT_S
 
-    slow_s = 4.0  # longer than a plain query's 3 s, shorter than the node's own time-out
-    assert 3.0 < slow_s < zs.PARAM_SERVE_TIMEOUT_S < zs.PARAM_QUERY_TIMEOUT_S
+    slow_s = 4.0  # longer than a plain query's time-out, shorter than the node's own
+    assert QUERY_TIMEOUT_S < slow_s < zs.PARAM_SERVE_TIMEOUT_S < zs.PARAM_QUERY_TIMEOUT_S
     node = spawn_helper("slow_param", str(slow_s), router=router.endpoint)
     try:
         node.ready()

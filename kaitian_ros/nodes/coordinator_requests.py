@@ -310,11 +310,12 @@ class RequestFlow:
         q = self.quarantines.get(node)
         if q is None or q.ended:
             return False
-        if not lateness.may_rejoin(q, time.monotonic(), self._load(node), self.params["max_in_flight"]):
+        load = self._load(node)
+        if not lateness.may_rejoin(q, time.monotonic(), load, self.params["max_in_flight"]):
             return True
         self.quarantines[node] = dataclasses.replace(q, ended=True)
         self.rt.logger.info(f"{node} back after {time.monotonic() - q.since_s:.1f} s out of the plan ({q.reason}); "
-                            f"{self._load(node)} requests on it")
+                            f"{load} requests on it")
         return False
 
     def _load(self, node: str) -> int:

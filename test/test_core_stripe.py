@@ -218,3 +218,36 @@ def test_row_pieces_read_views_one_piece_and_copies_across_pieces_and_padding() 
     rows = gappy.read(1, 6)
     assert torch.equal(rows[:, :, 0:2], full[:, :, 1:3]) and torch.equal(rows[:, :, 3:5], full[:, :, 4:6])
     assert bool((rows[:, :, 2] == 0).all())
+
+
+@pytest.mark.parametrize("cuts", [False, True])
+def test_a_runner_holds_only_the_rows_its_ops_still_read(cuts: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Values every op of the node has read are released: an unfinished request costs its
+    node its live activations (the compute node bounds its request table by these bytes),
+    and a finished one nothing."""
+    g = _graph("resnet18", (3, 96, 80))
+    x = torch.randn(1, 3, 96, 80)
+    everything = sum(c * h * w * 4 for c, h, w in g.value_shapes)  # each value's whole map, fp32
+    plan = make_plan(g, ["a", "b"], [0.5, 0.5], cuts=g.cut_values if cuts else None)
+    runners: dict[str, StripeRunner] = {}
+    peaks: dict[str, int] = {}
+
+    class Watched(StripeRunner):
+        def _add(self, v: int, lo: int, hi: int, rows: torch.Tensor) -> None:
+            super()._add(v, lo, hi, rows)
+            peaks[self.node_id] = max(peaks.get(self.node_id, 0), self.held_bytes)
+
+    for n in plan.active_nodes():
+        runners[n] = Watched(g, plan, n)
+    # feed only node a's first slab: what it computed from it is held until the rest arrives
+    lo, _ = plan.input_rows_for("a")
+    runners["a"].feed(0, lo, x[:, :, lo:lo + 8])
+    assert runners["a"].held_bytes >= x[:, :, lo:lo + 8].numel() * 4
+    assert not runners["a"].done
+    # the whole exchange, through run_plan_locally's routing, with the watched runners
+    out: dict[str, StripeRunner] = {}
+    monkeypatch.setattr("kaitian_ros.core.stripe.StripeRunner", Watched)
+    peaks.clear()
+    assert_close(run_plan_locally(g, plan, x, slab_rows=8, runners_out=out), g.run_trunk(x))
+    assert all(r.done and r.held_bytes == 0 for r in out.values())
+    assert 0 < max(peaks.values()) < everything / 2

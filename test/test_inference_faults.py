@@ -323,6 +323,7 @@ def test_forged_chunks_cost_bounded_memory_and_oversized_ones_nothing(graph):
     values = wait_values(g, node, lambda v: int(v.get("rejected.evicted", "0")) - evicted_before >= forged - 64,
                          f"{forged - 64} evictions")
     assert int(values["in_flight"]) <= 64, values
+    assert 0.0 <= float(values["held_mb"]) <= 128.0, values  # max_held_mb's default
     frames = g.frames(3, first=400)
     g.check_outputs(frames, g.stream(frames))  # a real request evicts a forged one, never the reverse
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.nodes import protocol as proto
 from kaitian_ros.nodes.compute_params import PARAMETERS
 from kaitian_ros.nodes.compute_prepare import PREPARED, PreparedKey
+from kaitian_ros.nodes.compute_requests import MB, RequestState, RequestTable
 from kaitian_ros.runtime import interfaces, memory, run_node
 from kaitian_ros.runtime.api import MessageInfo, QoS, Runtime, SetParametersResult
 from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher, Level
@@ -47,28 +47,6 @@ from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher, Level
 # can send chunks naming a future version
 MAX_PENDING = 256
 MAX_PENDING_BYTES = 64 * 1024 * 1024
-IN_PROGRESS_S = 1.0  # a request fed this recently is in progress (telemetry queue_depth)
-
-@dataclass
-class RequestState:
-    request_id: int
-    plan_version: int
-    runner: StripeRunner
-    started_s: float
-    first_sent_s: float = 0.0   # coordinator's publish time of the first INPUT slab
-    first_input_s: float = 0.0
-    last_input_s: float = 0.0
-    first_output_s: float = 0.0
-    last_output_s: float = 0.0
-    compute_s: float = 0.0
-    feeds_predicted_ms: float = 0.0  # start-up cost of the runs its feeds computed
-    bytes_in: int = 0
-    bytes_out: int = 0
-    frame_id: str = ""
-    slab_counts: dict = field(default_factory=dict)
-    last_fed_s: float = 0.0  # monotonic time of its latest chunk (the eviction order)
-    output_sum: RowSum | None = None  # a pooled head's: this node's output rows, summed when all exist
-
 
 class ComputeNode:
     def __init__(self, rt: Runtime) -> None:
@@ -88,10 +66,9 @@ class ComputeNode:
         self._trunk_flops = self.graph.trunk_flops()
         self.busy_clock = ic.busy_clock(self.device)
         self.plans: collections.OrderedDict[int, Plan] = collections.OrderedDict()
-        self.requests: dict[int, RequestState] = {}
+        self.requests = RequestTable(rt.rejected.count)
         self.pending: list[tuple[float, Any, Any]] = []  # chunks waiting for their plan (MAX_PENDING)
         self.pending_bytes = 0
-        self.evicted_since_trim = 0
         self.retired_below = 0  # plan versions below this are gone
         self.coordinator = AuthorityTracker("coordinator")  # whose plan versions these are
         self.completed = 0
@@ -315,7 +292,7 @@ class ComputeNode:
                 # fail inside the convolutions (uncounted RuntimeError), so refuse it here
                 raise ValueError(f"chunk dtype {rows.dtype}, the model computes in float32")
             if state is None:
-                self._make_room()
+                self.requests.make_room(self.params["max_requests"])
                 state = RequestState(int(msg.request_id), version,
                                      StripeRunner(self.graph, plan, self.node_id,
                                                   min_run_rows=plan.run_rows(self.params["min_run_rows"]),
@@ -329,7 +306,8 @@ class ComputeNode:
         # this chunk's handling outside compute: decode was on the middleware thread, the rest here
         outside = max(0.0, (time.perf_counter() - t_in - wall) * 1e3)
         self.message_ms += 0.1 * (outside - self.message_ms)
-        self.requests[state.request_id] = state
+        self.requests.bound_bytes(state, self.params["max_held_mb"] * MB)
+        self.requests.put(state)
         if msg.role == proto.ROLE_INPUT:
             state.first_sent_s = min(state.first_sent_s or sent, sent)
             state.first_input_s = min(state.first_input_s or arrived, arrived)
@@ -338,17 +316,6 @@ class ComputeNode:
         state.compute_s += spent
         if state.runner.done:
             self._finish(state, plan)
-
-    def _make_room(self) -> None:
-        """Evict the request fed least recently while the table is full: a real request in
-        flight gets chunks every few milliseconds, a forged or abandoned one got its last long
-        ago, so a flood of made-up request ids displaces its own kind, and memory stays bounded."""
-        while len(self.requests) >= self.params["max_requests"]:
-            victim = min(self.requests.values(), key=lambda r: r.last_fed_s)
-            del self.requests[victim.request_id]
-            self.evicted_since_trim += 1
-            self.rt.rejected.count(f"evicted: request {victim.request_id} (table full, "
-                                   f"{self.params['max_requests']} requests held)")
 
     def _feed(self, state: RequestState, plan: Plan, msg: Any, rows: torch.Tensor) -> tuple[float, float]:
         """Feed rows to the request's runner, publishing every emission the moment its rows
@@ -411,7 +378,7 @@ class ComputeNode:
                 state.last_output_s = now
 
     def _finish(self, state: RequestState, plan: Plan) -> None:
-        del self.requests[state.request_id]
+        self.requests.finish(state)
         if self.completed > 0:  # the first request's calls build kernels and pack weights
             # device time, as the start-up profile measured it: on a CPU the time this process
             # waited for a core the other nodes share is not the device's speed (it made
@@ -440,15 +407,8 @@ class ComputeNode:
     def _telemetry_msg(self, **fields: Any) -> Any:
         return interfaces.make("NodeTelemetry", node_id=self.node_id, device=self.params["device"],
                                emulated=self.emulated, emulated_slowdown=self.params["emulated_slowdown"],
-                               queue_depth=self._in_progress(), rejected_count=self.rt.rejected.total,
+                               queue_depth=self.requests.in_progress(), rejected_count=self.rt.rejected.total,
                                last_reject_reason=self.rt.rejected.last_reason, **fields)
-
-    def _in_progress(self) -> int:
-        """Requests fed within IN_PROGRESS_S: the coordinator lets a node that was late back in
-        once this is no more than it could have sent. Held requests would not do: a flood's
-        made-up requests stay in the table until request_timeout_s, long after the flood."""
-        now = time.monotonic()
-        return sum(1 for s in self.requests.values() if now - s.last_fed_s <= IN_PROGRESS_S)
 
     # --- timers -------------------------------------------------------------------------
     def _heartbeat(self) -> None:
@@ -457,22 +417,17 @@ class ComputeNode:
     def _housekeeping(self) -> None:
         self._maybe_publish_profile()
         now = time.time()
-        timeout = self.params["request_timeout_s"]
-        for rid in [r for r, s in self.requests.items() if now - s.started_s > timeout]:
-            del self.requests[rid]
-            self.evicted_since_trim += 1
-            self.rt.rejected.count(f"request timeout: request {rid} never completed (missing rows)")
+        self.requests.expire(now, self.params["request_timeout_s"])
         keep = []
         for stamp, chunk, info in self.pending:
             if now - stamp > self.params["pending_timeout_s"]:
                 self.rt.rejected.count(f"unknown plan: v{chunk.plan_version} never announced")
-                self.evicted_since_trim += 1
+                self.requests.dropped_since_trim += 1
             else:
                 keep.append((stamp, chunk, info))
         self.pending = keep
         self.pending_bytes = sum(len(chunk.data) for _, chunk, _ in keep)
-        if self.evicted_since_trim and not self.requests:  # a burst of junk is over: give memory back
-            self.evicted_since_trim = 0
+        if self.requests.drops_ended():  # a burst of junk is over: give its memory back
             memory.trim_heap()
         rejected = self.rt.rejected
         level = Level.OK
@@ -486,6 +441,7 @@ class ComputeNode:
             "profile_trunk_ms": f"{profile.trunk_ms:.1f}" if profile else "",
             "probe_ratio": f"{self.refiner.probe_ratio:.2f}",
             "emulated_slowdown": self.params["emulated_slowdown"], "in_flight": len(self.requests),
+            "held_mb": f"{self.requests.held_bytes() / MB:.1f}",
             "plans": ",".join(map(str, self.plans)),
             "coordinator_incarnation": f"{self.coordinator.incarnation:016x}"})
 

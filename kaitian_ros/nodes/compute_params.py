@@ -20,6 +20,10 @@ PARAMETERS = MODEL_PARAMETERS + (
     # default: the coordinator's largest max_in_flight, so a real graph never evicts its own
     P("max_requests", T.INTEGER, 64,
       "requests held at once; a new one beyond this evicts the one fed least recently", 1, 1024),
+    # default: two requests in flight of the models here at most 60 MB together (MobileNetV2 at
+    # 320x240 streamed in slabs holds up to 30 MB), with room for re-dispatched ones
+    P("max_held_mb", T.INTEGER, 128,
+      "activation MiB unfinished requests may hold; beyond it the one fed least recently is evicted", 1, 65536),
     P("pending_timeout_s", T.DOUBLE, 2.0, "hold chunks of a not-yet-known plan this long", 0.0, 60.0),
     P("max_queue_wait_s", T.DOUBLE, 2.0,
       "drop (as stale) an input or halo chunk that waited longer than this in this node's queue", 0.05, 3600.0),

@@ -183,6 +183,9 @@ class ModelGraph:
             else:
                 y = op.run(ins, 0, op.out_shape[1])
             vals[j + 1] = y.contiguous(memory_format=fmt)
+            for u in op.inputs:  # read for the last time: its memory is reused by the next ops
+                if self.consumers[u][-1] == j:
+                    vals.pop(u, None)
         return vals[last]
 
     def trunk_flops(self) -> float:

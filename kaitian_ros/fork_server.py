@@ -48,6 +48,10 @@ from kaitian_ros.warm_start import NODE_IMPORTS, PRELOAD, check_node, run_node_m
 READY = b"ready"
 WARM = "kaitian_ros.warm_start"  # the modules an order may name besides the nodes': a warm interpreter,
 PREFLIGHT = "kaitian_ros.preflight"  # the launch's checks (they need torch; the launcher does not import it)
+# not forked: the server itself prepares what compute nodes forked from it take (`prepare`)
+PREPARE = "kaitian_ros.nodes.compute_prepare"
+# the nodes that take what the server prepared (a coordinator its model graph); others drop it
+TAKES_PREPARED = ("kaitian_ros.nodes.compute", "kaitian_ros.nodes.coordinator", WARM)
 MAX_MESSAGE = 1 << 20  # an order: argv and environment, far below this
 REPLY_TIMEOUT_S = 10.0
 # what an executable imports only once it runs, beside its module (a trainer imports torch when
@@ -125,12 +129,15 @@ def _serve(sock: socket.socket) -> ForkOrder | None:
                 return None
             try:
                 order = ForkOrder.from_bytes(data)
-                if len(fds) != 1 + (order.module == WARM):
+                if len(fds) != (0 if order.module == PREPARE else 1 + (order.module == WARM)):
                     raise ValueError("an order needs the output pipe attached (a warm interpreter's also its input)")
             except ValueError as exc:
                 for fd in fds:
                     os.close(fd)
                 _send(sock, {"error": str(exc)})
+                continue
+            if order.module == PREPARE:
+                _send(sock, {"prepared": _prepare(order.argv)})
                 continue
             pid = os.fork()
             if pid == 0:
@@ -153,6 +160,17 @@ def _serve(sock: socket.socket) -> ForkOrder | None:
                 _send(sock, {"exit": pid, "code": _returncode(status)})
 
 
+def _prepare(argv: Sequence[str]) -> str:
+    """Build the model and measure the start-up costs of the compute node `argv` names, here,
+    for every compute node forked after it (what was done, for the launcher's log)."""
+    try:
+        from kaitian_ros.nodes import compute_prepare
+
+        return compute_prepare.prepare(list(argv), by="the fork server before this node started", cpu_only=True)
+    except Exception as exc:  # noqa: BLE001 - the server must keep serving; the node then prepares itself
+        return f"not prepared: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+
+
 def _become_child(order: ForkOrder, out_fd: int, in_fd: int | None = None) -> None:
     """In the forked child: the process state a freshly started node would have."""
     signal.set_wakeup_fd(-1)
@@ -172,6 +190,8 @@ def _become_child(order: ForkOrder, out_fd: int, in_fd: int | None = None) -> No
     os.environ.clear()
     os.environ.update(order.env)
     os.chdir(order.cwd)
+    if order.module not in TAKES_PREPARED and PREPARE in sys.modules:
+        sys.modules[PREPARE].drop_prepared()  # no compute model in its pages
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -335,8 +355,7 @@ class ForkServer:
                 for fd in theirs:
                     os.close(fd)
             with self._reply:
-                got = self._reply.wait_for(lambda: self._replies or not self.alive(), REPLY_TIMEOUT_S)
-                reply = self._replies.pop(0) if got and self._replies else {}
+                reply = self._take("pid", REPLY_TIMEOUT_S)
                 if "pid" not in reply:
                     for fd in ours:
                         os.close(fd)
@@ -350,6 +369,35 @@ class ForkServer:
         if early is not None:
             child._set_exit(early)
         return child
+
+    def _take(self, kind: str, timeout_s: float) -> dict:
+        """The next reply with key `kind` (or ``error``), {} if none came in time; holding
+        `_reply`. A reply of another kind is an earlier order's that came after its caller gave
+        up on it: dropped."""
+        def arrived() -> bool:
+            while self._replies and kind not in self._replies[0] and "error" not in self._replies[0]:
+                self._replies.pop(0)
+            return bool(self._replies) or not self.alive()
+
+        got = self._reply.wait_for(arrived, timeout_s)
+        return self._replies.pop(0) if got and self._replies else {}
+
+    def prepare(self, argv: Sequence[str], timeout_s: float) -> str:
+        """Have the server prepare a compute node started with `argv` (`compute_prepare.prepare`:
+        its model built and start-up costs measured, once per model, device and thread count),
+        so that the compute nodes forked from it afterwards start with them; what the server
+        did, or why not."""
+        if not self.alive():
+            return "not prepared: the fork server has ended"
+        order = ForkOrder(PREPARE, tuple(argv), {}, os.getcwd(), "prepare")
+        with self._lock:
+            try:
+                self._sock.send(order.to_bytes())
+            except OSError as exc:
+                return f"not prepared: {exc}"
+            with self._reply:
+                reply = self._take("prepared", timeout_s)
+        return str(reply.get("prepared") or reply.get("error") or f"not prepared within {timeout_s:g} s")
 
     def close(self) -> None:
         """End the server (its children first get SIGTERM from the kernel, if any are left)."""

@@ -136,3 +136,59 @@ def test_the_server_imports_what_the_scenarios_nodes_import_and_torch_only_for_t
     finally:
         light.close()
         heavy.close()
+
+
+def _lines_until(child, text: str, timeout_s: float = 60.0) -> str:
+    """`child`'s output up to the first line containing `text` (the child is killed after
+    `timeout_s`, which ends the read)."""
+    import threading
+
+    timer = threading.Timer(timeout_s, child.kill)
+    timer.start()
+    seen = []
+    try:
+        for line in child.stdout:
+            seen.append(line)
+            if text in line:
+                return "".join(seen)
+    finally:
+        timer.cancel()
+    raise AssertionError(f"no line with {text!r} in:\n{''.join(seen)}")
+
+
+@pytest.mark.e2e
+def test_nodes_forked_after_a_preparation_take_its_model_and_costs(router):
+    """The server prepares a compute node's model and start-up costs once; compute nodes forked
+    after it (at another emulated speed too) take them, and so does a coordinator of the same
+    model (its graph). A repeat is answered at once; what a node would refuse, and a device the
+    server must not initialise, are not prepared."""
+    from kaitian_ros.fork_server import preload_modules
+
+    env = dict(os.environ, KAITIAN_RUNTIME="embedded", KAITIAN_ROUTER=router.endpoint, PYTHONUNBUFFERED="1")
+    model = ["-p", "model:=digits_cnn", "-p", "input_height:=32", "-p", "input_width:=32", "-p", "num_classes:=10"]
+    server = ForkServer.start(env, preload_modules(["compute", "coordinator"]))
+    assert server is not None
+    try:
+        done = server.prepare(["--ros-args", "-r", "__node:=compute_0", *model], 120.0)
+        assert "digits_cnn (3, 32, 32) on cpu: built, costs measured" in done, done
+        again = server.prepare(["--ros-args", "-r", "__node:=compute_1", *model, "-p", "emulated_slowdown:=2.0"], 60.0)
+        assert "already prepared" in again, again  # name and speed are not part of what is prepared
+        assert server.prepare(["--ros-args", *model, "-p", "threads:=0"], 60.0).startswith("not prepared")
+        gpu = server.prepare(["--ros-args", *model, "-p", "device:=cuda:0"], 60.0)
+        assert gpu.startswith("not prepared") and "not a CPU" in gpu, gpu
+        slow = server.fork("kaitian_ros.nodes.compute",
+                           ["--ros-args", "-r", "__node:=compute_1", *model, "-p", "emulated_slowdown:=2.0"], env,
+                           "compute_1")
+        assert slow is not None
+        out = _lines_until(slow, "costs measured")
+        assert "costs measured by the fork server before this node started" in out and "(EMULATED)" in out, out
+        coordinator = server.fork("kaitian_ros.nodes.coordinator",
+                                  ["--ros-args", "-r", "__node:=coordinator", *model, "-p",
+                                   "compute_nodes:=[compute_1]", "-p", "static_shares:=[1.0]"], env, "coordinator")
+        assert coordinator is not None
+        assert "(model built by the fork server)" in _lines_until(coordinator, "-> trunk")
+        for child in (slow, coordinator):
+            child.send_signal(signal.SIGINT)
+            assert child.wait(timeout=30) == 0
+    finally:
+        server.close()

@@ -37,7 +37,7 @@ from kaitian_ros.core.tensors import normalise_input
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.nodes import protocol as proto
 from kaitian_ros.nodes.compute_params import PARAMETERS
-from kaitian_ros.nodes.compute_prepare import PREPARED, PreparedKey
+from kaitian_ros.nodes.compute_prepare import PREPARED, PreparedKey, drop_prepared
 from kaitian_ros.nodes.compute_requests import MB, RequestState, RequestTable
 from kaitian_ros.runtime import interfaces, memory, run_node
 from kaitian_ros.runtime.api import MessageInfo, QoS, Runtime, SetParametersResult
@@ -62,6 +62,7 @@ class ComputeNode:
         self.spec = ic.ModelSpec.from_params(self.params)
         # a node respawned from a warm interpreter finds its model built and its costs measured
         self.prepared = PREPARED.pop(PreparedKey.of(self.params), None)
+        drop_prepared()  # those of other models (a fork server prepares for every launch it serves)
         self.graph = self.prepared.graph if self.prepared else ic.build_graph(self.spec, self.params["device"])
         self._trunk_flops = self.graph.trunk_flops()
         self.busy_clock = ic.busy_clock(self.device)
@@ -131,7 +132,7 @@ class ComputeNode:
         self.published_at = 0.0
         self._feed_predicted = 0.0  # start-up cost of the runs of the feed in progress
         self.last_run_s = 0.0
-        where = " by the warm interpreter before this respawn" if self.prepared is not None else ""
+        where = f" by {self.prepared.by}" if self.prepared is not None else ""
         self.rt.logger.info(f"costs measured{where} in {self.measured.elapsed_s:.1f} s: trunk "
                             f"{self.measured.trunk_ms:.1f} ms" + (" (EMULATED)" if self.emulated else ""))
 

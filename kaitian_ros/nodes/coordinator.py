@@ -35,6 +35,7 @@ from kaitian_ros.core.costs import DeviceProfile, LinkMeter, profile_problem
 from kaitian_ros.core.plan import Plan, same_spec
 from kaitian_ros.core.plan_memory import PlanMemory, same_speed
 from kaitian_ros.core.policy import Assignment
+from kaitian_ros.nodes import compute_prepare
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.nodes import protocol as proto
 from kaitian_ros.nodes.coordinator_costs import planning_costs
@@ -63,7 +64,9 @@ class Coordinator(RequestFlow):
             raise ValueError(problem)
         self.spec = ic.ModelSpec.from_params(self.params)
         self.labels = ic.load_labels(self.params["labels"], self.params["labels_file"], self.spec.num_classes)
-        self.graph = ic.build_graph(self.spec)
+        # forked from the fork server after it prepared the compute nodes: their model, built
+        prepared = compute_prepare.take_graph(self.spec, "cpu")
+        self.graph = prepared or ic.build_graph(self.spec)
         self.out_shape = self.graph.trunk_output_shape
         self.nodes = tuple(self.params["compute_nodes"])
         self.last_seen: dict[str, float] = {}
@@ -121,7 +124,7 @@ class Coordinator(RequestFlow):
         rt.create_timer(0.05, self._check)
         rt.create_timer(1.0, lambda: report(self))
         rt.logger.info(f"{self.spec.name} {self.spec.input_shape} -> trunk {self.out_shape}, "
-                       f"compute nodes {list(self.nodes)}")
+                       f"compute nodes {list(self.nodes)}" + (" (model built by the fork server)" if prepared else ""))
 
     def close(self) -> None:
         self.planner.close()

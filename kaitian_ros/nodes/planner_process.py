@@ -158,7 +158,9 @@ def _serve(conn: Any, spec: Any, parent_end: Any = None) -> None:
         except (EOFError, OSError):  # the coordinator ended before it needed a planner
             return
     torch.set_num_threads(1)
-    graph = ic.build_graph(spec)
+    from kaitian_ros.nodes import compute_prepare
+
+    graph = compute_prepare.take_graph(spec, "cpu") or ic.build_graph(spec)  # (forked with it: coordinator)
     try:
         conn.send("ready")
     except (BrokenPipeError, OSError):  # the coordinator died while the graph was built

@@ -170,6 +170,8 @@ class Launcher:
                 self.say("[launch] no fork server: every node starts a fresh interpreter")
         self._prepare_compute()
         for spec in self.scenario.nodes:
+            if self._stopping.is_set():  # Ctrl-C while the fork server prepared: start nothing more
+                break
             process, reader = self.spawn(spec)
             self.children.append(Child(spec, process, reader))
         for slot in self.warm_slots.values():
@@ -184,7 +186,7 @@ class Launcher:
         if self.fork_server is None:
             return
         for spec in self.scenario.nodes:
-            if spec.executable == "compute" and self._forkable(spec):
+            if spec.executable == "compute" and self._forkable(spec) and not self._stopping.is_set():
                 done = self.fork_server.prepare(node_module(spec, self.params_file)[1], PREPARE_TIMEOUT_S)
                 if "already prepared" not in done:
                     self.say(f"[launch] fork server: {done}")

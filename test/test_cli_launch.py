@@ -203,6 +203,22 @@ def test_stopped_in_its_first_seconds_the_graph_prints_no_traceback():
     assert_nothing_left(launch, endpoint, pids)
 
 
+def test_stopped_while_the_fork_server_prepares_the_graph_starts_no_node():
+    """Ctrl-C while the fork server builds the compute nodes' model (right after the router is
+    up): the launch ends at once, with no node started and nothing left."""
+    launch, endpoint = start_launch("hetero_inference")
+    try:
+        pids = started_pids(launch, 0)  # the router
+        launch.p.send_signal(signal.SIGINT)
+        code = launch.wait()
+    finally:
+        launch.stop()
+    assert code == 0, launch.output()
+    assert "[launch] started router" in launch.output()
+    assert "[launch] started image_source" not in launch.output(), launch.output()
+    assert_nothing_left(launch, endpoint, pids)
+
+
 def test_node_killed_while_running_makes_launch_fail_naming_it():
     launch, endpoint = start_launch("camera_demo")
     try:

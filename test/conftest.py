@@ -1,7 +1,7 @@
 """Shared pytest setup: keep torch to one thread per test process (CI has 2 cores), the
 fixtures that host a Zenoh router for a test (``router``) or a module (``module_router``), and
-the order of the test files: the longest first, so that the two pytest-xdist workers (setup.cfg,
-``-n 2 --dist loadfile``: a file's tests, and its module fixtures, stay on one worker) do not
+the order of the test files: the longest first, so that the pytest-xdist workers (setup.cfg,
+``-n 3 --dist loadfile``: a file's tests, and its module fixtures, stay on one worker) do not
 end with one of them running a long file alone."""
 
 from collections.abc import Iterator
@@ -14,12 +14,12 @@ torch.set_num_threads(1)
 
 # seconds each took on 2 cores (pytest --durations), longest first; files not named come after
 # these in their usual order. The order only schedules: the tests of a file are independent of
-# the files run before them.
-# (a clean-clone run of e818888, where test_ros_real.py also builds the ROS 2 environment)
-LONGEST_FILES = ("test_ros_real.py", "test_cli_launch.py", "test_two_hosts.py", "test_scheduler_e2e.py",
-                 "test_training.py", "test_inference_e2e.py", "test_control_plane_faults.py",
-                 "test_lateness_e2e.py", "test_security.py", "test_digits_demo.py", "test_trainer_node.py",
-                 "test_bag.py", "test_inference_faults.py")
+# the files run before them. (A run of ee1a884; test_ros_real.py first: in a clean clone it
+# also builds the ROS 2 environment.)
+LONGEST_FILES = ("test_ros_real.py", "test_cli_launch.py", "test_two_hosts.py", "test_training.py",
+                 "test_security.py", "test_lateness_e2e.py", "test_scheduler_e2e.py", "test_control_plane_faults.py",
+                 "test_trainer_node.py", "test_runtime_embedded.py", "test_digits_demo.py", "test_inference_e2e.py",
+                 "test_inference_faults.py", "test_fork_server.py", "test_live_view.py", "test_bag.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -191,7 +191,8 @@ def test_launch_interrupted_leaves_no_process(sig):
 def test_stopped_in_its_first_seconds_the_graph_prints_no_traceback():
     """Ctrl-C right after every node started (they are still importing torch): no node prints a
     KeyboardInterrupt traceback, and nothing is left behind."""
-    launch, endpoint = start_launch("hetero_inference", "compute_nodes:=2")
+    # a smaller input than the file's 224x224: what is checked is the stop, not the model
+    launch, endpoint = start_launch("hetero_inference", "compute_nodes:=2", "input_height:=64", "input_width:=64")
     try:
         pids = started_pids(launch, 5)
         launch.p.send_signal(signal.SIGINT)
@@ -206,7 +207,7 @@ def test_stopped_in_its_first_seconds_the_graph_prints_no_traceback():
 def test_stopped_while_the_fork_server_prepares_the_graph_starts_no_node():
     """Ctrl-C while the fork server builds the compute nodes' model (right after the router is
     up): the launch ends at once, with no node started and nothing left."""
-    launch, endpoint = start_launch("hetero_inference")
+    launch, endpoint = start_launch("hetero_inference", "input_height:=64", "input_width:=64")
     try:
         pids = started_pids(launch, 0)  # the router
         launch.p.send_signal(signal.SIGINT)

@@ -227,7 +227,8 @@ def test_view_summary_takes_the_coordinators_and_nodes_drop_counts():
 def test_launch_prints_the_summary_at_exit_also_without_the_view():
     """A whole graph for a few seconds: the summary block comes at the --duration end, with
     --no-view no [view] lines, and nothing on stdout has escape codes (not a terminal)."""
-    done = run_cli("launch", "hetero_inference", "compute_nodes:=2", "--duration", "4", "--no-view",
+    done = run_cli("launch", "hetero_inference", "compute_nodes:=2", "input_height:=64", "input_width:=64",
+                   "--duration", "4", "--no-view",
                    router=f"tcp/127.0.0.1:{free_port()}", timeout_s=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = [line for line in done.stdout.splitlines() if line.startswith("[summary] ")]

@@ -142,11 +142,6 @@ class Wavefront(Generic[_E]):
             [self._comp[v]] if self._comp[v][0] < self._comp[v][1] else [] for v in range(nv)]
         self._avail: list[list[Interval]] = [[] for _ in range(nv)]
         self._ops = [j for j in range(len(graph.ops)) if self._remaining[j + 1]]
-        # this node's ops that read each value: once they all have their rows, nothing reads it
-        self._readers: list[list[int]] = [[] for _ in range(nv)]
-        for j in self._ops:
-            for u in graph.ops[j].inputs:
-                self._readers[u].append(j)
         # one segment: every input row comes from the coordinator, none from a neighbour, so
         # once all of them are here before any run, each op's rows run in one call, in order
         # (`_run_straight`)
@@ -236,17 +231,7 @@ class Wavefront(Generic[_E]):
         self._remaining[v] = iv_sub(self._remaining[v], (a, b))
 
     def _finished(self, j: int) -> None:
-        """Op `j` has all its rows (and emitted them): release the values no op of this node
-        reads any more - its inputs once their last reader is done, its own output if no op
-        reads it (emissions are copies). A request then holds its live activations, not all
-        it ever computed: one node, whole image, at most 4 MB for ResNet-18 at 224 (14 MB when
-        nothing was released), 9 MB for MobileNetV2 at 320x240 (43 MB), 16 MB for VGG-11 (36 MB)."""
-        for u in (*self.graph.ops[j].inputs, j + 1):
-            if all(not self._remaining[c + 1] for c in self._readers[u]):
-                self._release(u)
-
-    def _release(self, v: int) -> None:
-        """Value `v` is read no more (the subclass's: forget its rows)."""
+        """Op `j` has all its rows and emitted them (the subclass's: what that frees)."""
 
     def _run(self, j: int, a: int, b: int) -> None:
         """What a run of op `j` on rows [a, b) does (the subclass's): compute them, or cost them."""
@@ -272,6 +257,12 @@ class StripeRunner(Wavefront[Emission]):
         self._rows = [RowPieces() for _ in range(graph.num_values)]
         self._format = graph.activation_format
         self._held = 0
+        # this node's ops that read each value: once they all have their rows, nothing reads it
+        # (here, not in Wavefront: the planner's simulator replays plans without rows to free)
+        self._readers: list[list[int]] = [[] for _ in range(graph.num_values)]
+        for j in self._ops:
+            for u in graph.ops[j].inputs:
+                self._readers[u].append(j)
 
     @property
     def held_bytes(self) -> int:
@@ -341,9 +332,16 @@ class StripeRunner(Wavefront[Emission]):
         pieces.add(lo, hi, rows)
         self._held += pieces.nbytes - before
 
-    def _release(self, v: int) -> None:
-        self._held -= self._rows[v].nbytes
-        self._rows[v] = RowPieces()
+    def _finished(self, j: int) -> None:
+        """Release the values no op of this node reads any more: op `j`'s inputs once their
+        last reader is done, its own output if no op reads it (emissions are copies). A request
+        then holds its live activations, not all it ever computed: one node, whole image, at
+        most 4 MB for ResNet-18 at 224 (14 MB when nothing was released), 9 MB for MobileNetV2
+        at 320x240 (43 MB), 16 MB for VGG-11 (36 MB)."""
+        for u in (*self.graph.ops[j].inputs, j + 1):
+            if all(not self._remaining[c + 1] for c in self._readers[u]):
+                self._held -= self._rows[u].nbytes
+                self._rows[u] = RowPieces()
 
     def _op_rows(self, op: TrunkOp, a: int, b: int) -> Tensor:
         """Output rows [a, b) of `op` from the rows its inputs hold."""

@@ -38,8 +38,8 @@ def test_the_byte_bound_evicts_the_requests_fed_least_recently_and_never_the_one
         table.put(s)
     assert table.held_bytes() == sum(s.runner.held_bytes for s in states[:5])
     newest = states[5]
-    table.bound_bytes(newest, max_bytes=int(2.5 * each))  # room for the newest and one more
     table.put(newest)
+    table.bound_bytes(newest, max_bytes=int(2.5 * each))  # room for the newest and one more
     assert [s.request_id for s in table] == [4, 5]
     assert table.held_bytes() <= 2.5 * each
     assert len(drops) == 4 and all(d.startswith("evicted: request ") and "MB of activations held" in d

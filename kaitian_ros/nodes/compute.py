@@ -307,8 +307,8 @@ class ComputeNode:
         # this chunk's handling outside compute: decode was on the middleware thread, the rest here
         outside = max(0.0, (time.perf_counter() - t_in - wall) * 1e3)
         self.message_ms += 0.1 * (outside - self.message_ms)
-        self.requests.bound_bytes(state, self.params["max_held_mb"] * MB)
         self.requests.put(state)
+        self.requests.bound_bytes(state, self.params["max_held_mb"] * MB)
         if msg.role == proto.ROLE_INPUT:
             state.first_sent_s = min(state.first_sent_s or sent, sent)
             state.first_input_s = min(state.first_input_s or arrived, arrived)

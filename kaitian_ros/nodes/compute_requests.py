@@ -80,10 +80,10 @@ class RequestTable:
                         f"table full, {max_requests} requests held")
 
     def bound_bytes(self, fed: RequestState, max_bytes: int) -> None:
-        """After a feed of `fed`: evict others while the table holds more than `max_bytes`.
-        `fed` itself stays even alone above the bound: its rows are a valid plan's, so one
-        request of that size is what the model needs."""
-        held = self.held_bytes() + (0 if fed.request_id in self._by_id else fed.runner.held_bytes)
+        """After a feed of `fed` (in the table): evict others while the table holds more than
+        `max_bytes`. `fed` itself stays even alone above the bound: its rows are a valid plan's,
+        so one request of that size is what the model needs."""
+        held = self.held_bytes()
         while held > max_bytes:
             others = [s for s in self._by_id.values() if s is not fed]
             if not others:
@@ -95,9 +95,7 @@ class RequestTable:
     def expire(self, now_s: float, timeout_s: float) -> None:
         """Forget requests started over `timeout_s` ago (wall clock)."""
         for state in [s for s in self._by_id.values() if now_s - s.started_s > timeout_s]:
-            del self._by_id[state.request_id]
-            self.dropped_since_trim += 1
-            self._count_drop(f"request timeout: request {state.request_id} never completed (missing rows)")
+            self._drop(state, f"request timeout: request {state.request_id} never completed (missing rows)")
 
     def drops_ended(self) -> bool:
         """True once per burst of drops: at the first call (the node's 1 s housekeeping) that
@@ -119,6 +117,9 @@ class RequestTable:
         return sum(1 for s in self._by_id.values() if now - s.last_fed_s <= IN_PROGRESS_S)
 
     def _evict(self, victim: RequestState, why: str) -> None:
-        del self._by_id[victim.request_id]
+        self._drop(victim, f"evicted: request {victim.request_id} ({why})")
+
+    def _drop(self, state: RequestState, reason: str) -> None:
+        del self._by_id[state.request_id]
         self.dropped_since_trim += 1
-        self._count_drop(f"evicted: request {victim.request_id} ({why})")
+        self._count_drop(reason)

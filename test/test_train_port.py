@@ -15,14 +15,14 @@ from helpers import REPO
 _TRAIN_WITH_A_TAKEN_PORT = """
 import socket, sys
 from kaitian_ros.ports import free_port
-from kaitian_ros.training import launch
+from kaitian_ros.training import arguments, launch
 taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
 taken.bind(("127.0.0.1", 0))
 taken.listen()
 ports = [taken.getsockname()[1]]
 def port_chooser_double():  # the first call returns the taken port, later ones free ports
     return ports.pop(0) if ports else free_port()
-launch.free_port = port_chooser_double
+arguments.free_port = port_chooser_double  # where the command line's placement takes its port
 code = launch.main_train(sys.argv[1:])
 print("taken port tried:", not ports, file=sys.stderr)
 sys.exit(code)

@@ -219,6 +219,24 @@ def test_cli_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main_train(["--config", "/nonexistent.yaml"]) == 2
 
 
+def test_help_and_mistakes_answer_before_torch_is_imported() -> None:
+    """--help and a bad option are answered from the parser alone: importing torch first took 2 s."""
+    code = ("import sys\n"
+            "from kaitian_ros.cli import main\n"
+            "try:\n"
+            "    rc = main(sys.argv[1:])\n"
+            "except SystemExit as e:  # argparse's --help\n"
+            "    rc = e.code\n"
+            "print('torch imported' if 'torch' in sys.modules else 'torch not imported', rc)\n")
+    for argv, rc in ((["train", "--help"], 0), (["train", "--epochs", "x"], 2)):
+        r = subprocess.run([sys.executable, "-c", code, *argv], check=False, capture_output=True, text=True,
+                           timeout=60)
+        assert r.stdout.strip().splitlines()[-1] == f"torch not imported {rc}", (r.stdout, r.stderr)
+        if rc == 0:
+            assert "usage: kaitian train" in r.stdout
+    assert r.stderr.strip().startswith("kaitian train: error: argument --epochs"), r.stderr
+
+
 def test_config_roundtrip_and_validation() -> None:
     c = TrainingConfig.from_dict({"devices": ["cpu:a", "cpu:b"], "emulated_slowdown": [1, 3]})
     assert c.devices == ("cpu:a", "cpu:b") and c.emulated_slowdown == (1.0, 3.0)

@@ -88,3 +88,11 @@ def test_drops_ended_once_per_burst_after_a_quiet_check():
     assert table.drops_ended()  # a check with no new drop: over, once
     assert not table.drops_ended()
     assert len(drops) == 2
+
+
+def test_a_drop_outside_the_table_ends_a_burst_too():
+    table = RequestTable(lambda reason: None)
+    table.note_drop_elsewhere()  # e.g. a chunk for a plan that was never announced
+    assert not table.drops_ended()
+    assert table.drops_ended()
+    assert not table.drops_ended()

@@ -423,7 +423,7 @@ class ComputeNode:
         for stamp, chunk, info in self.pending:
             if now - stamp > self.params["pending_timeout_s"]:
                 self.rt.rejected.count(f"unknown plan: v{chunk.plan_version} never announced")
-                self.requests.dropped_since_trim += 1
+                self.requests.note_drop_elsewhere()
             else:
                 keep.append((stamp, chunk, info))
         self.pending = keep

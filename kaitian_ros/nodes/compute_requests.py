@@ -97,6 +97,11 @@ class RequestTable:
         for state in [s for s in self._by_id.values() if now_s - s.started_s > timeout_s]:
             self._drop(state, f"request timeout: request {state.request_id} never completed (missing rows)")
 
+    def note_drop_elsewhere(self) -> None:
+        """A drop of the node's outside this table (a chunk for a plan never announced): it ends a
+        burst of drops the same way (``drops_ended``), so its memory is given back too."""
+        self.dropped_since_trim += 1
+
     def drops_ended(self) -> bool:
         """True once per burst of drops: at the first call (the node's 1 s housekeeping) that
         finds drops since the last burst and none since the previous call. The node then gives

@@ -104,3 +104,15 @@ def test_parameters_set_again_resume_the_measured_plan_unless_it_is_clearly_beat
     assert resuming(choice_with(75.0, False), None, 0.1).best.spec == single
     gone = Choice(Candidate(single, 75.0, "single a"), None, (Candidate(single, 75.0, "single a"),))
     assert resuming(gone, ran, 0.1).best.spec == single
+
+
+def test_switching_to_a_plan_names_another_plan_as_runner_up() -> None:
+    single_a = Candidate(PlanSpec.single("a"), 60.0, "single a")
+    single_b = Candidate(PlanSpec.single("b"), 62.0, "single b")
+    layerwise = Candidate(PlanSpec.layerwise("a", "b", 3), 70.0, "layerwise a->b")
+    choice = Choice(single_a, layerwise, (single_a, single_b, layerwise))
+    assert choice.switched_to(single_b).runner_up is single_a  # the round's best, now passed over
+    # a measured return to the round's own best: the runner-up stays another plan, not itself
+    measured_a = Candidate(PlanSpec.single("a"), 60.0, "single a", measured_ms=58.0)
+    again = choice.switched_to(measured_a)
+    assert again.best is measured_a and again.runner_up is layerwise

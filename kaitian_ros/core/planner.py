@@ -107,6 +107,12 @@ class Choice:
             table.setdefault(spec_key(c.spec, c.slab_rows), c)
         return table
 
+    def switched_to(self, to: Candidate) -> Choice:
+        """This round's candidates with `to` run instead of its best: the best becomes the
+        runner-up, unless `to` is that same plan (then the runner-up stays)."""
+        same = spec_key(to.spec, to.slab_rows) == spec_key(self.best.spec, self.best.slab_rows)
+        return Choice(to, self.runner_up if same else self.best, self.candidates)
+
     def plan(self, graph: ModelGraph) -> Plan:
         return build_plan(graph, self.best.spec, slab_rows=self.best.slab_rows, estimated_ms=self.best.predicted_ms)
 

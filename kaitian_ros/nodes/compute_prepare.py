@@ -17,7 +17,7 @@ import torch
 
 from kaitian_ros.core import profiling
 from kaitian_ros.nodes import inference_common as ic
-from kaitian_ros.nodes.compute_params import PARAMETERS
+from kaitian_ros.nodes.compute_params import ALREADY_PREPARED, PARAMETERS
 from kaitian_ros.runtime import memory
 
 
@@ -71,7 +71,7 @@ def prepare(argv: list[str], by: str = "the warm interpreter before this respawn
         params[d.name] = coerce_parameter(d.type, value)
     key = PreparedKey.of(params)
     if key in PREPARED:
-        return f"{key.spec.name} on {key.device}: already prepared"
+        return f"{key.spec.name} on {key.device}: {ALREADY_PREPARED}"
     if cpu_only and torch.device(key.device).type != "cpu":
         return f"not prepared: {key.device} is not a CPU (a process that forks must not initialise it)"
     while len(PREPARED) >= MAX_PREPARED:

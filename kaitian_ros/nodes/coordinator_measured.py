@@ -64,7 +64,7 @@ def _switch(c: Coordinator, choice: planner.Choice, to: planner.Candidate, why: 
     request = c.plan_request(why, 0, False)
     if request is None or not set(to.spec.node_ids) <= set(request.nodes):
         return False
-    c.apply_plan(request, planner.Choice(to, choice.best, choice.candidates), None)
+    c.apply_plan(request, choice.switched_to(to), None)
     return True
 
 

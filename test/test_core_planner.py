@@ -66,15 +66,23 @@ def test_one_node_prediction_is_the_hand_computation() -> None:
     assert got.node_busy_ms == {"a": pytest.approx(p.message_ms + ops_ms)}
     assert set(got.node_done_ms) == {"a"}
 
-    # slabs of 4 rows: one message cost per slab; runs deferred until each op is whole
+    # slabs of 4 rows: one message cost per slab; runs deferred until half of each op's rows
+    # can go (the executor's runs: at most two per op)
     slab = 4
     plan4 = build_plan(g, PlanSpec.single("a"), slab_rows=slab)
     n_slabs = h // slab
+    runs: list[tuple[int, int]] = []
+    runner = StripeRunner(g, plan4, "a", min_run_rows=10**6, on_run=lambda j, rows, s: runs.append((j, rows)))
+    x = torch.randn(1, *g.input_shape)
+    for a in range(0, h, slab):
+        runner.feed(0, a, x[:, :, a:a + slab])
+    assert runner.done and len(g.ops) < len(runs) <= 2 * len(g.ops)
+    runs_ms = sum(p.op_costs[j].ms(r) for j, r in runs)
     first_send = _bytes(g, 0, slab, 1) * per_mb / 1e6
     got4 = simulate(g, plan4, costs)
-    assert got4.outputs_ms == pytest.approx(first_send + n_slabs * p.message_ms + ops_ms
+    assert got4.outputs_ms == pytest.approx(first_send + n_slabs * p.message_ms + runs_ms
                                             + out_bytes * per_mb / 1e6)
-    assert got4.node_busy_ms["a"] == pytest.approx(n_slabs * p.message_ms + ops_ms)
+    assert got4.node_busy_ms["a"] == pytest.approx(n_slabs * p.message_ms + runs_ms)
 
 
 def test_simulated_runs_are_the_executors_runs() -> None:

@@ -3,6 +3,7 @@ share vector, slab size, cut choice and arrival order; malformed rows are refuse
 
 from __future__ import annotations
 
+import collections
 import random
 import time
 
@@ -193,6 +194,34 @@ def test_a_one_segment_plan_with_all_its_input_runs_each_op_once_in_order(
         a, b = plan.output_rows_for("a")
         assert (out.role, out.row_offset, out.rows.shape[2]) == ("OUTPUT", a, b - a) and a < b
         assert_close(out.rows, g.run_trunk(x)[:, :, a:b])
+
+
+def test_a_streamed_one_segment_plan_runs_short_ops_before_the_last_slab() -> None:
+    """Slabs of a one-segment plan: an op with fewer rows than `min_run_rows` (ResNet-18's
+    deeper layers) still computes half its rows before the last slab, in at most two runs;
+    behind a cut `min_run_rows` holds as given (each op once when nothing else comes)."""
+    shape = (3, 128, 128)
+    g = _graph("resnet18", shape)
+    x = torch.randn(1, *shape, generator=torch.Generator().manual_seed(6))
+    plan = build_plan(g, PlanSpec.single("a"), slab_rows=32)
+    runs: list[tuple[int, int]] = []
+    runner = StripeRunner(g, plan, "a", min_run_rows=64, on_run=lambda j, r, s: runs.append((j, r)))
+    outs = []
+    for r0 in range(0, 96, 32):
+        outs += runner.feed(0, r0, x[:, :, r0:r0 + 32])
+    early = {j for j, _ in runs}
+    rows = {j: g.value_shapes[j + 1][1] for j in range(len(g.ops))}
+    assert any(rows[j] < 64 for j in early) and max(rows[j] for j in early) >= 32
+    outs += runner.feed(0, 96, x[:, :, 96:])
+    per_op = collections.Counter(j for j, _ in runs)
+    assert runner.done and set(per_op) == set(range(len(g.ops))) and max(per_op.values()) == 2
+    assert_close(torch.cat([e.rows for e in outs], dim=2), g.run_trunk(x))
+    cut = build_plan(g, PlanSpec.layerwise("a", "a2", 19), slab_rows=32)
+    one_run: list[int] = []
+    first = StripeRunner(g, cut, "a", min_run_rows=64, on_run=lambda j, r, s: one_run.append(j))
+    for r0 in range(0, 128, 32):
+        first.feed(0, r0, x[:, :, r0:r0 + 32])
+    assert first.done and len(one_run) == len(set(one_run))  # the deferral as given: one run per op
 
 
 def test_row_pieces_read_views_one_piece_and_copies_across_pieces_and_padding() -> None:

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .graph import ModelGraph, TrunkOp, memory_format_of
 from .intervals import EMPTY, Interval, intersect, iv_add, iv_intersect, iv_sub
-from .plan import Plan
+from .plan import WHOLE_RUNS, Plan
 
 COORDINATOR = "coordinator"
 DEFAULT_MIN_RUN_ROWS = 8
@@ -142,6 +142,7 @@ class Wavefront(Generic[_E]):
             [self._comp[v]] if self._comp[v][0] < self._comp[v][1] else [] for v in range(nv)]
         self._avail: list[list[Interval]] = [[] for _ in range(nv)]
         self._ops = [j for j in range(len(graph.ops)) if self._remaining[j + 1]]
+        self._run_min = [self._shortest_run(plan, r) for r in self._comp]
         # one segment: every input row comes from the coordinator, none from a neighbour, so
         # once all of them are here before any run, each op's rows run in one call, in order
         # (`_run_straight`)
@@ -150,6 +151,18 @@ class Wavefront(Generic[_E]):
         self._stats = {"rows_computed": 0, "runs": 0, "compute_s": 0.0, "rows_in": 0,
                        "halo_rows_in": 0, "halo_rows_out": 0, "output_rows": 0, "feeds": 0,
                        "flops_planned": plan.flops_for(node_id)}
+
+    def _shortest_run(self, plan: Plan, rows: Interval) -> int:
+        """The shortest run of a value's `rows` (this node's) computed while rows next to it
+        are still to come. In a one-segment plan every row comes in the coordinator's slabs:
+        an op with fewer rows than `min_run_rows` would wait for the last slab (ResNet-18 at
+        224: layers 2-4, 28, 14 and 7 rows, two thirds of the trunk, ran only after the whole
+        image had crossed the link), so a run of half the op's rows goes at once - at most
+        one more call per op. Behind a cut, halos arrive at many places and halves fragment
+        the runs (+12-45 % compute for the stripes of 2- and 3-way splits, docs/architecture-core.md)."""
+        if plan.num_segments > 1 or self.min_run_rows >= WHOLE_RUNS:
+            return self.min_run_rows
+        return min(self.min_run_rows, max(1, -(-(rows[1] - rows[0]) // 2)))
 
     # ------------------------------------------------------------------ public
     @property
@@ -198,7 +211,7 @@ class Wavefront(Generic[_E]):
                 cov = cu if cov is None else iv_intersect(cov, cu)
             runs = iv_intersect(rem, cov or [])
             for a, b in runs:
-                if b - a < self.min_run_rows and (_contains(rem, a - 1) or _contains(rem, b)):
+                if b - a < self._run_min[v] and (_contains(rem, a - 1) or _contains(rem, b)):
                     continue  # more rows next to this run are coming: compute them together
                 self._compute(j, a, b)
                 self._straight = False  # some rows are computed: the rest as the wavefront goes

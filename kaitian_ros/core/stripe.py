@@ -159,7 +159,7 @@ class Wavefront(Generic[_E]):
         224: layers 2-4, 28, 14 and 7 rows, two thirds of the trunk, ran only after the whole
         image had crossed the link), so a run of half the op's rows goes at once - at most
         one more call per op. Behind a cut, halos arrive at many places and halves fragment
-        the runs (+12-45 % compute for the stripes of 2- and 3-way splits, docs/architecture-core.md)."""
+        the runs (up to +45 % compute for the stripes of 2- and 3-way splits, docs/planner.md)."""
         if plan.num_segments > 1 or self.min_run_rows >= WHOLE_RUNS:
             return self.min_run_rows
         return min(self.min_run_rows, max(1, -(-(rows[1] - rows[0]) // 2)))

@@ -48,6 +48,19 @@ def _bytes(g, v: int, rows: int | None = None, per_element: int = 4) -> int:
 
 
 # --------------------------------------------------------------------------- simulate
+def _executor_runs(g, plan, slab: int, *, min_run_rows: int) -> tuple[list[tuple[int, int]], int]:
+    """The (op, rows) runs node "a"'s real stripe executor makes for `plan`'s input fed in
+    `slab`-row slabs, in order, and the number of feeds; the runner must finish."""
+    runs: list[tuple[int, int]] = []
+    runner = StripeRunner(g, plan, "a", min_run_rows=min_run_rows, on_run=lambda j, rows, s: runs.append((j, rows)))
+    x = torch.randn(1, *g.input_shape)
+    starts = range(0, g.input_shape[1], slab)
+    for a in starts:
+        runner.feed(0, a, x[:, :, a:a + slab])
+    assert runner.done
+    return runs, len(starts)
+
+
 def test_one_node_prediction_is_the_hand_computation() -> None:
     g = _graph("digits_cnn")
     h = g.input_shape[1]
@@ -71,12 +84,8 @@ def test_one_node_prediction_is_the_hand_computation() -> None:
     slab = 4
     plan4 = build_plan(g, PlanSpec.single("a"), slab_rows=slab)
     n_slabs = h // slab
-    runs: list[tuple[int, int]] = []
-    runner = StripeRunner(g, plan4, "a", min_run_rows=10**6, on_run=lambda j, rows, s: runs.append((j, rows)))
-    x = torch.randn(1, *g.input_shape)
-    for a in range(0, h, slab):
-        runner.feed(0, a, x[:, :, a:a + slab])
-    assert runner.done and len(g.ops) < len(runs) <= 2 * len(g.ops)
+    runs, _ = _executor_runs(g, plan4, slab, min_run_rows=10**6)
+    assert len(g.ops) < len(runs) <= 2 * len(g.ops)
     runs_ms = sum(p.op_costs[j].ms(r) for j, r in runs)
     first_send = _bytes(g, 0, slab, 1) * per_mb / 1e6
     got4 = simulate(g, plan4, costs)
@@ -92,14 +101,8 @@ def test_simulated_runs_are_the_executors_runs() -> None:
     p = _profile(g, "a", 0.05, call_ms=0.3, message_ms=0.2, min_run_rows=1)
     costs = Costs({"a": p}, {}, FREE)
     plan = build_plan(g, PlanSpec.single("a"), slab_rows=5)
-    runs: list[tuple[int, int]] = []
-    runner = StripeRunner(g, plan, "a", min_run_rows=1, on_run=lambda j, rows, s: runs.append((j, rows)))
-    x = torch.randn(1, *g.input_shape)
-    n_feeds = 0
-    for a in range(0, g.input_shape[1], 5):
-        runner.feed(0, a, x[:, :, a:a + 5])
-        n_feeds += 1
-    assert runner.done and len(runs) > len(g.ops)  # several runs per op
+    runs, n_feeds = _executor_runs(g, plan, 5, min_run_rows=1)
+    assert len(runs) > len(g.ops)  # several runs per op
     want = n_feeds * p.message_ms + sum(p.op_costs[j].ms(r) for j, r in runs)
     got = simulate(g, plan, costs)
     assert got.node_busy_ms["a"] == pytest.approx(want)

@@ -34,6 +34,9 @@ def test_ours_reports_what_each_plan_took() -> None:
     out = s.summary()
     assert out["plans_ran"] == {"single a": 3, "stripes a/b": 1}
     assert out["plans_ran_median_ms"] == {"single a": 52.0, "stripes a/b": 70.0}
+    # every frame in the order measured, with the plan that ran it: drift and switches are visible
+    assert out["frames_ms"] == [50.0, 70.0, 52.0, 54.0]
+    assert out["frames_plan"] == ["single a", "stripes a/b", "single a", "single a"]
 
 
 class _RecordingParameterClient:

@@ -66,9 +66,12 @@ class Series:
                "failures": len(self.failures), "failure_reasons": sorted(set(self.failures))[:3],
                "coordinator_latency_median_ms": statistics.median(self.coord) if self.coord else None,
                "node_compute_median_ms": {n: statistics.median(v) for n, v in self.compute.items()},
+               # every frame in the order measured (rounds concatenated): spread and drift are visible
+               "frames_ms": [round(x, 2) for x in self.samples],
                **self.config}
         if self.plans:
             out["plans_ran"] = dict(collections.Counter(self.plans).most_common())
+            out["frames_plan"] = self.plans
             out["planning_rounds"] = self.planning_rounds
         if self.plans and len(self.plans) == len(self.samples):
             # what each plan took while it ran: tells a plan measured slow from a slow switch

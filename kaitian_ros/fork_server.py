@@ -42,6 +42,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
+from kaitian_ros.nodes.preparation import Preparation, refused
 from kaitian_ros.processes import die_with_parent, name_process, start_child
 from kaitian_ros.warm_start import NODE_IMPORTS, PRELOAD, check_node, run_node_main
 
@@ -137,7 +138,7 @@ def _serve(sock: socket.socket) -> ForkOrder | None:
                 _send(sock, {"error": str(exc)})
                 continue
             if order.module == PREPARE:
-                _send(sock, {"prepared": _prepare(order.argv)})
+                _send(sock, {"prepared": _prepare(order.argv).to_dict()})
                 continue
             pid = os.fork()
             if pid == 0:
@@ -160,7 +161,7 @@ def _serve(sock: socket.socket) -> ForkOrder | None:
                 _send(sock, {"exit": pid, "code": _returncode(status)})
 
 
-def _prepare(argv: Sequence[str]) -> str:
+def _prepare(argv: Sequence[str]) -> Preparation:
     """Build the model and measure the start-up costs of the compute node `argv` names, here,
     for every compute node forked after it (what was done, for the launcher's log)."""
     try:
@@ -168,7 +169,7 @@ def _prepare(argv: Sequence[str]) -> str:
 
         return compute_prepare.prepare(list(argv), by="the fork server before this node started", cpu_only=True)
     except Exception as exc:  # noqa: BLE001 - the server must keep serving; the node then prepares itself
-        return f"not prepared: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        return refused(f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
 
 
 def _become_child(order: ForkOrder, out_fd: int, in_fd: int | None = None) -> None:
@@ -382,22 +383,27 @@ class ForkServer:
         got = self._reply.wait_for(arrived, timeout_s)
         return self._replies.pop(0) if got and self._replies else {}
 
-    def prepare(self, argv: Sequence[str], timeout_s: float) -> str:
+    def prepare(self, argv: Sequence[str], timeout_s: float) -> Preparation:
         """Have the server prepare a compute node started with `argv` (`compute_prepare.prepare`:
         its model built and start-up costs measured, once per model, device and thread count),
         so that the compute nodes forked from it afterwards start with them; what the server
         did, or why not."""
         if not self.alive():
-            return "not prepared: the fork server has ended"
+            return refused("the fork server has ended")
         order = ForkOrder(PREPARE, tuple(argv), {}, os.getcwd(), "prepare")
         with self._lock:
             try:
                 self._sock.send(order.to_bytes())
             except OSError as exc:
-                return f"not prepared: {exc}"
+                return refused(str(exc))
             with self._reply:
                 reply = self._take("prepared", timeout_s)
-        return str(reply.get("prepared") or reply.get("error") or f"not prepared within {timeout_s:g} s")
+        if "prepared" not in reply:
+            return refused(str(reply.get("error") or f"no answer within {timeout_s:g} s"))
+        try:
+            return Preparation.from_dict(reply["prepared"])
+        except (ValueError, AttributeError) as exc:  # a reply of another shape: the node prepares itself
+            return refused(str(exc))
 
     def close(self) -> None:
         """End the server (its children first get SIGTERM from the kernel, if any are left)."""

@@ -46,7 +46,6 @@ import yaml
 from kaitian_ros import warm_start
 from kaitian_ros.fork_server import WARM, ForkedProcess, ForkServer, preload_modules
 from kaitian_ros.launcher_diagnostics import Supervision
-from kaitian_ros.nodes.compute_params import ALREADY_PREPARED
 from kaitian_ros.ports import PortTaken, on_free_port
 from kaitian_ros.processes import LineOut, start_child, stop_children
 from kaitian_ros.runtime import security
@@ -189,8 +188,8 @@ class Launcher:
         for spec in self.scenario.nodes:
             if spec.executable == "compute" and self._forkable(spec) and not self._stopping.is_set():
                 done = self.fork_server.prepare(node_module(spec, self.params_file)[1], PREPARE_TIMEOUT_S)
-                if not done.endswith(ALREADY_PREPARED):
-                    self.say(f"[launch] fork server: {done}")
+                if done.news:
+                    self.say(f"[launch] fork server: {done.text}")
 
     @property
     def nodes(self) -> list[Child]:

@@ -93,11 +93,10 @@ def _preload(modules: Sequence[str], compute_argvs: Sequence[Sequence[str]] = ()
     for argv in compute_argvs:
         try:
             from kaitian_ros.nodes import compute_prepare
-            from kaitian_ros.nodes.compute_params import ALREADY_PREPARED
 
             done = compute_prepare.prepare(list(argv))
-            if not done.endswith(ALREADY_PREPARED):  # forked from a fork server that prepared it
-                print(f"warm interpreter: {done}", file=sys.stderr, flush=True)
+            if done.news:  # not when forked from a fork server that prepared it
+                print(f"warm interpreter: {done.text}", file=sys.stderr, flush=True)
         except Exception as exc:  # noqa: BLE001 - a node that cannot be prepared starts the slow way
             print(f"warm interpreter: not prepared: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 

@@ -170,12 +170,14 @@ def test_nodes_forked_after_a_preparation_take_its_model_and_costs(router):
     assert server is not None
     try:
         done = server.prepare(["--ros-args", "-r", "__node:=compute_0", *model], 120.0)
-        assert "digits_cnn (3, 32, 32) on cpu: built, costs measured" in done, done
+        assert done.outcome == "built" and done.news, done
+        assert "digits_cnn (3, 32, 32) on cpu: built, costs measured" in done.text, done
         again = server.prepare(["--ros-args", "-r", "__node:=compute_1", *model, "-p", "emulated_slowdown:=2.0"], 60.0)
-        assert "already prepared" in again, again  # name and speed are not part of what is prepared
-        assert server.prepare(["--ros-args", *model, "-p", "threads:=0"], 60.0).startswith("not prepared")
+        assert again.outcome == "already" and not again.news, again  # name and speed are not part of it
+        bad = server.prepare(["--ros-args", *model, "-p", "threads:=0"], 60.0)
+        assert bad.outcome == "refused" and bad.news and bad.text.startswith("not prepared"), bad
         gpu = server.prepare(["--ros-args", *model, "-p", "device:=cuda:0"], 60.0)
-        assert gpu.startswith("not prepared") and "not a CPU" in gpu, gpu
+        assert gpu.outcome == "refused" and "not a CPU" in gpu.text, gpu
         slow = server.fork("kaitian_ros.nodes.compute",
                            ["--ros-args", "-r", "__node:=compute_1", *model, "-p", "emulated_slowdown:=2.0"], env,
                            "compute_1")

@@ -55,8 +55,9 @@ def test_prepared_costs_are_the_measured_ones_scaled_and_a_bad_preparation_is_re
             "-p", "input_width:=32", "-p", "input_channels:=1", "-p", "profile_budget_s:=0.5"]
     compute_prepare.drop_prepared()
     try:
-        assert "built, costs measured" in compute_prepare.prepare(argv)
-        assert "already prepared" in compute_prepare.prepare(argv + ["-p", "emulated_slowdown:=3.0"])  # speed: scaled
+        built = compute_prepare.prepare(argv)
+        assert built.outcome == "built" and "built, costs measured" in built.text, built
+        assert compute_prepare.prepare(argv + ["-p", "emulated_slowdown:=3.0"]).outcome == "already"  # speed: scaled
         (prepared,) = compute_prepare.PREPARED.values()
         slow = prepared.costs.scaled(3.0)
         assert slow.trunk_ms == pytest.approx(3 * prepared.costs.trunk_ms)
@@ -64,7 +65,8 @@ def test_prepared_costs_are_the_measured_ones_scaled_and_a_bad_preparation_is_re
         assert [c.row_ms for c in slow.op_costs] == pytest.approx([3 * c.row_ms for c in prepared.costs.op_costs])
         assert slow.probe_ops == prepared.costs.probe_ops
         # the node would refuse it
-        assert compute_prepare.prepare(argv + ["-p", "threads:=0"]).startswith("not prepared")
+        refused = compute_prepare.prepare(argv + ["-p", "threads:=0"])
+        assert refused.outcome == "refused" and refused.text.startswith("not prepared"), refused
     finally:
         compute_prepare.drop_prepared()
     assert parse_prepare('[["--ros-args"]]') == [["--ros-args"]]
@@ -127,3 +129,15 @@ def test_the_launchers_warm_interpreter_prepares_for_the_compute_nodes_it_may_be
         == ["compute_2"]
     off = Launcher(load_scenario("hetero_inference", ["respawn:=false"]), "tcp/127.0.0.1:1")
     assert off._warm_args() == []
+
+
+def test_a_preparation_crosses_the_fork_servers_socket_as_it_was_and_garbage_is_refused() -> None:
+    from kaitian_ros.nodes.preparation import Preparation
+
+    for outcome in ("built", "already", "refused"):
+        p = Preparation(outcome, f"digits_cnn on cpu: {outcome}")
+        assert Preparation.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    assert [Preparation(o, "").news for o in ("built", "already", "refused")] == [True, False, True]
+    for bad in ({}, {"outcome": "done", "text": "x"}, {"outcome": "built", "text": 3}):
+        with pytest.raises(ValueError, match="not a preparation"):
+            Preparation.from_dict(bad)

@@ -7,10 +7,6 @@ from kaitian_ros.nodes.model_params import MODEL_PARAMETERS
 from kaitian_ros.runtime.api import ParameterDescriptor as P
 from kaitian_ros.runtime.api import ParameterType as T
 
-# how a preparation (`compute_prepare.prepare`) ends that found its work done already: the
-# launcher and the warm interpreters say nothing about it
-ALREADY_PREPARED = "already prepared"
-
 PARAMETERS = MODEL_PARAMETERS + (
     P("device", T.STRING, "cpu", "torch device this node computes on (cpu, cuda:0, ...; checked at start)",
       read_only=True),

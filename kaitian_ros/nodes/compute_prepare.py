@@ -17,7 +17,8 @@ import torch
 
 from kaitian_ros.core import profiling
 from kaitian_ros.nodes import inference_common as ic
-from kaitian_ros.nodes.compute_params import ALREADY_PREPARED, PARAMETERS
+from kaitian_ros.nodes.compute_params import PARAMETERS
+from kaitian_ros.nodes.preparation import Preparation, refused
 from kaitian_ros.runtime import memory
 
 
@@ -51,11 +52,12 @@ PREPARED: dict[PreparedKey, Prepared] = {}  # this process's, by `prepare`; a no
 MAX_PREPARED = 2
 
 
-def prepare(argv: list[str], by: str = "the warm interpreter before this respawn", cpu_only: bool = False) -> str:
+def prepare(argv: list[str], by: str = "the warm interpreter before this respawn",
+            cpu_only: bool = False) -> Preparation:
     """In a warm interpreter or a fork server, before it is told which node to become: build the
     model and measure the start-up costs a compute node started with `argv` would (the same
     parameter resolution, at slowdown 1), so a compute node started from here starts in a
-    fraction of a second instead of ~2 s. Returns what was done, for the interpreter's log; a
+    fraction of a second instead of ~2 s. Returns what was done (`Preparation`); a
     parameter a node would refuse prepares nothing (the node then refuses it itself), nor does
     another device than a CPU with `cpu_only` (a process that forks must not initialise CUDA: its
     children could not use it)."""
@@ -67,13 +69,13 @@ def prepare(argv: list[str], by: str = "the warm interpreter before this respawn
     for d in PARAMETERS:
         value = args.parameters.get(d.name, d.default)
         if d.check(value):
-            return f"not prepared: {d.check(value)}"
+            return refused(str(d.check(value)))
         params[d.name] = coerce_parameter(d.type, value)
     key = PreparedKey.of(params)
     if key in PREPARED:
-        return f"{key.spec.name} on {key.device}: {ALREADY_PREPARED}"
+        return Preparation("already", f"{key.spec.name} on {key.device}: already prepared")
     if cpu_only and torch.device(key.device).type != "cpu":
-        return f"not prepared: {key.device} is not a CPU (a process that forks must not initialise it)"
+        return refused(f"{key.device} is not a CPU (a process that forks must not initialise it)")
     while len(PREPARED) >= MAX_PREPARED:
         del PREPARED[next(iter(PREPARED))]
     device = ic.check_device(key.device)
@@ -83,7 +85,8 @@ def prepare(argv: list[str], by: str = "the warm interpreter before this respawn
                                               budget_s=key.profile_budget_s)
     PREPARED[key] = Prepared(graph, costs, inputs, by)
     memory.trim_heap()  # the measurement's activations are freed: give their pages back while it waits
-    return f"{key.spec.name} {key.spec.input_shape} on {key.device}: built, costs measured ({costs.trunk_ms:.1f} ms)"
+    return Preparation("built", f"{key.spec.name} {key.spec.input_shape} on {key.device}: built, costs measured "
+                                f"({costs.trunk_ms:.1f} ms)")
 
 
 def take_graph(spec: ic.ModelSpec, device: str) -> Any:

@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kaitian_ros.nodes.preparation import refused
 from kaitian_ros.processes import name_process
 
 # what every node imports (the fork server adds each scenario's node modules to it)
@@ -98,7 +99,8 @@ def _preload(modules: Sequence[str], compute_argvs: Sequence[Sequence[str]] = ()
             if done.news:  # not when forked from a fork server that prepared it
                 print(f"warm interpreter: {done.text}", file=sys.stderr, flush=True)
         except Exception as exc:  # noqa: BLE001 - a node that cannot be prepared starts the slow way
-            print(f"warm interpreter: not prepared: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            failed = refused(f"{type(exc).__name__}: {exc}")
+            print(f"warm interpreter: {failed.text}", file=sys.stderr, flush=True)
 
 
 def parse_prepare(text: str) -> list[list[str]]:

@@ -68,8 +68,8 @@ def prepare(argv: list[str], by: str = "the warm interpreter before this respawn
     params = {}
     for d in PARAMETERS:
         value = args.parameters.get(d.name, d.default)
-        if d.check(value):
-            return refused(str(d.check(value)))
+        if why := d.check(value):
+            return refused(why)
         params[d.name] = coerce_parameter(d.type, value)
     key = PreparedKey.of(params)
     if key in PREPARED:

@@ -5,9 +5,10 @@ and never imports torch, which `compute_prepare` does."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, cast, get_args
 
-OUTCOMES = ("built", "already", "refused")
+Outcome = Literal["built", "already", "refused"]
+OUTCOMES: tuple[str, ...] = get_args(Outcome)
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,7 @@ class Preparation:
     earlier preparation did it: nothing to report) or "refused" (nothing prepared; the node
     then prepares itself or refuses its parameters), and `text` for the log."""
 
-    outcome: str
+    outcome: Outcome
     text: str
 
     @property
@@ -33,7 +34,7 @@ class Preparation:
         outcome, text = d.get("outcome"), d.get("text")
         if outcome not in OUTCOMES or not isinstance(text, str):
             raise ValueError(f"not a preparation: {d!r}"[:300])
-        return Preparation(outcome, text)
+        return Preparation(cast(Outcome, outcome), text)
 
 
 def refused(why: str) -> Preparation:

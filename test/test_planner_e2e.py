@@ -80,6 +80,37 @@ def test_every_strategy_equals_the_single_device_result(graph, strategy):
         assert len(spec.cuts) == 1 and len(spec.node_ids) == 2
 
 
+def test_direct_path_equals_the_single_device_result_and_turns_off_live(graph):
+    """`direct_single`: the single plan's node takes the camera images itself and publishes the
+    FusedOutput (one per frame, equal to the single-device model's); set back, the images go
+    through the coordinator again."""
+    g = graph
+    ok, why = g.probe_client().set_parameters("coordinator", {"strategy": "single", "slab_rows": 64,
+                                                              "direct_single": True})
+    assert ok, why
+    plan = _plan_with(g, lambda p: p.strategy == "single" and p.image_topic, "a single plan on the direct path")
+    node = ic.spec_from_msg(plan).node_ids[0]
+    assert plan.image_topic == "/camera/image_raw"
+    frames = g.frames(4, first=300)
+    outputs = g.check_outputs(frames, g.stream(frames))
+    assert {tuple(f.node_ids) for f in outputs} == {(node,)}
+    values = wait_until(lambda: ((v := _coordinator_values(g)) and int(v.get("direct_requests", 0)) >= 4
+                                 and v) or None, "the coordinator counting direct requests", 10.0)
+    assert values["direct"] == node and int(values.get("direct_returned", 0)) <= 1, values
+    node_values = wait_until(lambda: ((d := g.diagnostics_of(node)) and int(d[-1].get("direct_answered", 0)) >= 4
+                                      and d[-1]) or None, f"{node} reporting its direct answers", 10.0)
+    assert node_values["direct_topic"] == "/camera/image_raw"
+    ok, why = g.probe_client().set_parameters("coordinator", {"direct_single": False, "slab_rows": 8})
+    assert ok, why
+    off = _plan_with(g, lambda p: int(p.version) > int(plan.version) and not p.image_topic,
+                     "a plan off the direct path")
+    frames = g.frames(2, first=320)
+    g.check_outputs(frames, g.stream(frames))
+    wait_until(lambda: (d := g.diagnostics_of(node)) and d[-1].get("direct_topic") == "",
+               f"{node} no longer listening to the camera", 10.0)
+    assert int(off.version) > int(plan.version)
+
+
 def test_plan_message_and_diagnostics_name_strategy_prediction_and_runner_up(graph):
     g = graph
     ok, why = g.probe_client().set_parameters("coordinator", {"strategy": "auto"})

@@ -196,10 +196,10 @@ def test_protected_topics_are_the_ones_the_product_nodes_publish() -> None:
 
     assert security.PROTECTED_TOPICS == {
         "/kaitian/plan": ("coordinator",), "/kaitian/assignment": ("scheduler",),
-        "/kaitian/fused": ("coordinator",), "/kaitian/telemetry": ("compute",),
+        "/kaitian/fused": ("coordinator", "compute"), "/kaitian/telemetry": ("compute",),
         "/kaitian/profiles": ("compute",), "/kaitian/chunks/**": ("coordinator", "compute")}
     owners = {proto.PLAN_TOPIC: ("coordinator",), proto.ASSIGNMENT_TOPIC: ("scheduler",),
-              proto.FUSED_TOPIC: ("coordinator",),
+              proto.FUSED_TOPIC: ("coordinator", "compute"),  # compute: on the direct path
               proto.TELEMETRY_TOPIC: ("compute",), proto.PROFILES_TOPIC: ("compute",),
               proto.chunk_topic("compute_7"): ("coordinator", "compute"),
               proto.chunk_topic(proto.COORDINATOR): ("coordinator", "compute")}
@@ -230,7 +230,7 @@ def test_access_control_rules_deny_publishing_protected_topics_to_other_roles() 
     assert denied == {
         "*/kaitian/plan/**": {"scheduler", "compute", "node"},
         "*/kaitian/assignment/**": {"coordinator", "compute", "node"},
-        "*/kaitian/fused/**": {"scheduler", "compute", "node"},
+        "*/kaitian/fused/**": {"scheduler", "node"},
         "*/kaitian/telemetry/**": {"coordinator", "scheduler", "node"},
         "*/kaitian/profiles/**": {"coordinator", "scheduler", "node"},
         "*/kaitian/chunks/**": {"scheduler", "node"},

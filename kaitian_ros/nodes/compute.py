@@ -33,9 +33,11 @@ from kaitian_ros.core.costs import CostRefiner, DeviceProfile, LinkMeter, next_p
 from kaitian_ros.core.plan import Plan
 from kaitian_ros.core.pooled import RowSum, sum_outputs
 from kaitian_ros.core.stripe import StripeRunner
-from kaitian_ros.core.tensors import normalise_input
+from kaitian_ros.core.tensors import ImageFormatError, image_to_array, normalise_input, resize_pixels
+from kaitian_ros.core.tickets import Match, Ticket
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.nodes import protocol as proto
+from kaitian_ros.nodes.compute_direct import DirectImages, ticket_back_message
 from kaitian_ros.nodes.compute_params import PARAMETERS
 from kaitian_ros.nodes.compute_prepare import PREPARED, PreparedKey, drop_prepared
 from kaitian_ros.nodes.compute_requests import MB, RequestState, RequestTable
@@ -60,6 +62,7 @@ class ComputeNode:
         sys.setswitchinterval(0.0005)
         self.device = ic.check_device(self.params["device"])
         self.spec = ic.ModelSpec.from_params(self.params)
+        self.labels = ic.load_labels(self.params["labels"], self.params["labels_file"], self.spec.num_classes)
         # a node respawned from a warm interpreter finds its model built and its costs measured
         self.prepared = PREPARED.pop(PreparedKey.of(self.params), None)
         drop_prepared()  # those of other models (a fork server prepares for every launch it serves)
@@ -75,6 +78,9 @@ class ComputeNode:
         self.completed = 0
         self.pubs: dict[str, Any] = {}
         self.telemetry = rt.create_publisher(proto.TELEMETRY_TOPIC, "NodeTelemetry")
+        self.direct = DirectImages(rt, self._run_direct, self._give_back)
+        self.image_topics: dict[int, str] = {}  # plan version -> camera topic it names (the direct path)
+        self.fused_pub: Any = None  # made on the first direct answer
         self.diagnostics = DiagnosticsPublisher(rt, hardware_id=self.params["device"])
         self._measure_costs()
         self.profile_pub = rt.create_publisher(proto.PROFILES_TOPIC, "CostProfile", QoS.LATCHED)
@@ -85,6 +91,7 @@ class ComputeNode:
         self.hb_timer = rt.create_timer(1.0 / self.params["heartbeat_hz"], self._heartbeat)
         self.probe_timer = self._probe_timer()
         rt.create_timer(1.0, self._housekeeping)
+        rt.create_timer(0.05, lambda: self.direct.expire(self.params["image_wait_s"]))
         rt.logger.info(f"{self.spec.name} {self.spec.input_shape} on {self.params['device']}, "
                        f"slowdown {self.params['emulated_slowdown']}"
                        f"{' (EMULATED)' if self.emulated else ''}")
@@ -228,6 +235,10 @@ class ComputeNode:
         while len(self.plans) > self.params["max_plans"]:
             old, _ = self.plans.popitem(last=False)
             self.retired_below = max(self.retired_below, old + 1)
+        alone = plan.active_nodes() == (self.node_id,) and self.graph.pooled_head
+        self.image_topics[pv.version] = msg.image_topic if alone else ""
+        self.image_topics = {v: t for v, t in self.image_topics.items() if v in self.plans}
+        self.direct.follow(self.image_topics)
         waiting, self.pending, self.pending_bytes = self.pending, [], 0
         for _, chunk, info in waiting:
             self._on_chunk(chunk, info, held=True)
@@ -253,7 +264,7 @@ class ComputeNode:
         if not held and now - arrived > self.params["max_queue_wait_s"]:  # behind (a flood): late already
             self.rt.rejected.count(f"stale: chunk waited {now - arrived:.1f} s in this node's queue")
             return
-        if msg.role not in (proto.ROLE_INPUT, proto.ROLE_HALO):
+        if msg.role not in (proto.ROLE_INPUT, proto.ROLE_HALO, proto.ROLE_TICKET):
             self.rt.rejected.count(f"bad role: {msg.role}")
             return
         version = int(msg.plan_version)
@@ -274,19 +285,64 @@ class ComputeNode:
         if self.node_id not in plan.active_nodes():
             self.rt.rejected.count(f"not in plan: v{version} has no rows for {self.node_id}")
             return
+        if msg.role == proto.ROLE_TICKET:
+            self.direct.on_ticket(msg)
+            return
         problem = ic.chunk_shape_problem(self.graph, plan, msg)
         if problem:
             self.rt.rejected.count(f"bad chunk: request {msg.request_id}: {problem}")
             return
-        state = self.requests.get(int(msg.request_id))
+        try:
+            rows = ic.chunk_rows(msg)
+        except (ValueError, interfaces.DecodeError) as exc:
+            self.rt.rejected.count(f"bad chunk: request {msg.request_id}: {exc}")
+            return
+        self._take_rows(int(msg.request_id), plan, version, int(msg.segment), int(msg.row_offset), msg.role, rows,
+                        msg.header.frame_id, (now, t_in, sent, arrived), len(msg.data))
+
+    def _run_direct(self, match: Match) -> None:
+        """A ticketed camera image: the request's input, taken by this node itself."""
+        t, image = match.ticket, match.image
+        plan = self.plans.get(t.plan_version)
+        if plan is None:
+            self._give_back(t, f"plan v{t.plan_version} retired")
+            return
+        c, h, w = self.spec.input_shape
+        try:
+            pixels = image_to_array(image.data, int(image.height), int(image.width), image.encoding, int(image.step))
+            rows = resize_pixels(pixels, h, w, c)
+        except ImageFormatError as exc:
+            self.rt.rejected.count(f"bad image: {exc}")
+            self._give_back(t, "its image is unusable here")
+            return
+        if self.requests.get(t.request_id) is not None:
+            self._give_back(t, "its request is already in progress here")
+            return
+        self.direct.answered += 1
+        received = match.received_s
+        self._take_rows(t.request_id, plan, t.plan_version, 0, 0, proto.ROLE_INPUT, rows, image.header.frame_id,
+                        (time.time(), time.perf_counter(), received, received), len(image.data),
+                        image_stamp=image.header.stamp)
+
+    def _give_back(self, ticket: Ticket, why: str) -> None:
+        self.direct.given_back += 1
+        self.rt.logger.debug(f"ticket of request {ticket.request_id} given back: {why}")
+        self._publisher(proto.COORDINATOR).publish(ticket_back_message(ticket, self.node_id))
+
+    def _take_rows(self, request_id: int, plan: Plan, version: int, segment: int, row_offset: int, role: int,
+                   rows: torch.Tensor, frame_id: str, times: tuple[float, float, float, float], nbytes: int,
+                   image_stamp: Any = None) -> None:
+        """Feed a request's rows (a chunk's, or on the direct path a camera image's); `times`:
+        wall time now, perf_counter at arrival here, when sent, when it arrived (wall)."""
+        now, t_in, sent, arrived = times
+        state = self.requests.get(request_id)
         if state is not None and state.plan_version != version:
             if version < state.plan_version:
-                self.rt.rejected.count(f"stale plan: request {msg.request_id} moved to v{state.plan_version}")
+                self.rt.rejected.count(f"stale plan: request {request_id} moved to v{state.plan_version}")
                 return
             state = None  # re-dispatched under a newer plan: start over
         try:
-            rows = ic.chunk_rows(msg)
-            if rows.dtype == torch.uint8 and msg.role == proto.ROLE_INPUT:
+            if rows.dtype == torch.uint8 and role == proto.ROLE_INPUT:
                 # image rows travel as pixels; per-pixel normalisation makes a slab exact on its own
                 rows = normalise_input(rows, self.spec.input_shape[0], self.params["normalise"])
             if rows.dtype != torch.float32:  # the model computes in float32: another dtype would
@@ -294,14 +350,14 @@ class ComputeNode:
                 raise ValueError(f"chunk dtype {rows.dtype}, the model computes in float32")
             if state is None:
                 self.requests.make_room(self.params["max_requests"])
-                state = RequestState(int(msg.request_id), version,
+                state = RequestState(request_id, version,
                                      StripeRunner(self.graph, plan, self.node_id,
                                                   min_run_rows=plan.run_rows(self.params["min_run_rows"]),
                                                   on_run=self._on_run),
-                                     started_s=now, frame_id=msg.header.frame_id)
-            spent, wall = self._feed(state, plan, msg, rows)
-        except (ValueError, interfaces.DecodeError) as exc:
-            self.rt.rejected.count(f"bad chunk: request {msg.request_id}: {exc}")
+                                     started_s=now, frame_id=frame_id, image_stamp=image_stamp)
+            spent, wall = self._feed(state, plan, segment, row_offset, rows)
+        except ValueError as exc:
+            self.rt.rejected.count(f"bad chunk: request {request_id}: {exc}")
             return
         self.last_run_s = state.last_fed_s = time.monotonic()
         # this chunk's handling outside compute: decode was on the middleware thread, the rest here
@@ -309,16 +365,17 @@ class ComputeNode:
         self.message_ms += 0.1 * (outside - self.message_ms)
         self.requests.put(state)
         self.requests.bound_bytes(state, self.params["max_held_mb"] * MB)
-        if msg.role == proto.ROLE_INPUT:
+        if role == proto.ROLE_INPUT:
             state.first_sent_s = min(state.first_sent_s or sent, sent)
             state.first_input_s = min(state.first_input_s or arrived, arrived)
             state.last_input_s = max(state.last_input_s, arrived)
-        state.bytes_in += len(msg.data)
+        state.bytes_in += nbytes
         state.compute_s += spent
         if state.runner.done:
             self._finish(state, plan)
 
-    def _feed(self, state: RequestState, plan: Plan, msg: Any, rows: torch.Tensor) -> tuple[float, float]:
+    def _feed(self, state: RequestState, plan: Plan, segment: int, row_offset: int,
+              rows: torch.Tensor) -> tuple[float, float]:
         """Feed rows to the request's runner, publishing every emission the moment its rows
         exist; returns the device time spent (EMULATED: times the slowdown) and the wall time
         of the feed."""
@@ -339,7 +396,7 @@ class ComputeNode:
             self._publish(state, plan, [e])
             outside += self.busy_clock() - e0
 
-        state.runner.feed(int(msg.segment), int(msg.row_offset), rows, emit=emit)
+        state.runner.feed(segment, row_offset, rows, emit=emit)
         if self.device.type == "cuda":  # kernels run asynchronously: time them whole
             torch.cuda.synchronize(self.device)
         spent = self.busy_clock() - t0 - outside
@@ -362,6 +419,8 @@ class ComputeNode:
     def _publish(self, state: RequestState, plan: Plan, emissions: list) -> None:
         for e in self._summed(state, plan, emissions):
             role = proto.ROLE_OF_NAME[e.role]
+            if role == proto.ROLE_OUTPUT_SUM and state.image_stamp is not None:
+                self._answer(state, plan, e.rows)  # first: the coordinator's copy is only bookkeeping
             key = (e.consumer, e.segment)
             index = state.slab_counts.get(key, 0)
             state.slab_counts[key] = index + 1
@@ -377,6 +436,17 @@ class ComputeNode:
                 now = time.time()
                 state.first_output_s = state.first_output_s or now
                 state.last_output_s = now
+
+    def _answer(self, state: RequestState, plan: Plan, output_sum: torch.Tensor) -> None:
+        """The direct path's FusedOutput: the head on this node's sum of every output row."""
+        with torch.no_grad():
+            result = self.graph.run_head_on_sums([output_sum])
+        if self.fused_pub is None:
+            self.fused_pub = self.rt.create_publisher(proto.FUSED_TOPIC, "FusedOutput")
+        self.fused_pub.publish(ic.fused_message(
+            request_id=state.request_id, plan_version=state.plan_version, frame_id=state.frame_id,
+            image_stamp=state.image_stamp, latency_ms=(time.time() - state.first_input_s) * 1e3, result=result,
+            labels=self.labels, node_ids=[self.node_id], node_rows=[plan.output_shape[1]], status="ok"))
 
     def _finish(self, state: RequestState, plan: Plan) -> None:
         self.requests.finish(state)
@@ -444,7 +514,7 @@ class ComputeNode:
             "emulated_slowdown": self.params["emulated_slowdown"], "in_flight": len(self.requests),
             "held_mb": f"{self.requests.held_bytes() / MB:.1f}",
             "plans": ",".join(map(str, self.plans)),
-            "coordinator_incarnation": f"{self.coordinator.incarnation:016x}"})
+            "coordinator_incarnation": f"{self.coordinator.incarnation:016x}", **self.direct.status()})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,9 @@ PARAMETERS = MODEL_PARAMETERS + (
     P("probe_max_period_s", T.DOUBLE, 0.5,
       "while idle probes see no change, their period doubles up to this (<= probe_period_s: no backoff)",
       0.0, 60.0),
+    P("image_wait_s", T.DOUBLE, 0.25,
+      "direct path: give a ticket back to the coordinator when its camera image has not arrived this long",
+      0.01, 10.0),
     P("profile_change", T.DOUBLE, 0.1,
       "publish a new cost profile when the costs moved by this fraction (trunk time or a link)", 0.01, 10.0),
 )

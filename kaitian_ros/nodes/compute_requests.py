@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from kaitian_ros.core.pooled import RowSum
 from kaitian_ros.core.stripe import StripeRunner
@@ -40,6 +41,7 @@ class RequestState:
     slab_counts: dict = field(default_factory=dict)
     last_fed_s: float = 0.0  # monotonic time of its latest chunk (the eviction order)
     output_sum: RowSum | None = None  # a pooled head's: this node's output rows, summed when all exist
+    image_stamp: Any = None  # the direct path's (the node took the image itself): it publishes FusedOutput
 
 
 class RequestTable:

@@ -52,6 +52,7 @@ from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher
 # before its departure was handled, or this soon after (rclpy stamps receipt in the executor),
 # is from the dead process. Short: a warm respawn sends its first heartbeat ~0.7 s after death
 DEPARTED_QUIET_S = 0.25
+DIRECT_RETRY_S = 30.0  # after its tickets came back, the direct path is tried again this much later
 
 
 class Coordinator(RequestFlow):
@@ -99,6 +100,9 @@ class Coordinator(RequestFlow):
         self.last_replan = 0.0
         self.last_material: tuple | None = None  # inputs of the last planning round submitted
         self.requests: dict[int, Request] = {}
+        self.direct_versions: dict[int, str] = {}  # plan version -> its node taking the camera images
+        self.direct_returns = 0
+        self.direct_off_until: float | None = None  # monotonic: the direct path is off until then
         self.waiting: Any = None  # newest image waiting for an in-flight slot
         # a restarted coordinator is a new authority: compute nodes reset their plan bookkeeping
         # on a new incarnation, and its request ids continue above the old run's
@@ -119,7 +123,7 @@ class Coordinator(RequestFlow):
         rt.create_subscription(proto.chunk_topic(proto.COORDINATOR), "TensorChunk", self._on_chunk, with_info=True)
         rt.create_subscription(proto.PLAN_TOPIC, "LoadAssignment", self._on_plan_topic, QoS.LATCHED)
         rt.on_node_gone(self._on_node_gone)
-        rt.create_subscription(self.params["input_topic"], "Image", self._on_image, QoS.BEST_EFFORT)
+        self.image_sub = rt.create_subscription(self.params["input_topic"], "Image", self._on_image, QoS.BEST_EFFORT)
         rt.add_on_set_parameters_callback(self._on_set)
         rt.create_timer(0.05, self._check)
         rt.create_timer(1.0, lambda: report(self))
@@ -137,11 +141,47 @@ class Coordinator(RequestFlow):
         if "threads" in changes:
             torch.set_num_threads(changes["threads"])
         self.params = self.params | changes
+        if {"direct_single", "input_pacing_ms"} & set(changes):
+            # the plan may stay as it is: its next version says whether it takes the direct path
+            self.direct_off_until = None
+            self._reannounce(f"{', '.join(sorted(changes))} set")
         if set(PLAN_SETTINGS) & set(changes):
             # self.params already holds the new values; the runtime applies them after we return
             self.memory.forget_departures()
             self._replan(f"{', '.join(sorted(changes))} set", force=True, resume=True)
         return SetParametersResult(True)
+
+    # --- the direct path ----------------------------------------------------------------
+    def _direct_node(self, plan: Plan) -> str:
+        """The node that takes the camera images itself under `plan` ('' none): the direct path
+        needs the whole image computed on one node at once, a head that starts with a global
+        average pool (the node answers from its sum) and images straight from the camera (no
+        EMULATED input pacing)."""
+        if not self.params["direct_single"] or self.params["input_pacing_ms"] > 0 or not self.graph.pooled_head:
+            return ""
+        if self.direct_off_until is not None and time.monotonic() < self.direct_off_until:
+            return ""
+        nodes, height = plan.active_nodes(), self.spec.input_shape[1]
+        if len(nodes) != 1 or plan.input_rows_for(nodes[0]) != (0, height) or plan.slab_rows < height:
+            return ""
+        return nodes[0]
+
+    def _reannounce(self, reason: str) -> None:
+        """The running plan again as a new version, from the next request: whether it takes the
+        direct path is decided anew. A held switch decides that when it takes effect."""
+        if self.current is None or self.pending is not None:
+            return
+        pv = dataclasses.replace(self.current, version=self.current.version + 1,
+                                 effective_from_request=self.next_request,
+                                 reason=f"{reason}: {self.current.reason}")
+        self.plans[pv.version] = self.plans[self.current.version]
+        self._activate(pv)
+
+    def _direct_returned(self, reason: str) -> None:
+        self.direct_off_until = time.monotonic() + DIRECT_RETRY_S
+        self.counts["direct_off"] += 1
+        self.rt.logger.warning(f"direct path off for {DIRECT_RETRY_S:.0f} s: {reason}")
+        self._reannounce("direct path off")
 
     # --- membership and plans -----------------------------------------------------------
     def _on_telemetry(self, msg: Any, info: MessageInfo) -> None:
@@ -402,13 +442,18 @@ class Coordinator(RequestFlow):
         plan = self.plans[version]
         self.memory.ran_with(self._settings(), plan)
         ru = self.choice.runner_up if self.choice is not None else None
-        msg = proto.assignment_msg(pv, self.incarnation, plan, ru.label if ru else "", ru.predicted_ms if ru else 0.0)
+        direct = self._direct_node(plan)
+        if direct:
+            self.direct_versions[version] = direct
+        msg = proto.assignment_msg(pv, self.incarnation, plan, ru.label if ru else "", ru.predicted_ms if ru else 0.0,
+                                   self.image_sub.topic if direct else "")
         self.guard.published(version, proto.assignment_digest(msg))
         self.plan_pub.publish(msg)
         self.rt.logger.info(f"plan v{version}: {pv.reason}")
         in_use = {r.version for r in self.requests.values()} | {version} | (
             {self.pending.version} if self.pending else set())
         self.plans = {v: p for v, p in self.plans.items() if v in in_use}
+        self.direct_versions = {v: n for v, n in self.direct_versions.items() if v in self.plans}
 
     # --- supervision --------------------------------------------------------------------
     def _on_node_gone(self, fqn: str) -> None:
@@ -447,6 +492,10 @@ class Coordinator(RequestFlow):
             self.replan_soon("periodic re-prediction", periodic=True)
         self._collect_plan()
         self._time_out_requests()
+        if self.direct_off_until is not None and now_m >= self.direct_off_until:
+            self.direct_off_until = None
+            if self.params["direct_single"]:
+                self._reannounce("direct path tried again")
 
     def _on_plan_topic(self, msg: Any) -> None:
         """Our own topic: a plan we did not publish is forged (or a second coordinator runs)."""

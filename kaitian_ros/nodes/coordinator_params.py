@@ -41,9 +41,9 @@ PARAMETERS = MODEL_PARAMETERS + (
       "latency gain of at least this fraction", 0.0, 1.0),
     P("replan_period_s", T.DOUBLE, 5.0, "re-predict the candidates this often with the newest measurements",
       0.1, 3600.0),
-    P("labels", T.STRING_ARRAY, [], "class names by class index, num_classes of them (FusedOutput.top_label)",
-      read_only=True),
-    P("labels_file", T.STRING, "", "a UTF-8 file with one class name per line, instead of labels", read_only=True),
+    P("direct_single", T.BOOL, False,
+      "when a plan computes the whole image on one compute node, that node takes the camera images itself "
+      "and publishes FusedOutput; the coordinator only tickets the images it accepts (the direct path)"),
     P("plan_link_mbit", T.DOUBLE, 1000.0,
       "prior rate of a link nobody has measured yet (Mbit/s); measured rates replace it", 1.0, 1e6,
       read_only=True),

@@ -66,6 +66,8 @@ def report(c: Coordinator) -> None:
         "scheduler_version": c.scheduler_authority.version,
         "strategy": plan.strategy if plan is not None else "",
         "plan": plan_text(c.graph, plan) if plan is not None else "",
+        # the node taking the camera images itself under the plan in effect ('' = through us)
+        "direct": c.direct_versions.get(c.current.version, "") if c.current else "",
         "predicted_ms": f"{c.predicted_ms:.1f}",
         "runner_up": ru.label if ru is not None else "",
         "runner_up_ms": f"{ru.predicted_ms:.1f}" if ru is not None else "",

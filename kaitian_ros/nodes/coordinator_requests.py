@@ -4,6 +4,10 @@
 under the plan in effect: it preprocesses a camera frame, streams each active compute node its
 input rows in slabs, gathers the OUTPUT rows, runs the head and publishes FusedOutput; it times
 out and re-dispatches requests. The coordinator sets its state up and chooses the plans.
+
+On the direct path (a plan computing the whole image on one node, `direct_single`) that node
+takes the camera image itself and publishes the FusedOutput: the coordinator only tickets the
+image (`nodes.compute_direct`) and waits for the node's sum to close the request.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from kaitian_ros.nodes import protocol as proto
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime.api import MessageInfo, Publisher, Runtime
 
+NO_ROWS = torch.empty(0, dtype=torch.uint8)  # a ticket carries no tensor
+DIRECT_MAX_RETURNS = 3  # tickets given back in a row before the direct path is put off for a while
+
 
 @dataclass
 class Request:
@@ -41,7 +48,7 @@ class Request:
     frame_id: str
     received_s: float
     dispatched_s: float
-    x: torch.Tensor
+    pixels: np.ndarray  # the camera image (H, W, C uint8), as received
     out: torch.Tensor
     got: np.ndarray  # bool per trunk-output row
     redispatches: int = 0
@@ -51,6 +58,8 @@ class Request:
     alone: bool = True  # no other request in flight during its whole life (its latency is the plan's)
     sources: dict = field(default_factory=dict)  # node -> rows received
     sums: dict = field(default_factory=dict)  # OUTPUT_SUM received: first row -> (N, C, 1, 1) sum of the node's rows
+    x: torch.Tensor | None = None  # the model's input rows (uint8), made when first sent
+    direct: bool = False  # ticketed on the direct path: its node took the image itself and answers
 
 
 class RequestFlow:
@@ -84,6 +93,8 @@ class RequestFlow:
     counts: collections.Counter[str]
     latencies: collections.deque
     chunk_pubs: dict[str, Publisher]
+    direct_versions: dict[int, str]  # plan version -> the node that takes the camera images itself
+    direct_returns: int  # tickets given back since the last direct request completed
     fused_pub: Publisher
     _sendq: queue.SimpleQueue | None
     incarnation: int  # the coordinator's authority (compute nodes reset on a new one)
@@ -96,27 +107,28 @@ class RequestFlow:
         """Remember what a request that ran alone took under `plan` (the coordinator's)."""
         raise NotImplementedError
 
+    def _direct_returned(self, reason: str) -> None:
+        """Too many tickets came back (the coordinator's: it re-announces the plan without)."""
+        raise NotImplementedError
+
     def _on_image(self, msg: Any) -> None:
         received = time.time()
         try:
             pixels = image_to_array(msg.data, int(msg.height), int(msg.width), msg.encoding, int(msg.step))
-            # uint8 rows on the wire; the compute nodes normalise them (4x fewer input bytes)
-            x = resize_pixels(pixels, self.spec.input_shape[1], self.spec.input_shape[2], self.spec.input_shape[0])
         except ImageFormatError as exc:
             self.rt.rejected.count(f"bad image: {exc}")
             return
-        self.pre_ms += 0.1 * ((time.time() - received) * 1e3 - self.pre_ms)
         if self.current is None:
             self.counts["dropped_no_plan"] += 1
             return
         if len(self.requests) >= self.params["max_in_flight"]:
             if self.waiting is not None:
                 self.counts["dropped_busy"] += 1  # camera frames: the newest wins
-            self.waiting = (msg, x, received)
+            self.waiting = (msg, pixels, received)
             return
-        self._dispatch_new(msg, x, received)
+        self._dispatch_new(msg, pixels, received)
 
-    def _dispatch_new(self, msg: Any, x: torch.Tensor, received: float) -> None:
+    def _dispatch_new(self, msg: Any, pixels: np.ndarray, received: float) -> None:
         rid = self.next_request
         if self.pending is not None and rid >= self.pending.effective_from_request:
             self._activate(self.pending)
@@ -124,9 +136,10 @@ class RequestFlow:
         self.next_request += 1
         c, h, w = self.out_shape
         req = Request(rid, self.current.version, self.plans[self.current.version], msg.header.stamp,
-                      msg.header.frame_id, received, time.time(), x,
+                      msg.header.frame_id, received, time.time(), pixels,
                       torch.empty((1, c, h, w)), np.zeros(h, dtype=bool), predicted_ms=self.predicted_ms,
-                      first_of_version=self.current.version == self.unmeasured_version)
+                      first_of_version=self.current.version == self.unmeasured_version,
+                      direct=self.current.version in self.direct_versions)
         if self.requests:
             req.alone = False
             for other in self.requests.values():
@@ -141,10 +154,48 @@ class RequestFlow:
             mb = sent / 1e6
             self.send_ms_per_mb += 0.1 * ((time.perf_counter() - t0) * 1e3 / mb - self.send_ms_per_mb)
 
+    def _input_rows(self, req: Request) -> torch.Tensor:
+        """The request's input: the image resized to the model's, uint8 (the compute nodes
+        normalise it: 4x fewer bytes on the wire than float32)."""
+        if req.x is None:
+            t0 = time.perf_counter()
+            c, h, w = self.spec.input_shape
+            req.x = resize_pixels(req.pixels, h, w, c)
+            self.pre_ms += 0.1 * ((time.perf_counter() - t0) * 1e3 - self.pre_ms)
+        return req.x
+
+    def _send_ticket(self, req: Request) -> None:
+        """The direct path: tell the plan's node which camera image is this request."""
+        node = req.plan.active_nodes()[0]
+        self.chunk_pubs[node].publish(ic.chunk_message(
+            request_id=req.request_id, plan_version=req.version, producer=proto.COORDINATOR, consumer=node,
+            segment=0, role=proto.ROLE_TICKET, row_offset=0, total_rows=self.spec.input_shape[1], rows=NO_ROWS,
+            frame_id=req.frame_id, stamp=req.image_stamp))
+        req.inputs_sent_s = time.time()
+
+    def _ticket_back(self, msg: Any) -> None:
+        """A node gave a ticket back (its image never reached it): send that request's rows."""
+        req = self.requests.get(int(msg.request_id))
+        if req is None or not req.direct or int(msg.plan_version) != req.version or \
+                msg.producer not in req.plan.active_nodes():
+            self.rt.rejected.count(f"stale ticket: request {msg.request_id} v{msg.plan_version} is not "
+                                   f"waiting for {msg.producer!r} on the direct path")
+            return
+        req.direct = False
+        self.counts["direct_returned"] += 1
+        self.direct_returns += 1
+        self._send_inputs(req)
+        if self.direct_returns >= DIRECT_MAX_RETURNS and req.version in self.direct_versions:
+            self._direct_returned(f"{self.direct_returns} tickets given back by {msg.producer} in a row")
+
     def _send_input_slabs(self, req: Request) -> int:
         """Publish (or queue, when paced) every active node's input slabs; the bytes published."""
+        if req.direct:
+            self._send_ticket(req)
+            return 0
         plan, slab = req.plan, req.plan.slab_rows  # the plan's own: the planner may send the whole image
         total = self.spec.input_shape[1]
+        x = self._input_rows(req)
         batches = []
         for node in plan.active_nodes():
             lo, hi = plan.input_rows_for(node)
@@ -157,7 +208,7 @@ class RequestFlow:
                     messages.append((node, ic.chunk_message(
                         request_id=req.request_id, plan_version=req.version, producer=proto.COORDINATOR,
                         consumer=node, segment=0, role=proto.ROLE_INPUT, row_offset=a, total_rows=total,
-                        rows=req.x[:, :, a:z], slab_index=i, last_slab=last, frame_id=req.frame_id)))
+                        rows=x[:, :, a:z], slab_index=i, last_slab=last, frame_id=req.frame_id)))
         pacing = self.params["input_pacing_ms"] / 1e3
         if pacing <= 0:
             for node, m in messages:
@@ -186,6 +237,9 @@ class RequestFlow:
     def _on_chunk(self, msg: Any, info: MessageInfo | None = None) -> None:
         if info is not None and info.source_timestamp_s and msg.producer in self.nodes:
             observe_link(self.meters, msg.producer, len(msg.data), info.source_timestamp_s, info.received_s)
+        if msg.role == proto.ROLE_TICKET and msg.consumer == proto.COORDINATOR:
+            self._ticket_back(msg)
+            return
         summed = msg.role == proto.ROLE_OUTPUT_SUM
         if msg.role not in (proto.ROLE_OUTPUT, proto.ROLE_OUTPUT_SUM) or msg.consumer != proto.COORDINATOR:
             self.rt.rejected.count(f"bad role: coordinator only takes OUTPUT and OUTPUT_SUM chunks, "
@@ -238,16 +292,12 @@ class RequestFlow:
         t0 = time.perf_counter()
         del self.requests[req.request_id]
         self.last_finished_s = time.time()
-        with torch.no_grad():
-            if req.sums:  # the nodes' sums in row order (a node that sent rows: their sum here)
-                ranges = sorted(req.plan.output_rows_for(n) for n in req.plan.active_nodes())
-                result = self.graph.run_head_on_sums([
-                    req.sums[lo] if lo in req.sums else req.out[:, :, lo:hi].sum(dim=(2, 3), keepdim=True)
-                    for lo, hi in ranges if hi > lo])
-            else:
-                result = self.graph.run_head(req.out)
-        self._publish_fused(req, result, True, "ok")
-        self.post_ms += 0.1 * ((time.perf_counter() - t0) * 1e3 - self.post_ms)
+        if req.direct:  # its node published the FusedOutput; the sum it sent is bookkeeping
+            self.direct_returns = 0
+            self.counts["direct_requests"] += 1
+            self.latencies.append((time.time() - req.received_s) * 1e3)
+        else:
+            self._answer(req, t0)
         if req.version == self.unmeasured_version:
             # a plan version's first request pays one-off costs on its new row shapes (kernel
             # selection, weight packing: 2-5x its steady latency here); folded into the plan's
@@ -258,32 +308,34 @@ class RequestFlow:
         self.counts["completed"] += 1
         self._start_waiting()
 
-    def _publish_fused(self, req: Request, result: torch.Tensor | None, complete: bool, status: str) -> None:
+    def _answer(self, req: Request, t0: float) -> None:
+        """The head on the gathered trunk output, published as the request's FusedOutput."""
+        with torch.no_grad():
+            if req.sums:  # the nodes' sums in row order (a node that sent rows: their sum here)
+                ranges = sorted(req.plan.output_rows_for(n) for n in req.plan.active_nodes())
+                result = self.graph.run_head_on_sums([
+                    req.sums[lo] if lo in req.sums else req.out[:, :, lo:hi].sum(dim=(2, 3), keepdim=True)
+                    for lo, hi in ranges if hi > lo])
+            else:
+                result = self.graph.run_head(req.out)
+        self._publish_fused(req, result, "ok")
+        self.post_ms += 0.1 * ((time.perf_counter() - t0) * 1e3 - self.post_ms)
+
+    def _publish_fused(self, req: Request, result: torch.Tensor | None, status: str) -> None:
         latency_ms = (time.time() - req.received_s) * 1e3
-        top_class, top_score = -1, 0.0
-        fields: dict[str, Any] = {}
-        if result is not None:
-            flat = result.reshape(result.shape[0], -1)
-            if result.dim() == 2 and flat.shape[1] > 1:
-                probs = torch.softmax(flat[0], dim=0)
-                top_class, top_score = int(probs.argmax()), float(probs.max())
-            fields = interfaces.tensor_fields(result.contiguous())
         nodes = req.plan.active_nodes()
-        rows = [int(np.diff(req.plan.output_rows_for(n))[0]) for n in nodes]
-        self.fused_pub.publish(interfaces.make(
-            "FusedOutput", header=interfaces.header(req.frame_id, req.image_stamp), request_id=req.request_id,
-            plan_version=req.version, complete=complete, top_class=top_class, top_score=top_score,
-            top_label=self.labels[top_class] if 0 <= top_class < len(self.labels) else "",
-            latency_ms=latency_ms, node_ids=list(nodes), node_rows=np.asarray(rows, np.uint32),
-            status=status, **fields))
-        if complete:
+        self.fused_pub.publish(ic.fused_message(
+            request_id=req.request_id, plan_version=req.version, frame_id=req.frame_id,
+            image_stamp=req.image_stamp, latency_ms=latency_ms, result=result, labels=self.labels,
+            node_ids=nodes, node_rows=[int(np.diff(req.plan.output_rows_for(n))[0]) for n in nodes], status=status))
+        if result is not None:
             self.latencies.append(latency_ms)
 
     def _start_waiting(self) -> None:
         if self.waiting is not None and len(self.requests) < self.params["max_in_flight"] and self.current:
-            msg, x, received = self.waiting
+            msg, pixels, received = self.waiting
             self.waiting = None
-            self._dispatch_new(msg, x, received)
+            self._dispatch_new(msg, pixels, received)
 
     def _time_out_requests(self) -> None:
         """Publish complete=false for every request in flight longer than request_timeout_s."""
@@ -294,7 +346,7 @@ class RequestFlow:
             del self.requests[req.request_id]
             self.last_finished_s = time.time()
             self.counts["timeouts"] += 1
-            self._publish_fused(req, None, False, f"timeout: missing rows {missing[0]}-{missing[-1]} from "
+            self._publish_fused(req, None, f"timeout: missing rows {missing[0]}-{missing[-1]} from "
                                                   f"{', '.join(owners)}")
             self._start_waiting()
         self._start_waiting()
@@ -377,6 +429,7 @@ class RequestFlow:
         req.dispatched_s = time.time()
         req.inputs_sent_s = None
         req.predicted_ms = self.predicted_ms
+        req.direct = False  # the node it goes to now may not have its image: send the rows
         self.counts["redispatched"] += 1
 
     def _reincarnate(self, incarnation: int, reason: str) -> None:

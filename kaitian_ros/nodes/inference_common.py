@@ -220,8 +220,8 @@ def profile_from_msg(msg: Any) -> DeviceProfile:
 
 def chunk_message(*, request_id: int, plan_version: int, producer: str, consumer: str, segment: int,
                   role: int, row_offset: int, total_rows: int, rows: torch.Tensor, slab_index: int = 0,
-                  last_slab: bool = False, frame_id: str = "") -> Any:
-    return interfaces.make("TensorChunk", header=interfaces.header(frame_id), request_id=request_id,
+                  last_slab: bool = False, frame_id: str = "", stamp: Any = None) -> Any:
+    return interfaces.make("TensorChunk", header=interfaces.header(frame_id, stamp), request_id=request_id,
                            plan_version=plan_version, producer=producer, consumer=consumer,
                            segment=segment, role=role, row_offset=row_offset, total_rows=total_rows,
                            slab_index=slab_index, last_slab=last_slab, **interfaces.tensor_fields(rows))
@@ -260,3 +260,24 @@ def chunk_rows(msg: Any) -> torch.Tensor:
     if not rows.is_floating_point() and not pixels:
         raise interfaces.DecodeError(f"chunk dtype {rows.dtype} is not floating point")
     return rows
+
+
+def fused_message(*, request_id: int, plan_version: int, frame_id: str, image_stamp: Any, latency_ms: float,
+                  result: torch.Tensor | None, labels: Sequence[str], node_ids: Sequence[str],
+                  node_rows: Sequence[int], status: str) -> Any:
+    """The FusedOutput of a request (`result` None: it did not complete): the coordinator's, or
+    on the direct path the one node's that computed it."""
+    top_class, top_score = -1, 0.0
+    fields: dict[str, Any] = {}
+    if result is not None:
+        flat = result.reshape(result.shape[0], -1)
+        if result.dim() == 2 and flat.shape[1] > 1:
+            probs = torch.softmax(flat[0], dim=0)
+            top_class, top_score = int(probs.argmax()), float(probs.max())
+        fields = interfaces.tensor_fields(result.contiguous())
+    return interfaces.make(
+        "FusedOutput", header=interfaces.header(frame_id, image_stamp), request_id=request_id,
+        plan_version=plan_version, complete=result is not None, top_class=top_class, top_score=top_score,
+        top_label=labels[top_class] if 0 <= top_class < len(labels) else "",
+        latency_ms=latency_ms, node_ids=list(node_ids), node_rows=np.asarray(node_rows, np.uint32),
+        status=status, **fields)

@@ -1,5 +1,5 @@
 """The model parameters that the coordinator and the compute nodes share (which model, its
-input, its weights). Apart from the nodes: `kaitian launch` checks a scenario's parameter names
+input, its weights, its class names). Apart from the nodes: `kaitian launch` checks a scenario's parameter names
 against them before any node starts, without importing torch."""
 
 from __future__ import annotations
@@ -20,4 +20,8 @@ MODEL_PARAMETERS = (
       1, 4096),
     P("normalise", T.BOOL, True, "ImageNet mean/std normalisation of the input (on the compute nodes)",
       read_only=True),
+    # the compute nodes need them too: on the direct path a node publishes FusedOutput itself
+    P("labels", T.STRING_ARRAY, [], "class names by class index, num_classes of them (FusedOutput.top_label)",
+      read_only=True),
+    P("labels_file", T.STRING, "", "a UTF-8 file with one class name per line, instead of labels", read_only=True),
 )

@@ -29,8 +29,9 @@ PLAN_TOPIC = "/kaitian/plan"              # the plan versions actually executed 
 ASSIGNMENT_TOPIC = "/kaitian/assignment"  # the scheduler's proposals (latched)
 PROFILES_TOPIC = "/kaitian/profiles"      # compute nodes' measured costs (latched)
 FUSED_TOPIC = "/kaitian/fused"
-ROLE_INPUT, ROLE_HALO, ROLE_OUTPUT, ROLE_OUTPUT_SUM = 0, 1, 2, 3  # msg/TensorChunk.msg
-ROLE_NAMES = {ROLE_INPUT: "INPUT", ROLE_HALO: "HALO", ROLE_OUTPUT: "OUTPUT", ROLE_OUTPUT_SUM: "OUTPUT_SUM"}
+ROLE_INPUT, ROLE_HALO, ROLE_OUTPUT, ROLE_OUTPUT_SUM, ROLE_TICKET = 0, 1, 2, 3, 4  # msg/TensorChunk.msg
+ROLE_NAMES = {ROLE_INPUT: "INPUT", ROLE_HALO: "HALO", ROLE_OUTPUT: "OUTPUT", ROLE_OUTPUT_SUM: "OUTPUT_SUM",
+              ROLE_TICKET: "TICKET"}
 ROLE_OF_NAME = {v: k for k, v in ROLE_NAMES.items()}
 
 # Request ids: a coordinator numbers its requests from its start time in microseconds, so the ids
@@ -63,9 +64,10 @@ def chunk_topic(node_id: str) -> str:
 
 
 def assignment_msg(a: Assignment, incarnation: int, plan: Plan | None = None, runner_up: str = "",
-                   runner_up_ms: float = 0.0) -> Any:
+                   runner_up_ms: float = 0.0, image_topic: str = "") -> Any:
     """LoadAssignment message of a scheduler proposal, or with `plan` of an executed plan, from
-    the publisher's run `incarnation` (`core.authority`)."""
+    the publisher's run `incarnation` (`core.authority`); `image_topic`: the camera topic the
+    plan's one node takes its images from itself (the direct path)."""
     fields: dict[str, Any] = {}
     if plan is not None:
         spec = plan.spec
@@ -73,12 +75,19 @@ def assignment_msg(a: Assignment, incarnation: int, plan: Plan | None = None, ru
         fields = {"strategy": spec.strategy, "cut_values": np.asarray(spec.cuts, np.uint16),
                   "segment_shares": np.asarray([] if uniform and spec.strategy == "stripes" else
                                                [x for row in spec.segment_shares for x in row], np.float64),
-                  "runner_up": runner_up, "runner_up_ms": float(runner_up_ms), "slab_rows": plan.slab_rows}
+                  "runner_up": runner_up, "runner_up_ms": float(runner_up_ms), "slab_rows": plan.slab_rows,
+                  "image_topic": image_topic}
     return interfaces.make("LoadAssignment", incarnation=incarnation, version=a.version,
                            effective_from_request=a.effective_from_request,
                            node_ids=list(a.node_ids), shares=np.asarray(a.shares, np.float64),
                            policy=a.policy, reason=a.reason, predicted_makespan_ms=a.predicted_makespan_ms,
                            **fields)
+
+
+def image_key(header: Any) -> tuple[int, int, str]:
+    """What names a camera image between the coordinator and a node taking it itself: its
+    header's stamp and frame_id (`core.tickets`)."""
+    return int(header.stamp.sec), int(header.stamp.nanosec), str(header.frame_id)
 
 
 def accept_versioned(rt: Any, tracker: AuthorityTracker, msg: Any) -> Verdict | None:

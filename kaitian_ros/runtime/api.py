@@ -150,6 +150,9 @@ class Publisher(Protocol):
 class Subscription(Protocol):
     topic: str
 
+    def destroy(self) -> None:
+        """Stop receiving on this subscription (idempotent)."""
+
 
 class Timer(Protocol):
     def cancel(self) -> None: ...

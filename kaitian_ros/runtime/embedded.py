@@ -147,6 +147,12 @@ class EmbeddedRuntime:
         self._keepalive.append(sub)
         return sub
 
+    def forget(self, entity: Any, token: Any) -> None:
+        """A destroyed endpoint: undeclare its graph token, stop keeping it alive."""
+        token.undeclare()
+        self._tokens = [t for t in self._tokens if t is not token]
+        self._keepalive = [k for k in self._keepalive if k is not entity]
+
     def create_timer(self, period_s: float, callback: Callable[[], None]) -> EmbeddedTimer:
         timer = EmbeddedTimer(period_s, callback)
         self.post(lambda: heapq.heappush(self._timers, (time.monotonic() + period_s, next(self._timer_seq), timer)))

@@ -98,10 +98,23 @@ class EmbeddedSubscription:
         # the query below, when it comes after one of those, holds nothing newer - and may be
         # older: the node would see an old plan after a new one, and count it as stale
         self._live_sources: set[bytes] | None = set() if qos is QoS.LATCHED else None
+        self.destroyed = False
         self._sub = rt.session.declare_subscriber(zs.topic_key_any_type(rt.domain, topic), self._on_sample)
         self._token = rt.declare_endpoint_token("MS", topic, msg_type, qos)
         if qos is QoS.LATCHED:
             zs.query_latched(rt.session, zs.topic_key_any_type(rt.domain, topic), self._on_reply, 3.0)
+
+    def destroy(self) -> None:
+        """Stop receiving: undeclare the subscriber and its graph token; samples already queued
+        are not delivered."""
+        if self.destroyed:
+            return
+        self.destroyed = True
+        self._sub.undeclare()
+        self._rt.forget(self, self._token)
+        self.pending.clear()
+        with self._bytes_lock:
+            self._queued_bytes = 0
 
     def _on_reply(self, reply: Any) -> None:
         if reply.ok is not None:
@@ -120,6 +133,8 @@ class EmbeddedSubscription:
     def _on_sample(self, sample: Any, cached: bool = False) -> None:
         # runs on a zenoh thread: validate + decode here, run the callback on the executor
         received_s = time.time()
+        if self.destroyed:
+            return
         key = str(sample.key_expr)
         try:
             verdict = self._key_verdict[key]
@@ -203,6 +218,8 @@ class EmbeddedSubscription:
             except IndexError:  # drained (a best-effort queue may also have dropped the oldest)
                 break
             self._unqueue(size)
+            if self.destroyed:
+                break
             try:
                 if self.with_info:
                     self.callback(msg, info)

@@ -170,6 +170,13 @@ class RosSubscription:
         self._sub = rt.node.create_subscription(message_class(self.msg_type), topic, self._on_raw,
                                                 rt.qos_profile(qos), raw=True)
         self.topic = getattr(self._sub, "topic_name", topic)
+        self.destroyed = False
+
+    def destroy(self) -> None:
+        """Stop receiving (rclpy's destroy_subscription)."""
+        if not self.destroyed:
+            self.destroyed = True
+            self._rt.node.destroy_subscription(self._sub)
 
     def _on_raw(self, payload: bytes) -> None:
         # rclpy hands raw messages to the executor thread: arrival is when we see it

@@ -33,7 +33,7 @@ CA_KEY = "ca.key"  # only `kaitian certs create` needs it; a running graph never
 PROTECTED_TOPICS: dict[str, tuple[str, ...]] = {
     "/kaitian/plan": (COORDINATOR,),           # plan versions every compute node executes
     "/kaitian/assignment": (SCHEDULER,),       # the shares the coordinator adopts
-    "/kaitian/fused": (COORDINATOR,),          # the graph's results
+    "/kaitian/fused": (COORDINATOR, COMPUTE),  # the graph's results (direct path: the node's own)
     "/kaitian/telemetry": (COMPUTE,),          # what the scheduler moves shares by
     "/kaitian/profiles": (COMPUTE,),           # the costs the coordinator's planner plans with
     "/kaitian/chunks/**": (COORDINATOR, COMPUTE),  # image rows in, halos between nodes, rows out

@@ -1,0 +1,101 @@
+"""A compute node's direct path: under a plan that computes the whole image on this node alone
+(its ``image_topic`` set), the node takes the camera images itself and answers on
+``/kaitian/fused``, so the coordinator is off the request's path: no input rows from it, no
+trip back through it for the head. The coordinator still decides which images become requests
+and tickets each one (TensorChunk ROLE_TICKET: request id, plan version, the image's header);
+`core.tickets.TicketBook` pairs tickets with images. A ticket whose image does not come within
+``image_wait_s`` (the subscription is new, the camera dropped it, two images shared a header)
+goes back to the coordinator, which then sends that request's rows as under any other plan.
+
+The node listens to the camera only while its newest plan asks it to: under any other plan the
+images would cross its link for nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kaitian_ros.core.tickets import Match, Ticket, TicketBook
+from kaitian_ros.nodes import inference_common as ic
+from kaitian_ros.nodes import protocol as proto
+from kaitian_ros.runtime import interfaces
+from kaitian_ros.runtime.api import QoS, Runtime, Subscription
+
+NO_ROWS = torch.empty(0, dtype=torch.uint8)
+
+
+class DirectImages:
+    """The camera subscription a node's newest plan asks for, and the tickets and images
+    waiting for each other (`run` gets every pair; `give_back` publishes a returned ticket)."""
+
+    def __init__(self, rt: Runtime, run: Callable[[Match], None], give_back: Callable[[Ticket, str], None]) -> None:
+        self.rt, self._run, self._give_back = rt, run, give_back
+        self.book = TicketBook()
+        self.topics: dict[int, str] = {}  # plan version -> the camera topic it names ("" none)
+        self.sub: Subscription | None = None
+        self.asked = ""  # the topic the subscription was made for (its resolved name may differ)
+        self.given_back = 0
+        self.answered = 0
+
+    @property
+    def topic(self) -> str:
+        return self.sub.topic if self.sub is not None else ""
+
+    def close(self) -> None:
+        if self.sub is not None:
+            self.sub.destroy()
+            self.sub = None
+
+    def follow(self, versions: dict[int, str]) -> None:
+        """The plans this node keeps (version -> their image topic): listen to the camera while
+        the newest one names a topic, and only then."""
+        self.topics = dict(versions)
+        want = self.topics[max(self.topics)] if self.topics else ""
+        if self.sub is not None and want != self.asked:
+            self.sub.destroy()
+            self.sub = None
+            self.book.clear_images()
+            self.rt.logger.info("direct path off: camera images go through the coordinator again")
+        if want and self.sub is None:
+            self.sub = self.rt.create_subscription(want, "Image", self._on_image, QoS.BEST_EFFORT)
+            self.asked = want
+            self.rt.logger.info(f"direct path: taking the camera images from {want} myself")
+
+    def _on_image(self, msg: Any) -> None:
+        match = self.book.add_image(proto.image_key(msg.header), msg, time.time())
+        if match is not None:
+            self._run(match)
+
+    def on_ticket(self, msg: Any) -> None:
+        """A ticket from the coordinator (its plan is known and names this node)."""
+        ticket = Ticket(int(msg.request_id), int(msg.plan_version), proto.image_key(msg.header), time.monotonic())
+        if not self.topics.get(ticket.plan_version):
+            self._give_back(ticket, f"plan v{ticket.plan_version} does not send this node the camera images")
+            return
+        match, back = self.book.add_ticket(ticket)
+        for t in back:
+            self._give_back(t, "two images with its header, or too many tickets waiting")
+        if match is not None:
+            self._run(match)
+
+    def expire(self, wait_s: float) -> None:
+        """Give back the tickets whose image did not come within `wait_s`."""
+        for t in self.book.expire(time.monotonic(), wait_s):
+            self._give_back(t, f"its image did not arrive within {wait_s:.2f} s")
+
+    def status(self) -> dict[str, Any]:
+        return {"direct_topic": self.topic, "direct_answered": self.answered, "direct_given_back": self.given_back,
+                "direct_unticketed_images": self.book.unticketed}
+
+
+def ticket_back_message(ticket: Ticket, node_id: str) -> Any:
+    """The TensorChunk that gives `ticket` back to the coordinator."""
+    sec, nanosec, frame_id = ticket.key
+    stamp = interfaces.msg_class("Time")(sec=sec, nanosec=nanosec)
+    return ic.chunk_message(request_id=ticket.request_id, plan_version=ticket.plan_version, producer=node_id,
+                         consumer=proto.COORDINATOR, segment=0, role=proto.ROLE_TICKET, row_offset=0, total_rows=0,
+                         rows=NO_ROWS, frame_id=frame_id, stamp=stamp)

@@ -15,8 +15,9 @@ import math
 import numpy as np
 import pytest
 from helpers import wait_routed
-from inference_helpers import InferenceGraph, wait_until
+from inference_helpers import TOLERANCE, InferenceGraph, image_msg, synthetic_image, wait_until
 
+from kaitian_ros.core.tensors import relative_error
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.nodes import protocol as proto
 from kaitian_ros.runtime import interfaces
@@ -96,7 +97,7 @@ def test_direct_path_equals_the_single_device_result_and_turns_off_live(graph):
     assert {tuple(f.node_ids) for f in outputs} == {(node,)}
     values = wait_until(lambda: ((v := _coordinator_values(g)) and int(v.get("direct_requests", 0)) >= 4
                                  and v) or None, "the coordinator counting direct requests", 10.0)
-    assert values["direct"] == node and int(values.get("direct_returned", 0)) <= 1, values
+    assert values["direct"] == node, values
     node_values = wait_until(lambda: ((d := g.diagnostics_of(node)) and int(d[-1].get("direct_answered", 0)) >= 4
                                       and d[-1]) or None, f"{node} reporting its direct answers", 10.0)
     assert node_values["direct_topic"] == "/camera/image_raw"
@@ -199,3 +200,43 @@ def test_implausible_profiles_are_dropped_counted_and_the_last_good_one_kept(gra
     assert values["profiles"] == versions or "v10000" not in values["profiles"], values
     frames = g.frames(2, first=300)
     g.check_outputs(frames, g.stream(frames))
+
+
+def test_frames_sharing_a_header_and_forged_tickets_lose_nothing_on_the_direct_path(graph):
+    """Two camera frames with one header cannot be told apart by the node taking the images
+    itself: each is still answered once and exactly (a ticket the node cannot pair goes back,
+    the coordinator sends that request's rows). A ticket the coordinator never issued comes
+    back to it and is counted as stale. Last in this file: tickets given back may put the
+    direct path off for a while."""
+    g = graph
+    ok, why = g.probe_client().set_parameters("coordinator", {"strategy": "single", "slab_rows": 64,
+                                                              "direct_single": True})
+    assert ok, why
+    plan = _plan_with(g, lambda p: p.strategy == "single" and p.image_topic, "a single plan on the direct path")
+    node = ic.spec_from_msg(plan).node_ids[0]
+    base = _coordinator_values(g)
+    forged = g.probe.rt.create_publisher(proto.chunk_topic(node), "TensorChunk")
+    wait_routed(forged, f"{node}'s chunk subscription")
+    forged.publish(ic.chunk_message(
+        request_id=proto.first_request_id() + 77, plan_version=int(plan.version), producer=proto.COORDINATOR,
+        consumer=node, segment=0, role=proto.ROLE_TICKET, row_offset=0, total_rows=64,
+        rows=np.zeros(0, np.uint8), frame_id="nobody", stamp=interfaces.msg_class("Time")(sec=9, nanosec=9)))
+    for pair in range(3):
+        first, second = 500 + 2 * pair, 501 + 2 * pair
+        pixels = [synthetic_image(i, 72, 80) for i in (first, second)]
+        msgs = [image_msg(p, first) for p in pixels]  # both carry frame `first`'s header
+        already = len(g.fused)
+        for m in msgs:
+            g.publish(m)
+        got = wait_until(lambda a=already, fid=f"frame{first}": (
+            len(out := [f for f in g.fused.snapshot()[a:] if f.header.frame_id == fid]) >= 2 and out) or None,
+            f"two answers to the frames sharing frame{first}'s header", 30.0)
+        assert len(got) == 2, [(int(f.request_id), f.status) for f in got]
+        for fused, px in zip(sorted(got, key=lambda f: int(f.request_id)), pixels):
+            assert fused.complete and fused.status == "ok", fused.status
+            err = relative_error(interfaces.tensor_from_fields(fused).float(), g.reference(px))
+            assert err <= TOLERANCE, f"frame sharing frame{first}'s header: relative error {err:.2e}"
+    want = int(base.get("rejected.stale ticket", "0")) + 1
+    values = wait_until(lambda: ((v := _coordinator_values(g)) and int(v.get("rejected.stale ticket", "0")) >= want
+                                 and v) or None, "the forged ticket back at the coordinator, counted stale", 10.0)
+    assert int(values.get("timeouts", "0")) == int(base.get("timeouts", "0")), values

@@ -26,11 +26,12 @@ class ProductConfig:
     shares: tuple[float, ...]  # coordinator `static_shares` (used when use_scheduler is false)
     slab_rows: int          # coordinator `slab_rows`
     min_run_rows: int       # every compute node's `min_run_rows`
+    direct_single: bool = True  # coordinator `direct_single` (the product's default)
 
     def summary(self) -> dict:
         return {"strategy": self.strategy, "use_scheduler": self.use_scheduler,
                 "shares": [round(x, 4) for x in self.shares], "slab_rows": self.slab_rows,
-                "min_run_rows": self.min_run_rows}
+                "min_run_rows": self.min_run_rows, "direct_single": self.direct_single}
 
 
 COORDINATOR_STATUS = "kaitian: coordinator"
@@ -170,7 +171,7 @@ class Driver:
                 self._wait_profile_rows(n, cfg.min_run_rows)
         ok, why = self.client.set_parameters("coordinator", {
             "use_scheduler": cfg.use_scheduler, "strategy": cfg.strategy, "slab_rows": int(cfg.slab_rows),
-            "static_shares": [float(s) for s in cfg.shares]})
+            "static_shares": [float(s) for s in cfg.shares], "direct_single": cfg.direct_single})
         if not ok:
             raise RuntimeError(f"coordinator refused parameters: {why}")
         if cfg.use_scheduler:

@@ -13,7 +13,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +191,8 @@ def _product_configs(sc: BenchScenario, args: argparse.Namespace, trunk_ms: list
     # ours: the scheduler's shares and the planner's choice; static_shares only matter until
     # the scheduler's first assignment (as in config/hetero_inference.yaml: equal)
     cfgs["ours"] = ProductConfig("auto", True, (1.0,) * n, args.slab_rows, args.min_run_rows)
+    # the same product with every image through the coordinator: what its direct path gains
+    cfgs["ours_via_coordinator"] = replace(cfgs["ours"], direct_single=False)
     return cfgs
 
 
@@ -291,7 +293,7 @@ def _measure_rounds(driver: Driver, gp: Graph, measure: Measurer, cfgs: dict[str
     for r in range(args.rounds):
         for name, cfg in cfgs.items():
             driver.configure(cfg)
-            if name == "ours":
+            if name.startswith("ours"):
                 rounds_before = driver.planning_rounds()
                 measure(series[name], driver.ours_frame, per_round, warmup=OURS_WARMUP)
                 # planning runs in a process of its own on the same cores as the nodes
@@ -360,7 +362,9 @@ def _result(sc: BenchScenario, args: argparse.Namespace, driver: Driver, series:
     bound["device_trunk_ms_product"] = [round(statistics.median(c), 2) if c else None for c in product]
     best_other = min(v for k, v in lat.items() if k != "ours")
     per_round = max(1, args.frames // args.rounds)
-    heldout, heldout_best = ours_over_best_heldout({k: s.samples for k, s in series.items()})
+    # baselines only: ours_via_coordinator is the product too
+    heldout, heldout_best = ours_over_best_heldout({k: s.samples for k, s in series.items()
+                                                    if k == "ours" or not k.startswith("ours")})
     return {
         "latency_ms": {k: round(v, 2) for k, v in lat.items()},
         "bound_ms": round(bound_ms, 2),
@@ -369,6 +373,8 @@ def _result(sc: BenchScenario, args: argparse.Namespace, driver: Driver, series:
         "ours_over_best_heldout": round(heldout, 3),
         "best_heldout": heldout_best,
         "ours_over_bound": round(lat["ours"] / bound_ms, 3),
+        # the product with its images through the coordinator minus ours (> 0: the direct path gains)
+        "direct_gain_ms": round(series["ours_via_coordinator"].median - lat["ours"], 2),
         **_ours_choice(driver, series["ours"]),
         "emulated": any(s != 1.0 for s in sc.slowdowns),
         "link_mbit": sc.mbit,

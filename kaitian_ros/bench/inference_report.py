@@ -81,6 +81,10 @@ def table(res: dict) -> str:
         if k == "ours" and res.get("chosen_plan"):
             note += f"; ran {res['chosen_plan']}"
         lines.append(_row(k, lat[k], v[name]["p90_ms"], ours, bound, note))
+        if k == "ours" and "ours_via_coordinator" in v:
+            via = v["ours_via_coordinator"]
+            lines.append(_row("  via_coordinator", via["median_ms"], via["p90_ms"], ours, bound,
+                              "ours with direct_single off: every image through the coordinator"))
         if k == "single":
             for cand in sorted(n for n in v if n.startswith("single_")):
                 lines.append(_row(f"  {cand}", v[cand]["median_ms"], v[cand]["p90_ms"], ours, bound,

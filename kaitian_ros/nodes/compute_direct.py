@@ -40,6 +40,7 @@ class DirectImages:
         self.asked = ""  # the topic the subscription was made for (its resolved name may differ)
         self.given_back = 0
         self.answered = 0
+        self.images_seen = 0  # on the current subscription
 
     @property
     def topic(self) -> str:
@@ -62,10 +63,11 @@ class DirectImages:
             self.rt.logger.info("direct path off: camera images go through the coordinator again")
         if want and self.sub is None:
             self.sub = self.rt.create_subscription(want, "Image", self._on_image, QoS.BEST_EFFORT)
-            self.asked = want
+            self.asked, self.images_seen = want, 0
             self.rt.logger.info(f"direct path: taking the camera images from {want} myself")
 
     def _on_image(self, msg: Any) -> None:
+        self.images_seen += 1
         match = self.book.add_image(proto.image_key(msg.header), msg, time.time())
         if match is not None:
             self._run(match)
@@ -75,6 +77,11 @@ class DirectImages:
         ticket = Ticket(int(msg.request_id), int(msg.plan_version), proto.image_key(msg.header), time.monotonic())
         if not self.topics.get(ticket.plan_version):
             self._give_back(ticket, f"plan v{ticket.plan_version} does not send this node the camera images")
+            return
+        if self.images_seen == 0 and ticket.key not in self.book.images:
+            # a new subscription that has seen no image yet: the ticket's image went past before
+            # its route existed (images travel ahead of their tickets), it will not come
+            self._give_back(ticket, "its image came before this node listened to the camera")
             return
         match, back = self.book.add_ticket(ticket)
         for t in back:

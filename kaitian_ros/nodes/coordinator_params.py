@@ -41,7 +41,8 @@ PARAMETERS = MODEL_PARAMETERS + (
       "latency gain of at least this fraction", 0.0, 1.0),
     P("replan_period_s", T.DOUBLE, 5.0, "re-predict the candidates this often with the newest measurements",
       0.1, 3600.0),
-    P("direct_single", T.BOOL, False,
+    # on by default: interleaved A/Bs measured it 2-4 ms faster than through the coordinator (docs/benchmarks.md)
+    P("direct_single", T.BOOL, True,
       "when a plan computes the whole image on one compute node, that node takes the camera images itself "
       "and publishes FusedOutput; the coordinator only tickets the images it accepts (the direct path)"),
     P("plan_link_mbit", T.DOUBLE, 1000.0,

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zenoh
-from helpers import Probe, raw_session, spawn_helper, spawn_node, wait_until
+from helpers import Collector, Probe, raw_session, spawn_helper, spawn_node, wait_until
 
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime import zenoh_session as zs
@@ -99,6 +99,34 @@ def test_reliable_and_best_effort_both_deliver(router, probe):
         assert probe.rt.rejected.total == 0
     finally:
         publisher.stop()
+
+
+def test_a_destroyed_subscription_receives_nothing_more_and_leaves_the_graph(router, probe):
+    """What a compute node does when its plan stops sending it the camera images: after
+    destroy() no sample reaches the callback, the publisher no longer matches a subscriber
+    (the images stop crossing the link), and a second destroy() is harmless."""
+    sender = Probe(router.endpoint, "sender")
+    try:
+        got, control = Collector(), probe.collect("/destroy/control", "String")
+        sub = probe.rt.create_subscription("/destroy/images", "String", got)
+        pub = sender.rt.create_publisher("/destroy/images", "String")
+        ctl = sender.rt.create_publisher("/destroy/control", "String")
+        matching = sender.rt.session.declare_publisher(pub.key, allowed_destination=zenoh.Locality.REMOTE)
+        try:
+            wait_until(lambda: (pub.publish(interfaces.make("String", data="before")), got)[1], "a sample before")
+            sub.destroy()
+            sub.destroy()
+            wait_until(lambda: not matching.matching_status.matching, "the subscriber gone from the route")
+        finally:
+            matching.undeclare()
+        seen = len(got)
+        for i in range(5):
+            pub.publish(interfaces.make("String", data=f"after {i}"))
+        wait_until(lambda: (ctl.publish(interfaces.make("String", data="mark")), control)[1], "the control topic")
+        assert len(got) == seen and all(m.data == "before" for m in got.snapshot())
+        assert probe.rt.rejected.total == 0
+    finally:
+        sender.close()
 
 
 def test_qos_maps_to_congestion_control(router, probe):

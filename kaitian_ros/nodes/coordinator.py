@@ -39,10 +39,11 @@ from kaitian_ros.nodes import compute_prepare
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.nodes import protocol as proto
 from kaitian_ros.nodes.coordinator_costs import planning_costs
+from kaitian_ros.nodes.coordinator_direct import DirectPath
 from kaitian_ros.nodes.coordinator_measured import observe_latency
 from kaitian_ros.nodes.coordinator_params import PARAMETERS, PLAN_SETTINGS
 from kaitian_ros.nodes.coordinator_report import report
-from kaitian_ros.nodes.coordinator_requests import Request, RequestFlow
+from kaitian_ros.nodes.coordinator_requests import Request
 from kaitian_ros.nodes.planner_process import PlanRequest, plan_round, planner_for, prefork
 from kaitian_ros.runtime import run_node
 from kaitian_ros.runtime.api import MessageInfo, QoS, Runtime, SetParametersResult
@@ -52,10 +53,9 @@ from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher
 # before its departure was handled, or this soon after (rclpy stamps receipt in the executor),
 # is from the dead process. Short: a warm respawn sends its first heartbeat ~0.7 s after death
 DEPARTED_QUIET_S = 0.25
-DIRECT_RETRY_S = 30.0  # after its tickets came back, the direct path is tried again this much later
 
 
-class Coordinator(RequestFlow):
+class Coordinator(DirectPath):
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.params = rt.declare_parameters(PARAMETERS)
@@ -150,38 +150,6 @@ class Coordinator(RequestFlow):
             self.memory.forget_departures()
             self._replan(f"{', '.join(sorted(changes))} set", force=True, resume=True)
         return SetParametersResult(True)
-
-    # --- the direct path ----------------------------------------------------------------
-    def _direct_node(self, plan: Plan) -> str:
-        """The node that takes the camera images itself under `plan` ('' none): the direct path
-        needs the whole image computed on one node, a head that starts with a global average
-        pool (the node answers from its sum) and images straight from the camera (no EMULATED
-        input pacing). The image then arrives whole, not streamed in the plan's slabs."""
-        if not self.params["direct_single"] or self.params["input_pacing_ms"] > 0 or not self.graph.pooled_head:
-            return ""
-        if self.direct_off_until is not None and time.monotonic() < self.direct_off_until:
-            return ""
-        nodes, height = plan.active_nodes(), self.spec.input_shape[1]
-        if len(nodes) != 1 or plan.input_rows_for(nodes[0]) != (0, height):
-            return ""
-        return nodes[0]
-
-    def _reannounce(self, reason: str) -> None:
-        """The running plan again as a new version, from the next request: whether it takes the
-        direct path is decided anew. A held switch decides that when it takes effect."""
-        if self.current is None or self.pending is not None:
-            return
-        pv = dataclasses.replace(self.current, version=self.current.version + 1,
-                                 effective_from_request=self.next_request,
-                                 reason=f"{reason}: {self.current.reason}")
-        self.plans[pv.version] = self.plans[self.current.version]
-        self._activate(pv)
-
-    def _direct_returned(self, reason: str) -> None:
-        self.direct_off_until = time.monotonic() + DIRECT_RETRY_S
-        self.counts["direct_off"] += 1
-        self.rt.logger.warning(f"direct path off for {DIRECT_RETRY_S:.0f} s: {reason}")
-        self._reannounce("direct path off")
 
     # --- membership and plans -----------------------------------------------------------
     def _on_telemetry(self, msg: Any, info: MessageInfo) -> None:
@@ -492,10 +460,7 @@ class Coordinator(RequestFlow):
             self.replan_soon("periodic re-prediction", periodic=True)
         self._collect_plan()
         self._time_out_requests()
-        if self.direct_off_until is not None and now_m >= self.direct_off_until:
-            self.direct_off_until = None
-            if self.params["direct_single"]:
-                self._reannounce("direct path tried again")
+        self._retry_direct(now_m)
 
     def _on_plan_topic(self, msg: Any) -> None:
         """Our own topic: a plan we did not publish is forged (or a second coordinator runs)."""

@@ -35,9 +35,6 @@ from kaitian_ros.nodes import protocol as proto
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime.api import MessageInfo, Publisher, Runtime
 
-NO_ROWS = torch.empty(0, dtype=torch.uint8)  # a ticket carries no tensor
-DIRECT_MAX_RETURNS = 3  # tickets given back in a row before the direct path is put off for a while
-
 
 @dataclass
 class Request:
@@ -107,8 +104,13 @@ class RequestFlow:
         """Remember what a request that ran alone took under `plan` (the coordinator's)."""
         raise NotImplementedError
 
-    def _direct_returned(self, reason: str) -> None:
-        """Too many tickets came back (the coordinator's: it re-announces the plan without)."""
+    def _send_ticket(self, req: Request) -> None:
+        """The direct path: tell the plan's node which camera image is this request
+        (`coordinator_direct`)."""
+        raise NotImplementedError
+
+    def _ticket_back(self, msg: Any) -> None:
+        """A node gave a ticket back (`coordinator_direct`)."""
         raise NotImplementedError
 
     def _on_image(self, msg: Any) -> None:
@@ -163,30 +165,6 @@ class RequestFlow:
             req.x = resize_pixels(req.pixels, h, w, c)
             self.pre_ms += 0.1 * ((time.perf_counter() - t0) * 1e3 - self.pre_ms)
         return req.x
-
-    def _send_ticket(self, req: Request) -> None:
-        """The direct path: tell the plan's node which camera image is this request."""
-        node = req.plan.active_nodes()[0]
-        self.chunk_pubs[node].publish(ic.chunk_message(
-            request_id=req.request_id, plan_version=req.version, producer=proto.COORDINATOR, consumer=node,
-            segment=0, role=proto.ROLE_TICKET, row_offset=0, total_rows=self.spec.input_shape[1], rows=NO_ROWS,
-            frame_id=req.frame_id, stamp=req.image_stamp))
-        req.inputs_sent_s = time.time()
-
-    def _ticket_back(self, msg: Any) -> None:
-        """A node gave a ticket back (its image never reached it): send that request's rows."""
-        req = self.requests.get(int(msg.request_id))
-        if req is None or not req.direct or int(msg.plan_version) != req.version or \
-                msg.producer not in req.plan.active_nodes():
-            self.rt.rejected.count(f"stale ticket: request {msg.request_id} v{msg.plan_version} is not "
-                                   f"waiting for {msg.producer!r} on the direct path")
-            return
-        req.direct = False
-        self.counts["direct_returned"] += 1
-        self.direct_returns += 1
-        self._send_inputs(req)
-        if self.direct_returns >= DIRECT_MAX_RETURNS and req.version in self.direct_versions:
-            self._direct_returned(f"{self.direct_returns} tickets given back by {msg.producer} in a row")
 
     def _send_input_slabs(self, req: Request) -> int:
         """Publish (or queue, when paced) every active node's input slabs; the bytes published."""

@@ -110,6 +110,24 @@ def test_garbage_on_a_raw_subscription_is_dropped_and_counted(runtime: RosRuntim
     assert runtime.rejected.counts == {"malformed": 3} and "/check/state" in runtime.rejected.last_reason
 
 
+def test_a_destroyed_subscription_receives_nothing_more(runtime: RosRuntime) -> None:
+    got: list[Any] = []
+    sub = runtime.create_subscription("/check/images", "String", got.append)
+    raw = runtime.node.create_publisher(message_class("String"), "/check/images", 10)
+    good = bytes(interfaces.encode(interfaces.make("String", data="before"), "String"))
+    spin_until(runtime, lambda: (raw.publish(good), got)[1], "a message before")
+    sub.destroy()
+    sub.destroy()  # a second destroy is harmless
+    spin_until(runtime, lambda: raw.get_subscription_count() == 0, "the subscription gone from the graph")
+    seen = len(got)
+    after = bytes(interfaces.encode(interfaces.make("String", data="after"), "String"))
+    for _ in range(5):
+        raw.publish(after)
+    for _ in range(20):
+        rclpy.spin_once(runtime.node, timeout_sec=0.01)
+    assert len(got) == seen and all(m.data == "before" for m in got)
+
+
 def test_callback_exceptions_are_logged_and_spin_ends_at_shutdown(runtime: RosRuntime,
                                                                   capfd: pytest.CaptureFixture) -> None:
     calls: list[int] = []

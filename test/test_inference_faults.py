@@ -360,3 +360,35 @@ def test_a_backlog_older_than_max_queue_wait_is_dropped_as_stale_and_the_node_ke
     frames = g.frames(3, first=700)
     g.check_outputs(frames, g.stream(frames))
     assert not g.dead_children()
+
+
+def test_the_direct_path_node_killed_mid_run_loses_no_frame(tmp_path):
+    """kill -9 the node that takes the camera images itself (a single-device plan on the direct
+    path) while frames flow: the requests it held are sent again, with their rows, to the other
+    node, and every frame gets one complete, exact FusedOutput."""
+    with InferenceGraph(tmp_path, model="resnet18", height=64, width=64, slowdowns=[1.0, 1.0],
+                        shares=[1.0, 1.0], slab_rows=64,
+                        coordinator={"strategy": "single", "dead_after_s": 1.5, "max_in_flight": 3}) as g:
+        wait_values(g, "coordinator", lambda v: v.get("alive") == "compute_0,compute_1", "both nodes alive")
+        plan = wait_until(lambda: ((p := g.latest_plan()) is not None and p.image_topic and p) or None,
+                          "a single plan on the direct path", 30.0)
+        victim = ic.spec_from_msg(plan).node_ids[0]
+        other = next(n for n in g.compute_names if n != victim)
+        pid = g.pid(victim)
+        warm = g.frames(3, first=40)
+        g.check_outputs(warm, g.stream(warm))
+        already = len(g.fused)
+
+        def kill_mid_run(i: int) -> None:
+            if i == 4:  # frames 0-1 answered (window 3), 2-4 in flight
+                os.kill(pid, signal.SIGKILL)
+
+        frames = g.frames(10)
+        outputs = g.check_outputs(frames, g.stream(frames, window=3, on_sent=kill_mid_run))
+        assert g.dead_children() == [victim]
+        ids = sorted(int(f.request_id) for f in outputs)
+        assert ids == list(range(ids[0], ids[0] + len(frames))), f"requests lost or duplicated: {ids}"
+        assert len(g.fused) - already == len(frames), "exactly one FusedOutput per request"
+        assert list(outputs[-1].node_ids) == [other]
+        coord = wait_values(g, "coordinator", lambda v: "redispatched" in v or "departures" in v, "the departure")
+        assert "timeouts" not in coord, coord

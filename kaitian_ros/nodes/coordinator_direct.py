@@ -42,15 +42,18 @@ class DirectPath(RequestFlow):
 
     def _direct_node(self, plan: Plan) -> str:
         """The node that takes the camera images itself under `plan` ('' none): the direct path
-        needs the whole image computed on one node, a head that starts with a global average
-        pool (the node answers from its sum) and images straight from the camera (no EMULATED
-        input pacing). The image then arrives whole, not streamed in the plan's slabs."""
+        needs the whole image computed on one node and sent at once (a plan that streams its
+        input in slabs keeps them: on a slow link the node computes while the rest crosses,
+        robot_edge measured 9 ms slower with the camera's whole image instead), a head that
+        starts with a global average pool (the node answers from its sum) and images straight
+        from the camera (no EMULATED input pacing). Whether streaming or the whole image wins
+        is measured (`planner.streaming_twin`), the whole image on this path."""
         if not self.params["direct_single"] or self.params["input_pacing_ms"] > 0 or not self.graph.pooled_head:
             return ""
         if self.direct_off_until is not None and time.monotonic() < self.direct_off_until:
             return ""
         nodes, height = plan.active_nodes(), self.spec.input_shape[1]
-        if len(nodes) != 1 or plan.input_rows_for(nodes[0]) != (0, height):
+        if len(nodes) != 1 or plan.input_rows_for(nodes[0]) != (0, height) or plan.slab_rows < height:
             return ""
         return nodes[0]
 

@@ -78,3 +78,19 @@ def test_a_variant_sets_the_compute_nodes_before_the_coordinator_replans() -> No
     seen_by_coordinator = [profiled for node, _, profiled in client.calls if node == "coordinator"]
     assert seen_by_coordinator == [{"compute_0": 4096, "compute_1": 4096}, {"compute_0": 32, "compute_1": 32},
                                    {"compute_0": 32, "compute_1": 32}]
+
+
+def test_ours_and_its_coordinator_twin_swap_places_every_other_round() -> None:
+    """Whichever of the two product variants runs second continues the other's settled plan:
+    alternating their order keeps that out of `direct_gain_ms`."""
+    from kaitian_ros.bench.inference_driver import ProductConfig
+    from kaitian_ros.bench.inference_harness import _round_order
+
+    ours = ProductConfig("auto", True, (1.0, 1.0), 64, 32)
+    cfgs = {"equal": ProductConfig("stripes", False, (1.0, 1.0), 64, 32), "ours": ours,
+            "ours_via_coordinator": ProductConfig("auto", True, (1.0, 1.0), 64, 32, direct_single=False)}
+    assert [k for k, _ in _round_order(cfgs, 0)] == ["equal", "ours", "ours_via_coordinator"]
+    assert [k for k, _ in _round_order(cfgs, 1)] == ["equal", "ours_via_coordinator", "ours"]
+    assert [k for k, _ in _round_order(cfgs, 2)] == ["equal", "ours", "ours_via_coordinator"]
+    assert dict(_round_order(cfgs, 1))["ours"] is ours
+    assert [k for k, _ in _round_order({"ours": ours}, 1)] == ["ours"]

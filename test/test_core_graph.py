@@ -228,6 +228,30 @@ def test_prepacked_conv_packs_again_for_a_shape_that_stays_slow(
     assert set(conv.repacked_shapes) == ({(1, 5), (2, 5), (1, 9)} if repacks else set())
 
 
+def test_prepacked_conv_trying_its_own_packing_on_nan_rows_keeps_f_conv2d_results(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows holding NaNs (how the tests trace a receptive field) at a shape that looks slow (a
+    call descheduled on busy cores): comparing the two packings must not raise (a NaN scale
+    made allclose fail once in CI), and the result is F.conv2d's, NaNs where it has them."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN: prepacked_conv returns None by design")
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(64, 32, 3, 3, generator=g), torch.randn(64, generator=g)
+    conv = prepacked_conv(w, b, (0, 1), (1, 1), (1, 1), 1, (1, 32, 14, 12))
+    assert conv is not None
+    monkeypatch.setattr(prepack_module, "SLOW_PACK_FACTOR", 0.0)
+    monkeypatch.setattr(prepack_module, "SLOW_PACK_SLACK_S", -1.0)
+    monkeypatch.setattr(prepack_module, "REPACK_MIN_SPEEDUP", 0.0)
+    x = torch.randn(1, 32, 7, 12, generator=g)
+    x[:, :, :3] = float("nan")
+    x = x.contiguous(memory_format=torch.channels_last)
+    want = F.conv2d(x, w, b, 1, (0, 1))
+    got = conv(x)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(want).any()
+    finite = ~torch.isnan(want)
+    assert (got[finite] - want[finite]).abs().max() <= 1e-4 * want[finite].abs().max()
+
+
 def test_prepacked_conv_declines_what_it_cannot_run() -> None:
     big = torch.randn(256, 256, 3, 3)
     assert prepacked_conv(big.double(), None, (0, 1), (1, 1), (1, 1), 1, (1, 256, 10, 8)) is None

@@ -120,7 +120,12 @@ class PrepackedConv:
 
 
 def _close(got: Tensor, want: Tensor) -> bool:
-    return torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    """Equal within float32 noise of the output's scale, NaNs where `want` has them: the tests
+    trace receptive fields with NaN rows, and a call descheduled on busy cores tries its own
+    packing on such data (a NaN scale once made allclose raise)."""
+    finite = want[torch.isfinite(want)]
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
+    return torch.allclose(got, want, rtol=1e-4, atol=1e-4 * scale, equal_nan=True)
 
 
 def prepacked_conv(weight: Tensor, bias: Tensor | None, padding: tuple[int, int],

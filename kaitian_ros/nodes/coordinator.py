@@ -143,9 +143,8 @@ class Coordinator(DirectPath):
         direct = {k for k in ("direct_single", "input_pacing_ms") if k in changes and changes[k] != self.params[k]}
         self.params = self.params | changes
         if direct:
-            # the plan may stay as it is: its next version says whether it takes the direct path
             self.direct_off_until = None
-            self._reannounce(f"{', '.join(sorted(direct))} set")
+            self._direct_changed(f"{', '.join(sorted(direct))} set")
         if set(PLAN_SETTINGS) & set(changes):
             # self.params already holds the new values; the runtime applies them after we return
             self.memory.forget_departures()

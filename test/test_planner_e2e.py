@@ -96,6 +96,8 @@ def test_direct_path_equals_the_single_device_result_and_turns_off_live(graph):
     frames = g.frames(4, first=300)
     outputs = g.check_outputs(frames, g.stream(frames))
     assert {tuple(f.node_ids) for f in outputs} == {(node,)}
+    # the node's own latency: its image's arrival to its result (a wall-clock stamp once leaked here)
+    assert all(0.0 < f.latency_ms < 60_000.0 for f in outputs), [f.latency_ms for f in outputs]
 
     def counted(v: dict, key: str) -> int:
         return int(v.get(key, 0)) - int(base.get(key, 0))

@@ -263,7 +263,8 @@ class ComputeNode(NodeCosts):
                                      StripeRunner(self.graph, plan, self.node_id,
                                                   min_run_rows=plan.run_rows(self.params["min_run_rows"]),
                                                   on_run=self._on_run),
-                                     started_s=now, frame_id=frame_id, image_stamp=image_stamp)
+                                     started_s=now, frame_id=frame_id, image_stamp=image_stamp,
+                                     image_received_s=arrived)
             spent, wall = self._feed(state, plan, segment, row_offset, rows)
         except ValueError as exc:
             self.rt.rejected.count(f"bad chunk: request {request_id}: {exc}")
@@ -354,7 +355,7 @@ class ComputeNode(NodeCosts):
             self.fused_pub = self.rt.create_publisher(proto.FUSED_TOPIC, "FusedOutput")
         self.fused_pub.publish(ic.fused_message(
             request_id=state.request_id, plan_version=state.plan_version, frame_id=state.frame_id,
-            image_stamp=state.image_stamp, latency_ms=(time.time() - state.first_input_s) * 1e3, result=result,
+            image_stamp=state.image_stamp, latency_ms=(time.time() - state.image_received_s) * 1e3, result=result,
             labels=self.labels, node_ids=[self.node_id], node_rows=[plan.output_shape[1]], status="ok"))
 
     def _finish(self, state: RequestState, plan: Plan) -> None:

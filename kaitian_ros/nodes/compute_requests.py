@@ -42,6 +42,7 @@ class RequestState:
     last_fed_s: float = 0.0  # monotonic time of its latest chunk (the eviction order)
     output_sum: RowSum | None = None  # a pooled head's: this node's output rows, summed when all exist
     image_stamp: Any = None  # the direct path's (the node took the image itself): it publishes FusedOutput
+    image_received_s: float = 0.0  # the direct path's: when the image reached this node (wall time)
 
 
 class RequestTable:

@@ -46,11 +46,6 @@ class DirectImages:
     def topic(self) -> str:
         return self.sub.topic if self.sub is not None else ""
 
-    def close(self) -> None:
-        if self.sub is not None:
-            self.sub.destroy()
-            self.sub = None
-
     def follow(self, versions: dict[int, str]) -> None:
         """The plans this node keeps (version -> their image topic): listen to the camera while
         the newest one names a topic, and only then."""

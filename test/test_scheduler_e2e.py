@@ -66,12 +66,14 @@ def test_slowed_node_gets_a_smaller_share(tmp_path):
 
         # the slowdown must hit a node that carries real work: on a loaded machine a cold start can
         # measure compute_1 slow (lazy torch init) and give it a few percent, after which slowing it
-        # changes nothing measurable. Equal nodes settle near equal shares; wait for that.
-        g.drive(until=lambda: 0.3 <= newest_share() <= 0.7, window=1, timeout_s=90.0)
+        # changes nothing measurable. Equal nodes mostly settle near equal shares, but with three
+        # test workers on two cores one of them can measure 0.5x for minutes (a clean clone once
+        # settled at 0.17/0.83 and waited 90 s for 0.3-0.7): a third of the rows or more will do.
+        g.drive(until=lambda: newest_share() >= 0.3, window=1, timeout_s=90.0)
         before = g.records()
         last_before = max(before, key=lambda r: r["request_id"])
         share_before = last_before["shares"]["compute_1"]
-        assert 0.3 <= share_before <= 0.7, f"equal nodes never got near-equal shares: compute_1 {share_before:.3f}"
+        assert share_before >= 0.3, f"compute_1 never carried a third of the rows: {share_before:.3f}"
         base_ms = statistics.median(r["latency_ms"] for r in before[-6:])
         result: dict = {}
 

@@ -40,6 +40,15 @@ def _plan_with(g: InferenceGraph, predicate, what: str, timeout_s: float = 30.0)
                              f"\n--- launcher output ---\n{g.out.text()}") from None
 
 
+def _direct_single_plan(g: InferenceGraph):
+    """Force a whole-image single-device plan with the direct path on: its message and node."""
+    ok, why = g.probe_client().set_parameters("coordinator", {"strategy": "single", "slab_rows": 64,
+                                                              "direct_single": True})
+    assert ok, why
+    plan = _plan_with(g, lambda p: p.strategy == "single" and p.image_topic, "a single plan on the direct path")
+    return plan, ic.spec_from_msg(plan).node_ids[0]
+
+
 def _coordinator_values(g: InferenceGraph) -> dict[str, str]:
     diags = g.diagnostics_of("coordinator")
     return diags[-1] if diags else {}
@@ -86,11 +95,7 @@ def test_direct_path_equals_the_single_device_result_and_turns_off_live(graph):
     FusedOutput (one per frame, equal to the single-device model's); set back, the images go
     through the coordinator again."""
     g = graph
-    ok, why = g.probe_client().set_parameters("coordinator", {"strategy": "single", "slab_rows": 64,
-                                                              "direct_single": True})
-    assert ok, why
-    plan = _plan_with(g, lambda p: p.strategy == "single" and p.image_topic, "a single plan on the direct path")
-    node = ic.spec_from_msg(plan).node_ids[0]
+    plan, node = _direct_single_plan(g)
     assert plan.image_topic == "/camera/image_raw"
     base = _coordinator_values(g)
     frames = g.frames(4, first=300)
@@ -219,11 +224,7 @@ def test_frames_sharing_a_header_and_forged_tickets_lose_nothing_on_the_direct_p
     back to it and is counted as stale. Last in this file: tickets given back may put the
     direct path off for a while."""
     g = graph
-    ok, why = g.probe_client().set_parameters("coordinator", {"strategy": "single", "slab_rows": 64,
-                                                              "direct_single": True})
-    assert ok, why
-    plan = _plan_with(g, lambda p: p.strategy == "single" and p.image_topic, "a single plan on the direct path")
-    node = ic.spec_from_msg(plan).node_ids[0]
+    plan, node = _direct_single_plan(g)
     base = _coordinator_values(g)
     forged = g.probe.rt.create_publisher(proto.chunk_topic(node), "TensorChunk")
     wait_routed(forged, f"{node}'s chunk subscription")

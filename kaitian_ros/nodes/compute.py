@@ -83,7 +83,6 @@ class ComputeNode(NodeCosts):
         self.pubs: dict[str, Any] = {}
         self.telemetry = rt.create_publisher(proto.TELEMETRY_TOPIC, "NodeTelemetry")
         self.direct = DirectImages(rt, self._run_direct, self._give_back)
-        self.image_topics: dict[int, str] = {}  # plan version -> camera topic it names (the direct path)
         self.fused_pub: Any = None  # made on the first direct answer
         self.diagnostics = DiagnosticsPublisher(rt, hardware_id=self.params["device"])
         self._measure_costs()
@@ -145,9 +144,7 @@ class ComputeNode(NodeCosts):
             old, _ = self.plans.popitem(last=False)
             self.retired_below = max(self.retired_below, old + 1)
         alone = plan.active_nodes() == (self.node_id,) and self.graph.pooled_head
-        self.image_topics[pv.version] = msg.image_topic if alone else ""
-        self.image_topics = {v: t for v, t in self.image_topics.items() if v in self.plans}
-        self.direct.follow(self.image_topics)
+        self.direct.follow(pv.version, msg.image_topic if alone else "", self.plans)
         waiting, self.pending, self.pending_bytes = self.pending, [], 0
         for _, chunk, info in waiting:
             self._on_chunk(chunk, info, held=True)

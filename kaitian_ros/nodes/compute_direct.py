@@ -14,18 +14,14 @@ images would cross its link for nothing.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
-
-import torch
 
 from kaitian_ros.core.tickets import Match, Ticket, TicketBook
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.nodes import protocol as proto
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime.api import QoS, Runtime, Subscription
-
-NO_ROWS = torch.empty(0, dtype=torch.uint8)
 
 
 class DirectImages:
@@ -46,10 +42,11 @@ class DirectImages:
     def topic(self) -> str:
         return self.sub.topic if self.sub is not None else ""
 
-    def follow(self, versions: dict[int, str]) -> None:
-        """The plans this node keeps (version -> their image topic): listen to the camera while
-        the newest one names a topic, and only then."""
-        self.topics = dict(versions)
+    def follow(self, version: int, topic: str, kept: Collection[int]) -> None:
+        """Plan `version` names camera `topic` ('' none) and the node keeps the plans `kept`:
+        listen to the camera while the newest of them names a topic, and only then."""
+        self.topics[version] = topic
+        self.topics = {v: t for v, t in self.topics.items() if v in kept}
         want = self.topics[max(self.topics)] if self.topics else ""
         if self.sub is not None and want != self.asked:
             self.sub.destroy()
@@ -98,6 +95,5 @@ def ticket_back_message(ticket: Ticket, node_id: str) -> Any:
     """The TensorChunk that gives `ticket` back to the coordinator."""
     sec, nanosec, frame_id = ticket.key
     stamp = interfaces.msg_class("Time")(sec=sec, nanosec=nanosec)
-    return ic.chunk_message(request_id=ticket.request_id, plan_version=ticket.plan_version, producer=node_id,
-                         consumer=proto.COORDINATOR, segment=0, role=proto.ROLE_TICKET, row_offset=0, total_rows=0,
-                         rows=NO_ROWS, frame_id=frame_id, stamp=stamp)
+    return ic.ticket_message(request_id=ticket.request_id, plan_version=ticket.plan_version, producer=node_id,
+                             consumer=proto.COORDINATOR, frame_id=frame_id, stamp=stamp)

@@ -17,18 +17,14 @@ announced; a parameter change announces the running plan again.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
-
-import torch
 
 from kaitian_ros.core.plan import Plan
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.nodes import protocol as proto
 from kaitian_ros.nodes.coordinator_requests import Request, RequestFlow
 
-NO_ROWS = torch.empty(0, dtype=torch.uint8)  # a ticket carries no tensor
 # tickets given back in a row before the direct path is put off: a node's first tickets after
 # it subscribed come back while the camera's route to it forms (1-3 at a stream of frames here)
 DIRECT_MAX_RETURNS = 8
@@ -59,10 +55,9 @@ class DirectPath(RequestFlow):
 
     def _send_ticket(self, req: Request) -> None:
         node = req.plan.active_nodes()[0]
-        self.chunk_pubs[node].publish(ic.chunk_message(
+        self.chunk_pubs[node].publish(ic.ticket_message(
             request_id=req.request_id, plan_version=req.version, producer=proto.COORDINATOR, consumer=node,
-            segment=0, role=proto.ROLE_TICKET, row_offset=0, total_rows=self.spec.input_shape[1], rows=NO_ROWS,
-            frame_id=req.frame_id, stamp=req.image_stamp))
+            frame_id=req.frame_id, stamp=req.image_stamp, total_rows=self.spec.input_shape[1]))
         req.inputs_sent_s = time.time()
 
     def _ticket_back(self, msg: Any) -> None:
@@ -106,8 +101,4 @@ class DirectPath(RequestFlow):
         direct path is decided anew. A held switch decides that when it takes effect."""
         if self.current is None or self.pending is not None:
             return
-        pv = dataclasses.replace(self.current, version=self.current.version + 1,
-                                 effective_from_request=self.next_request,
-                                 reason=f"{reason}: {self.current.reason}")
-        self.plans[pv.version] = self.plans[self.current.version]
-        self._activate(pv)
+        self._activate(self._running_again(reason, effective_from_request=self.next_request))

@@ -410,6 +410,15 @@ class RequestFlow:
         req.direct = False  # the node it goes to now may not have its image: send the rows
         self.counts["redispatched"] += 1
 
+    def _running_again(self, reason: str, **changes: Any) -> Assignment:
+        """The plan in effect as the next version (its Plan kept under it too), `reason` before
+        its own; `changes` to other fields of the assignment. The caller activates it."""
+        assert self.current is not None  # callers re-announce only while a plan is in effect
+        pv = dataclasses.replace(self.current, version=self.current.version + 1,
+                                 reason=f"{reason}: {self.current.reason}", **changes)
+        self.plans[pv.version] = self.plans[self.current.version]
+        return pv
+
     def _reincarnate(self, incarnation: int, reason: str) -> None:
         """Publish the running plan again under a new incarnation: compute nodes take it as a
         restart, retire the impostor's incarnation with our old one, and drop the requests they
@@ -419,10 +428,8 @@ class RequestFlow:
         self.rt.logger.warning(f"{reason}: re-announcing the plan as incarnation {incarnation:016x}")
         if self.current is None:
             return
-        pv = dataclasses.replace(self.current, version=self.current.version + 1,
-                                 reason=f"re-announced after an impostor: {self.current.reason}")
-        plan = self.plans[self.current.version]
-        self.plans[pv.version] = plan
+        pv = self._running_again("re-announced after an impostor")
+        plan = self.plans[pv.version]
         self.pending = None  # a held switch was announced under the old incarnation: plan again
         for req in list(self.requests.values()):
             self._restart(req, pv.version, plan)

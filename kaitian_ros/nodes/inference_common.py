@@ -25,7 +25,7 @@ from kaitian_ros.core.models import build_model
 from kaitian_ros.core.plan import Plan, PlanSpec, build_plan
 from kaitian_ros.core.split import split_model
 from kaitian_ros.core.strategy_names import STRATEGIES
-from kaitian_ros.nodes.protocol import ROLE_INPUT, assignment_from_msg
+from kaitian_ros.nodes.protocol import ROLE_INPUT, ROLE_TICKET, assignment_from_msg
 from kaitian_ros.runtime import interfaces
 
 MAX_LABELS_FILE_BYTES = 16 << 20
@@ -225,6 +225,18 @@ def chunk_message(*, request_id: int, plan_version: int, producer: str, consumer
                            plan_version=plan_version, producer=producer, consumer=consumer,
                            segment=segment, role=role, row_offset=row_offset, total_rows=total_rows,
                            slab_index=slab_index, last_slab=last_slab, **interfaces.tensor_fields(rows))
+
+
+NO_ROWS = torch.empty(0, dtype=torch.uint8)  # a ticket carries no tensor
+
+
+def ticket_message(*, request_id: int, plan_version: int, producer: str, consumer: str, frame_id: str,
+                   stamp: Any, total_rows: int = 0) -> Any:
+    """A TensorChunk of role TICKET (the direct path): the coordinator's to the node taking the
+    camera images, or the node's giving it back; the header is the camera image's."""
+    return chunk_message(request_id=request_id, plan_version=plan_version, producer=producer, consumer=consumer,
+                         segment=0, role=ROLE_TICKET, row_offset=0, total_rows=total_rows, rows=NO_ROWS,
+                         frame_id=frame_id, stamp=stamp)
 
 
 FRAME_BATCH = 1  # a request is one camera frame: every chunk of it carries batch size 1

@@ -19,7 +19,7 @@ from kaitian_ros.runtime import fast_cdr, interfaces
 
 TYPE = "kaitian_ros/msg/TensorChunk"
 FIELDS = ("request_id", "plan_version", "producer", "consumer", "segment", "role", "row_offset",
-          "total_rows", "slab_index", "last_slab", "dtype_code", "dtype_bits")
+          "total_rows", "slab_index", "image_crc32", "last_slab", "dtype_code", "dtype_bits")
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -31,8 +31,8 @@ def chunk(*, frame_id="cam", sec=1, nanosec=2, shape=(1, 2, 3), data=b"\x01\x02\
     Time = ts().types["builtin_interfaces/msg/Time"]
     Header = ts().types["std_msgs/msg/Header"]
     values = dict(request_id=7, plan_version=3, producer="compute_0", consumer="coordinator", segment=1,
-                  role=2, row_offset=4, total_rows=224, slab_index=5, last_slab=True, dtype_code=2,
-                  dtype_bits=32)
+                  role=2, row_offset=4, total_rows=224, slab_index=5, image_crc32=0xDEADBEEF, last_slab=True,
+                  dtype_code=2, dtype_bits=32)
     values.update(fields)
     return ts().types[TYPE](header=Header(stamp=Time(sec=sec, nanosec=nanosec), frame_id=frame_id),
                             shape=np.asarray(shape, dtype=np.int64).reshape(-1),
@@ -89,7 +89,7 @@ chunks = st.builds(
     data=st.binary(max_size=300),
     fields=st.fixed_dictionaries(dict(
         request_id=u(64), plan_version=u(32), producer=text, consumer=text, segment=u(16), role=u(8),
-        row_offset=u(32), total_rows=u(32), slab_index=u(32), last_slab=st.booleans(),
+        row_offset=u(32), total_rows=u(32), slab_index=u(32), image_crc32=u(32), last_slab=st.booleans(),
         dtype_code=u(8), dtype_bits=u(8))),
 )
 

@@ -2,9 +2,9 @@
 (its ``image_topic`` set), the node takes the camera images itself and answers on
 ``/kaitian/fused``, so the coordinator is off the request's path: no input rows from it, no
 trip back through it for the head. The coordinator still decides which images become requests
-and tickets each one (TensorChunk ROLE_TICKET: request id, plan version, the image's header);
-`core.tickets.TicketBook` pairs tickets with images. A ticket whose image does not come within
-``image_wait_s`` (the subscription is new, the camera dropped it, two images shared a header)
+and tickets each one (TensorChunk ROLE_TICKET: request id, plan version, the image's header and
+the CRC-32 of its data); `core.tickets.TicketBook` pairs tickets with images. A ticket whose
+image does not come within ``image_wait_s`` (the subscription is new, the camera dropped it)
 goes back to the coordinator, which then sends that request's rows as under any other plan.
 
 The node listens to the camera only while its newest plan asks it to: under any other plan the
@@ -60,24 +60,26 @@ class DirectImages:
 
     def _on_image(self, msg: Any) -> None:
         self.images_seen += 1
-        match = self.book.add_image(proto.image_key(msg.header), msg, time.time())
+        received = time.time()
+        match = self.book.add_image(proto.image_key(msg.header, proto.image_crc32(msg.data)), msg, received)
         if match is not None:
             self._run(match)
 
     def on_ticket(self, msg: Any) -> None:
         """A ticket from the coordinator (its plan is known and names this node)."""
-        ticket = Ticket(int(msg.request_id), int(msg.plan_version), proto.image_key(msg.header), time.monotonic())
+        ticket = Ticket(int(msg.request_id), int(msg.plan_version), proto.image_key(msg.header, msg.image_crc32),
+                        time.monotonic())
         if not self.topics.get(ticket.plan_version):
             self._give_back(ticket, f"plan v{ticket.plan_version} does not send this node the camera images")
             return
-        if self.images_seen == 0 and ticket.key not in self.book.images:
+        if self.images_seen == 0 and not self.book.has_image(ticket.key):
             # a new subscription that has seen no image yet: the ticket's image went past before
             # its route existed (images travel ahead of their tickets), it will not come
             self._give_back(ticket, "its image came before this node listened to the camera")
             return
         match, back = self.book.add_ticket(ticket)
         for t in back:
-            self._give_back(t, "two images with its header, or too many tickets waiting")
+            self._give_back(t, "too many tickets waiting")
         if match is not None:
             self._run(match)
 
@@ -93,7 +95,7 @@ class DirectImages:
 
 def ticket_back_message(ticket: Ticket, node_id: str) -> Any:
     """The TensorChunk that gives `ticket` back to the coordinator."""
-    sec, nanosec, frame_id = ticket.key
+    sec, nanosec, frame_id, crc32 = ticket.key
     stamp = interfaces.msg_class("Time")(sec=sec, nanosec=nanosec)
     return ic.ticket_message(request_id=ticket.request_id, plan_version=ticket.plan_version, producer=node_id,
-                             consumer=proto.COORDINATOR, frame_id=frame_id, stamp=stamp)
+                             consumer=proto.COORDINATOR, frame_id=frame_id, stamp=stamp, image_crc32=crc32)

@@ -5,8 +5,9 @@ itself and publishes their FusedOutput (`nodes.compute_direct`): the image cross
 once, and neither the input rows nor the result pass through this process. The coordinator
 still decides which images become requests (it drops frames while busy, numbers requests,
 times them out and re-dispatches them when a node leaves): per accepted image it sends the node
-a ticket - request id, plan version, the image's header - and closes the request when the node's
-OUTPUT_SUM arrives, without running the head or publishing a second result.
+a ticket - request id, plan version, the image's header and the CRC-32 of its data - and closes
+the request when the node's OUTPUT_SUM arrives, without running the head or publishing a second
+result.
 
 A ticket whose image never reached the node comes back; that request's rows are then sent as
 under any plan. DIRECT_MAX_RETURNS in a row (a camera that stamps every frame alike, a route
@@ -57,7 +58,8 @@ class DirectPath(RequestFlow):
         node = req.plan.active_nodes()[0]
         self.chunk_pubs[node].publish(ic.ticket_message(
             request_id=req.request_id, plan_version=req.version, producer=proto.COORDINATOR, consumer=node,
-            frame_id=req.frame_id, stamp=req.image_stamp, total_rows=self.spec.input_shape[1]))
+            frame_id=req.frame_id, stamp=req.image_stamp, image_crc32=req.image_crc32,
+            total_rows=self.spec.input_shape[1]))
         req.inputs_sent_s = time.time()
 
     def _ticket_back(self, msg: Any) -> None:

@@ -57,6 +57,7 @@ class Request:
     sums: dict = field(default_factory=dict)  # OUTPUT_SUM received: first row -> (N, C, 1, 1) sum of the node's rows
     x: torch.Tensor | None = None  # the model's input rows (uint8), made when first sent
     direct: bool = False  # ticketed on the direct path: its node took the image itself and answers
+    image_crc32: int = 0  # the direct path's: CRC-32 of the camera image's data (its ticket names the image)
 
 
 class RequestFlow:
@@ -137,11 +138,12 @@ class RequestFlow:
         assert self.current is not None  # callers dispatch only while a plan is in effect
         self.next_request += 1
         c, h, w = self.out_shape
+        direct = self.current.version in self.direct_versions
         req = Request(rid, self.current.version, self.plans[self.current.version], msg.header.stamp,
                       msg.header.frame_id, received, time.time(), pixels,
                       torch.empty((1, c, h, w)), np.zeros(h, dtype=bool), predicted_ms=self.predicted_ms,
                       first_of_version=self.current.version == self.unmeasured_version,
-                      direct=self.current.version in self.direct_versions)
+                      direct=direct, image_crc32=proto.image_crc32(msg.data) if direct else 0)
         if self.requests:
             req.alone = False
             for other in self.requests.values():

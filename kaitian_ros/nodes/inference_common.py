@@ -220,23 +220,25 @@ def profile_from_msg(msg: Any) -> DeviceProfile:
 
 def chunk_message(*, request_id: int, plan_version: int, producer: str, consumer: str, segment: int,
                   role: int, row_offset: int, total_rows: int, rows: torch.Tensor, slab_index: int = 0,
-                  last_slab: bool = False, frame_id: str = "", stamp: Any = None) -> Any:
+                  last_slab: bool = False, frame_id: str = "", stamp: Any = None, image_crc32: int = 0) -> Any:
     return interfaces.make("TensorChunk", header=interfaces.header(frame_id, stamp), request_id=request_id,
                            plan_version=plan_version, producer=producer, consumer=consumer,
                            segment=segment, role=role, row_offset=row_offset, total_rows=total_rows,
-                           slab_index=slab_index, last_slab=last_slab, **interfaces.tensor_fields(rows))
+                           slab_index=slab_index, image_crc32=image_crc32, last_slab=last_slab,
+                           **interfaces.tensor_fields(rows))
 
 
 NO_ROWS = torch.empty(0, dtype=torch.uint8)  # a ticket carries no tensor
 
 
 def ticket_message(*, request_id: int, plan_version: int, producer: str, consumer: str, frame_id: str,
-                   stamp: Any, total_rows: int = 0) -> Any:
+                   stamp: Any, image_crc32: int, total_rows: int = 0) -> Any:
     """A TensorChunk of role TICKET (the direct path): the coordinator's to the node taking the
-    camera images, or the node's giving it back; the header is the camera image's."""
+    camera images, or the node's giving it back; the header is the camera image's, and with the
+    CRC-32 of its data it names the image."""
     return chunk_message(request_id=request_id, plan_version=plan_version, producer=producer, consumer=consumer,
                          segment=0, role=ROLE_TICKET, row_offset=0, total_rows=total_rows, rows=NO_ROWS,
-                         frame_id=frame_id, stamp=stamp)
+                         frame_id=frame_id, stamp=stamp, image_crc32=image_crc32)
 
 
 FRAME_BATCH = 1  # a request is one camera frame: every chunk of it carries batch size 1

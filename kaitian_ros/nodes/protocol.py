@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+import zlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -84,10 +85,15 @@ def assignment_msg(a: Assignment, incarnation: int, plan: Plan | None = None, ru
                            **fields)
 
 
-def image_key(header: Any) -> tuple[int, int, str]:
+def image_crc32(data: Any) -> int:
+    """CRC-32 of a camera image's data (any buffer: numpy, array.array, bytes)."""
+    return zlib.crc32(data)
+
+
+def image_key(header: Any, crc32: int) -> tuple[int, int, str, int]:
     """What names a camera image between the coordinator and a node taking it itself: its
-    header's stamp and frame_id (`core.tickets`)."""
-    return int(header.stamp.sec), int(header.stamp.nanosec), str(header.frame_id)
+    header's stamp and frame_id and the CRC-32 of its data (`core.tickets`)."""
+    return int(header.stamp.sec), int(header.stamp.nanosec), str(header.frame_id), int(crc32)
 
 
 def accept_versioned(rt: Any, tracker: AuthorityTracker, msg: Any) -> Verdict | None:

@@ -11,7 +11,7 @@ Layout (offsets relative to the end of the encapsulation header ``00 01 00 00``)
 
     int32 sec, uint32 nanosec, string frame_id, [pad 8] uint64 request_id, uint32 plan_version,
     string producer, [pad 4] string consumer, [pad 2] uint16 segment, uint8 role, [pad 4]
-    uint32 row_offset, total_rows, slab_index, bool last_slab, uint8 dtype_code, dtype_bits,
+    uint32 row_offset, total_rows, slab_index, image_crc32, bool last_slab, uint8 dtype_code, dtype_bits,
     [pad 4] uint32 len(shape), [pad 8 if len > 0] int64 shape[], uint32 len(data), uint8 data[]
 
 (a string is uint32 length incl. NUL, the UTF-8 bytes, NUL). Everything up to and including the
@@ -44,7 +44,8 @@ _U32 = struct.Struct("<I")
 _STAMP_FLEN = struct.Struct("<iII")        # sec, nanosec, len(frame_id)
 _REQ_PLAN_PLEN = struct.Struct("<QII")     # request_id, plan_version, len(producer)
 _SEG_ROLE = struct.Struct("<HB")
-_ROWS_FLAGS = struct.Struct("<III?BB")     # row_offset, total_rows, slab_index, last_slab, dtype_code, dtype_bits
+# row_offset, total_rows, slab_index, image_crc32, last_slab, dtype_code, dtype_bits
+_ROWS_FLAGS = struct.Struct("<IIII?BB")
 
 class DecodeError(ValueError):
     """A payload that is not a valid CDR message of the expected type (``interfaces.DecodeError``)."""
@@ -89,8 +90,8 @@ def _layout(nf: int, np_: int, nc: int, ndim: int) -> tuple[struct.Struct, int]:
     fmt.append("HB")                              # segment, role
     pos += 3
     pos = _pad(fmt, pos, 4)
-    fmt.append("III?BB")                          # rows, last_slab, dtype
-    pos += 15
+    fmt.append("IIII?BB")                         # rows, image_crc32, last_slab, dtype
+    pos += 19
     pos = _pad(fmt, pos, 4)
     fmt.append("I")                               # len(shape)
     pos += 4
@@ -130,7 +131,7 @@ def _prepare(msg: Any) -> tuple[struct.Struct, int, tuple, Any] | None:
         values = (0, 1, stamp.sec, stamp.nanosec, key[0] + 1, f,
                   msg.request_id, msg.plan_version, key[1] + 1, p, key[2] + 1, c,
                   msg.segment, msg.role, msg.row_offset, msg.total_rows, msg.slab_index,
-                  msg.last_slab, msg.dtype_code, msg.dtype_bits, ndim,
+                  msg.image_crc32, msg.last_slab, msg.dtype_code, msg.dtype_bits, ndim,
                   *(shape.tolist() if ndim else ()), n)
         return lay[0], lay[1], values, data
     except (AttributeError, TypeError, UnicodeError):
@@ -233,10 +234,11 @@ def decode(payload: Any) -> Any:
             raise DecodeError("truncated segment/role")
         segment, role = _SEG_ROLE.unpack_from(payload, pos)
         pos = ((pos - 4 + 3 + 3) & -4) + 4
-        if pos + 19 > end:
+        if pos + 23 > end:
             raise DecodeError("truncated row fields / shape length")
-        row_offset, total_rows, slab_index, last_slab, dtype_code, dtype_bits = _ROWS_FLAGS.unpack_from(payload, pos)
-        pos = ((pos - 4 + 15 + 3) & -4) + 4
+        (row_offset, total_rows, slab_index, image_crc32, last_slab, dtype_code,
+         dtype_bits) = _ROWS_FLAGS.unpack_from(payload, pos)
+        pos = ((pos - 4 + 19 + 3) & -4) + 4
         (ndim,) = _U32.unpack_from(payload, pos)
         pos += 4
         if ndim:
@@ -256,7 +258,7 @@ def decode(payload: Any) -> Any:
             raise DecodeError("CDR message size mismatch")
         return chunk_cls(header_cls(time_cls(sec, nanosec), frame_id), request_id, plan_version,
                          producer, consumer, segment, role, row_offset, total_rows, slab_index,
-                         last_slab, dtype_code, dtype_bits, shape, data)
+                         image_crc32, last_slab, dtype_code, dtype_bits, shape, data)
     except DecodeError:
         raise
     except Exception as exc:  # noqa: BLE001 - UnicodeDecodeError, struct.error, ...: never anything but DecodeError

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kaitian_ros.core import lateness, planner
+from kaitian_ros.core import exploration, lateness, planner
 from kaitian_ros.core.authority import AuthorityTracker, ImpersonationGuard, new_incarnation
 from kaitian_ros.core.costs import DeviceProfile, LinkMeter, profile_problem
 from kaitian_ros.core.plan import Plan, same_spec
@@ -91,6 +91,8 @@ class Coordinator(DirectPath):
         self.post_ms = 0.0  # last OUTPUT chunk -> result published (EWMA)
         self.send_ms_per_mb = 0.0  # publishing cost of chunk payload (EWMA)
         self.choice: planner.Choice | None = None  # the planner's newest choice
+        self.exploration = exploration.Exploration()  # the trials' share of the requests (`core.exploration`)
+        self.searched_versions: dict[int, bool] = {}  # plan version chosen by our own search -> a trial
         self.memory = PlanMemory()  # what plans really took lately, the plans nodes left
         self.unmeasured_version: int | None = None  # the newest plan version until its first request completes
         self.predicted_ms = 0.0  # the newest plan's latency as last predicted
@@ -368,6 +370,15 @@ class Coordinator(DirectPath):
             # the running plan sends rows to a lost node while the next one waits for its
             # effective request: switch now (the caller then re-dispatches in-flight requests)
             self._activate(dataclasses.replace(self.pending, effective_from_request=self.next_request))
+        searching = request.share_search
+        if searching and exploration.is_trial(choice.best) and not self.exploration.may_try(
+                request.alive, self.profiles, self.params["trial_share"]):
+            measured = exploration.without_trial(choice)
+            if measured is not None:
+                self.counts["trials_declined"] += 1
+                self.rt.logger.debug(f"trials took their share of the requests: {measured.best.label} instead of "
+                                     f"{choice.best.label} ({request.reason})")
+                choice = measured
         latest = self.pending or self.current
         spec = choice.best.spec
         old = self.plans.get(latest.version) if latest is not None else None
@@ -396,6 +407,13 @@ class Coordinator(DirectPath):
         pv = Assignment(version, max(self.next_request, effective), plan.node_ids, plan.shares,
                         request.policy, text, choice.best.predicted_ms)
         self.plans[version] = plan
+        if searching:
+            trial = exploration.is_trial(choice.best)
+            self.searched_versions = {v: t for v, t in self.searched_versions.items() if v > version - 64}
+            self.searched_versions[version] = trial
+            if trial:
+                self.counts["trials"] += 1
+                self.exploration = self.exploration.tried(request.alive, self.profiles)
         if effective > self.next_request:
             # the scheduler asked for a switch at a later request: hold it until then
             self.pending = pv

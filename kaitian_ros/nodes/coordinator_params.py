@@ -39,6 +39,10 @@ PARAMETERS = MODEL_PARAMETERS + (
     P("min_plan_gain", T.DOUBLE, 0.1,
       "switch plans, or prefer a more complex strategy (single < layerwise < stripes), only for a predicted "
       "latency gain of at least this fraction", 0.0, 1.0),
+    P("trial_share", T.DOUBLE, 0.05,
+      "share of the requests that plans known only by their prediction may take while the coordinator searches "
+      "plans itself (trials; a few are always allowed, and any after a node joins, leaves or changes speed); "
+      "1 = no bound", 0.0, 1.0),
     P("replan_period_s", T.DOUBLE, 5.0, "re-predict the candidates this often with the newest measurements",
       0.1, 3600.0),
     # on by default: interleaved A/Bs measured it 2-4 ms faster than through the coordinator (docs/benchmarks.md)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kaitian_ros.core import lateness
+from kaitian_ros.core import exploration, lateness
 from kaitian_ros.core.costs import LinkMeter, observe_link
 from kaitian_ros.core.graph import ModelGraph
 from kaitian_ros.core.plan import Plan
@@ -93,6 +93,8 @@ class RequestFlow:
     chunk_pubs: dict[str, Publisher]
     direct_versions: dict[int, str]  # plan version -> the node that takes the camera images itself
     direct_returns: int  # tickets given back since the last direct request completed
+    exploration: exploration.Exploration  # the trials' share of the requests
+    searched_versions: dict[int, bool]  # plan version chosen by the coordinator's own search -> a trial
     fused_pub: Publisher
     _sendq: queue.SimpleQueue | None
     incarnation: int  # the coordinator's authority (compute nodes reset on a new one)
@@ -286,6 +288,8 @@ class RequestFlow:
         elif req.alone and req.redispatches == 0:
             self._observe_latency(req.plan, (time.time() - req.received_s) * 1e3)
         self.counts["completed"] += 1
+        if req.version in self.searched_versions:
+            self.exploration = self.exploration.completed(self.searched_versions[req.version])
         self._start_waiting()
 
     def _answer(self, req: Request, t0: float) -> None:
@@ -419,6 +423,8 @@ class RequestFlow:
         pv = dataclasses.replace(self.current, version=self.current.version + 1,
                                  reason=f"{reason}: {self.current.reason}", **changes)
         self.plans[pv.version] = self.plans[self.current.version]
+        if self.current.version in self.searched_versions:
+            self.searched_versions[pv.version] = self.searched_versions[self.current.version]
         return pv
 
     def _reincarnate(self, incarnation: int, reason: str) -> None:

@@ -79,6 +79,7 @@ class RequestFlow:
     alive: tuple[str, ...]
     in_progress: dict[str, int]  # compute node -> requests in progress on it (its latest telemetry)
     foreign: dict[str, collections.deque]  # compute node -> times it reported requests we never issued
+    drops: dict[str, collections.deque]  # compute node -> (time, messages) it dropped for being behind
     last_finished_s: float  # wall time the latest request completed or timed out
     quarantines: dict[str, lateness.Quarantine]  # each node's latest (held out until it ends)
     requests: dict[int, Request]
@@ -355,7 +356,8 @@ class RequestFlow:
         return False
 
     def _load(self, node: str) -> int:
-        return lateness.node_load(self.in_progress.get(node, 0), self.foreign.get(node, ()), time.monotonic())
+        return lateness.node_load(self.in_progress.get(node, 0), self.foreign.get(node, ()), time.monotonic(),
+                                  self.drops.get(node, ()))
 
     def _drop_late(self, now_m: float, dead: Collection[str]) -> None:
         """Late nodes leave the plan for their quarantine; their requests go to the others."""

@@ -89,8 +89,10 @@ def node_load(in_progress: int, foreign_s: Iterable[float], now_s: float,
     stale before they become requests: its table stays short while our rows wait behind the
     flood, and only its drops show it (a clean clone's flood test: the flooded node never counted
     as overloaded, so while both nodes owed rows nobody was blamed and a request timed out)."""
-    recent_drops = sum(n for t, n in dropped if now_s - t <= FOREIGN_WINDOW_S)
-    return in_progress + sum(1 for t in foreign_s if now_s - t <= FOREIGN_WINDOW_S) + recent_drops
+    def recent(t: float) -> bool:
+        return now_s - t <= FOREIGN_WINDOW_S
+
+    return in_progress + sum(1 for t in foreign_s if recent(t)) + sum(n for t, n in dropped if recent(t))
 
 
 def overloaded(queue_depth: int, max_in_flight: int) -> bool:

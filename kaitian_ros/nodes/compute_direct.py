@@ -66,8 +66,7 @@ class DirectImages:
         received = time.time()
         match = self.book.add_image(proto.image_key(msg.header, proto.image_crc32(msg.data)), msg, received)
         if match is not None:  # its ticket came first: the image waited for nothing
-            self.ticket_wait_ms += 0.1 * (0.0 - self.ticket_wait_ms)
-            self._run(match)
+            self._paired(match, waited_ms=0.0)
 
     def on_ticket(self, msg: Any) -> None:
         """A ticket from the coordinator (its plan is known and names this node)."""
@@ -85,9 +84,12 @@ class DirectImages:
         for t in back:
             self._give_back(t, "too many tickets waiting")
         if match is not None:
-            waited = max(0.0, time.time() - match.received_s) * 1e3
-            self.ticket_wait_ms += 0.1 * (waited - self.ticket_wait_ms)
-            self._run(match)
+            self._paired(match, waited_ms=max(0.0, time.time() - match.received_s) * 1e3)
+
+    def _paired(self, match: Match, waited_ms: float) -> None:
+        """Run a ticket and its image; `waited_ms`: how long the image waited for the ticket."""
+        self.ticket_wait_ms += 0.1 * (waited_ms - self.ticket_wait_ms)
+        self._run(match)
 
     def expire(self, wait_s: float) -> None:
         """Give back the tickets whose image did not come within `wait_s`."""

@@ -215,7 +215,11 @@ class InferenceGraph:
         try:
             return wait_until(ready, f"a plan naming {list(want)}", timeout_s, interval_s=0.1)
         except AssertionError as exc:
-            raise AssertionError(f"{exc}\n--- launcher output ---\n{self.out.text()}") from None
+            # what this test's subscriptions saw last: a CI log keeps a failure's last line
+            plans = [(int(p.version), list(p.node_ids)) for p in self.plans.snapshot()]
+            heartbeats = sorted({t.node_id for t in self.telemetry.snapshot()})
+            raise AssertionError(f"{exc}\n--- launcher output ---\n{self.out.text()}\n"
+                                 f"plans seen here: {plans}; heartbeats seen from: {heartbeats}") from None
 
     def latest_plan(self) -> Any:
         """The plan announced last (a restarted coordinator numbers from 1 again)."""

@@ -34,16 +34,6 @@ def _active(plan_msg) -> set[str]:
     return {n for n, s in zip(plan_msg.node_ids, plan_msg.shares) if s > 0}
 
 
-def _story(g: AdaptivityGraph) -> str:
-    """What happened, for the last line of a failure (`pytest.fail`: a CI log keeps that line):
-    each plan version's nodes and the head of its reason, and the coordinator's counters."""
-    plans = "; ".join(f"v{v} {'+'.join(sorted(_active(m)))}: {m.reason[:48]}"
-                      for v, m in sorted(g.plan_table().items()))
-    keys = ("completed", "timeouts", "late_drops", "redispatched", "departures", "dropped_busy")
-    counts = ", ".join(f"{k} {g.coordinator_values[k]}" for k in keys if k in g.coordinator_values)
-    return f"{plans} | {counts}"
-
-
 @pytest.mark.parametrize("flood", ["slabs", "whole_stripes"])
 def test_flooded_node_leaves_the_plan_every_frame_is_answered_and_it_comes_back(flood):
     """`slabs`: chunks of a few rows, which pile up as requests in the node's table; whole
@@ -90,7 +80,7 @@ def test_flooded_node_leaves_the_plan_every_frame_is_answered_and_it_comes_back(
 
         left = late_version()
         if left is None:
-            pytest.fail(f"{victim} never left the plan as late; flood: {sent.strip()}; {_story(g)}")
+            pytest.fail(f"{victim} never left the plan as late; flood: {sent.strip()}; {g.story()}")
         assert victim not in _active(g.plan_table()[left])
 
         def back() -> bool:
@@ -105,7 +95,7 @@ def test_flooded_node_leaves_the_plan_every_frame_is_answered_and_it_comes_back(
         assert not check["duplicates"], f"requests answered twice: {check['duplicates']}"
         bad = [(r["request_id"], r["status"]) for r in records if not r["complete"]]
         if bad:
-            pytest.fail(f"incomplete answers: {bad}; {_story(g)}")
+            pytest.fail(f"incomplete answers: {bad}; {g.story()}")
         # the late node's requests were answered by the others while it was out
         during = [r for r in records if r["request_id"] > first_flooded and r["plan_version"] >= left
                   and victim not in r["node_ids"]]

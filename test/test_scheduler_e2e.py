@@ -31,6 +31,7 @@ MODEL = dict(model="resnet18", height=128, width=128, num_classes=10, slab_rows=
 SCHEDULER_STRIPES = {"strategy": "stripes", "share_search": False}
 ADAPT_WITHIN = 15  # requests after the first slowed one until a plan shrinks the slowed node (measured 6-10)
 SLACK_S = 3.0  # for a loaded 2-core machine: heartbeat delivery + executor backlog + plan delivery
+LATE_ANSWER_S = 5.0  # a request in flight when the test checks, well under request_timeout_s
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -39,13 +40,28 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def _assert_every_request_answered_once(g: AdaptivityGraph) -> list[dict]:
-    records = g.records()
-    check = check_requests(records)
+    """Every request id from the first answered to the last has one complete answer. A request
+    still in flight when the test looks (a node's death re-dispatches it behind newer ones) gets
+    LATE_ANSWER_S to arrive: lost is what never comes, not what comes late; a late one is printed."""
+    check = check_requests(g.records())
     assert check["first"] is not None, "no FusedOutput at all"
-    assert not check["missing"], f"request ids without an answer: {check['missing']}"
+    missing = set(check["missing"])
+    deadline = time.monotonic() + LATE_ANSWER_S
+    while not missing <= {r["request_id"] for r in g.records()} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    records = g.records()
+    late = [(r["request_id"] - check["first"], r["plan_version"], r["status"][:60]) for r in records
+            if r["request_id"] in missing]
+    if late:
+        print(f"answered after the test first looked (request, plan version, status): {late}")
+    check = check_requests(records)
+    if check["missing"]:  # the story on one line: a CI log keeps a failure's last line
+        pytest.fail(f"request ids without an answer: {[i - check['first'] for i in check['missing']]} "
+                    f"(counted from the first answered); {g.story()}")
     assert not check["duplicates"], f"request ids answered twice: {check['duplicates']}"
     bad = [(r["request_id"], r["status"]) for r in records if not r["complete"]]
-    assert not bad, f"incomplete answers: {bad}"
+    if bad:
+        pytest.fail(f"incomplete answers: {bad}; {g.story()}")
     return sorted(records, key=lambda r: r["request_id"])
 
 

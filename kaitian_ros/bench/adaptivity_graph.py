@@ -197,6 +197,15 @@ class AdaptivityGraph:
     def plan_table(self) -> dict[int, Any]:
         return {int(m.version): m for _, m in self.plans.snapshot()}
 
+    def story(self) -> str:
+        """What happened, on one line (a failure's last line is what a CI log keeps): each plan
+        version's nodes and the head of its reason, and the coordinator's counters."""
+        plans = "; ".join(f"v{v} {'+'.join(n for n, s in zip(m.node_ids, m.shares) if s > 0)}: {m.reason[:48]}"
+                          for v, m in sorted(self.plan_table().items()))
+        keys = ("completed", "timeouts", "late_drops", "redispatched", "departures", "dropped_busy")
+        counts = ", ".join(f"{k} {self.coordinator_values[k]}" for k in keys if k in self.coordinator_values)
+        return f"{plans} | {counts}"
+
     def latest_assignment(self) -> Any:
         msgs = [m for _, m in self.assignments.snapshot()]
         return max(msgs, key=lambda m: m.version) if msgs else None

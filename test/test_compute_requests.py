@@ -46,6 +46,7 @@ def test_the_byte_bound_evicts_the_requests_fed_least_recently_and_never_the_one
                                    for d in drops), drops
     assert [int(d.split()[2]) for d in drops] == [0, 1, 2, 3]  # least recently fed first
     assert table.dropped_since_trim == 4
+    assert table.evicted == 4  # the node's telemetry behind_drops: evicted for room
     # one request alone above the bound stays: its rows are a valid plan's
     table.bound_bytes(newest, max_bytes=1)
     assert [s.request_id for s in table] == [5]
@@ -62,6 +63,7 @@ def test_the_count_bound_and_expiry_drop_with_their_reasons():
     table.expire(time.time() + 60.0, timeout_s=10.0)
     assert len(table) == 0 and table.held_bytes() == 0
     assert drops[1:] == [f"request timeout: request {i} never completed (missing rows)" for i in (0, 1)]
+    assert table.evicted == 1  # an expired request is not one the node was too busy to keep
 
 
 def test_a_finished_request_holds_nothing():

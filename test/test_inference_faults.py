@@ -48,6 +48,12 @@ def latest_values(g: InferenceGraph, node: str) -> dict[str, str]:
     return diags[-1] if diags else {}
 
 
+def behind_drops(g: InferenceGraph, node: str) -> int:
+    """`node`'s latest telemetry `behind_drops` (0 before its first)."""
+    own = [t for t in g.telemetry.snapshot() if t.node_id == node]
+    return int(own[-1].behind_drops) if own else 0
+
+
 def plan_followed(g: InferenceGraph, node: str):
     """The newest plan message `node` holds of the coordinator it follows (None if none yet)."""
     values = latest_values(g, node)
@@ -317,12 +323,15 @@ def test_forged_chunks_cost_bounded_memory_and_oversized_ones_nothing(graph):
     assert "does not fit segment 0" in values["last_reject_reason"] and "(64, " in values["last_reject_reason"]
 
     evicted_before = int(base.get("rejected.evicted", "0"))
+    behind_before = behind_drops(g, node)
     forged = 70
     for i in range(forged):  # one slab each: none of them can ever complete
         pub.publish(chunk(50_000 + i, torch.randn(1, c, 4, width)))
     values = wait_values(g, node, lambda v: int(v.get("rejected.evicted", "0")) - evicted_before >= forged - 64,
                          f"{forged - 64} evictions")
     assert int(values["in_flight"]) <= 64, values
+    # and in its telemetry, as drops for being behind (the coordinator's lateness rule reads them)
+    wait_until(lambda: behind_drops(g, node) - behind_before >= forged - 64, f"{node}'s telemetry behind_drops")
     assert 0.0 <= float(values["held_mb"]) <= 128.0, values  # max_held_mb's default
     frames = g.frames(3, first=400)
     g.check_outputs(frames, g.stream(frames))  # a real request evicts a forged one, never the reverse
@@ -340,6 +349,7 @@ def test_a_backlog_older_than_max_queue_wait_is_dropped_as_stale_and_the_node_ke
     assert ok, why
     try:
         base = wait_values(g, node, lambda v: True, "anything")
+        behind_before = behind_drops(g, node)
         pv = wait_until(lambda: plan_followed(g, node), f"the plan {node} follows")
         plan = ic.plan_from_msg(g.graph, pv, 4)
         lo, hi = plan.input_rows_for(node)
@@ -354,6 +364,8 @@ def test_a_backlog_older_than_max_queue_wait_is_dropped_as_stale_and_the_node_ke
         before = int(base.get("rejected.stale", "0"))
         values = wait_values(g, node, lambda v: int(v.get("rejected.stale", "0")) > before, "stale chunks")
         assert int(values["rejected.stale"]) > before
+        stale = int(values["rejected.stale"]) - before
+        wait_until(lambda: behind_drops(g, node) - behind_before >= stale, f"{node}'s telemetry behind_drops")
     finally:
         ok, why = client.set_parameters(node, {"max_queue_wait_s": 2.0})
         assert ok, why

@@ -67,28 +67,17 @@ def late_threshold_s(predicted_ms: float, late_after_s: float, first_of_version:
     return max(late_after_s, LATE_FACTOR * first * max(predicted_ms, 0.0) / 1e3)
 
 
-# a compute node's drop reasons (its telemetry's last_reject_reason) that say it is behind: a
-# chunk that waited too long in its queue, a request evicted from a full table, a full buffer of
-# chunks for a plan not yet announced. Others (a retired plan's chunks after a re-plan, malformed
-# messages) say nothing about its load
-OVERLOAD_DROPS = ("stale: chunk waited", "evicted:", "pending full")
-
-
-def overload_drop(reason: str) -> bool:
-    """Whether a compute node's drop reason says it is behind (OVERLOAD_DROPS)."""
-    return reason.startswith(OVERLOAD_DROPS)
-
-
 def node_load(in_progress: int, foreign_s: Iterable[float], now_s: float,
               dropped: Iterable[tuple[float, int]] = ()) -> int:
     """Requests on a node: those in progress (its telemetry) plus those it reported finishing in
     the last FOREIGN_WINDOW_S that the coordinator never issued (`foreign_s`, their times), plus
     the messages it dropped for being behind in that window (`dropped`: (time, how many) from
-    the growth of its telemetry's `rejected_count` while its last reason was one of
-    OVERLOAD_DROPS). A node flooded faster than it can take chunks drops them as
-    stale before they become requests: its table stays short while our rows wait behind the
-    flood, and only its drops show it (a clean clone's flood test: the flooded node never counted
-    as overloaded, so while both nodes owed rows nobody was blamed and a request timed out)."""
+    the growth of its telemetry's `behind_drops`: chunks that waited too long in its queue,
+    evicted requests, a full buffer of chunks for plans not yet announced). A node flooded
+    faster than it can take chunks drops them as stale before they become requests: its table
+    stays short while our rows wait behind the flood, and only its drops show it (a flood test:
+    the flooded node never counted as overloaded, so while both nodes owed rows nobody was
+    blamed and a request timed out)."""
     def recent(t: float) -> bool:
         return now_s - t <= FOREIGN_WINDOW_S
 

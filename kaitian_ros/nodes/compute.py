@@ -78,6 +78,7 @@ class ComputeNode(NodeCosts):
         self.pending: list[tuple[float, Any, Any]] = []  # chunks waiting for their plan (MAX_PENDING)
         self.pending_bytes = 0
         self.retired_below = 0  # plan versions below this are gone
+        self.behind_drops = 0  # chunks dropped because this node was behind (evictions: the table's)
         self.coordinator = AuthorityTracker("coordinator")  # whose plan versions these are
         self.completed = 0
         self.pubs: dict[str, Any] = {}
@@ -168,7 +169,7 @@ class ComputeNode(NodeCosts):
             self.rt.rejected.count(f"misaddressed: chunk for {msg.consumer!r}")
             return
         if not held and now - arrived > self.params["max_queue_wait_s"]:  # behind (a flood): late already
-            self.rt.rejected.count(f"stale: chunk waited {now - arrived:.1f} s in this node's queue")
+            self._drop_behind(f"stale: chunk waited {now - arrived:.1f} s in this node's queue")
             return
         if msg.role not in (proto.ROLE_INPUT, proto.ROLE_HALO, proto.ROLE_TICKET):
             self.rt.rejected.count(f"bad role: {msg.role}")
@@ -182,7 +183,7 @@ class ComputeNode(NodeCosts):
                 # plan message still on its way; held from its first arrival (re-examined on
                 # every new plan, which must not restart its pending_timeout_s clock)
                 if len(self.pending) >= MAX_PENDING or self.pending_bytes + len(msg.data) > MAX_PENDING_BYTES:
-                    self.rt.rejected.count(f"pending full: chunk of unknown plan v{version} "
+                    self._drop_behind(f"pending full: chunk of unknown plan v{version} "
                                            f"({len(self.pending)} chunks held)")
                     return
                 self.pending.append((arrived, msg, info))
@@ -386,7 +387,14 @@ class ComputeNode(NodeCosts):
         return interfaces.make("NodeTelemetry", node_id=self.node_id, device=self.params["device"],
                                emulated=self.emulated, emulated_slowdown=self.params["emulated_slowdown"],
                                queue_depth=self.requests.in_progress(), rejected_count=self.rt.rejected.total,
-                               last_reject_reason=self.rt.rejected.last_reason, **fields)
+                               last_reject_reason=self.rt.rejected.last_reason,
+                               behind_drops=self.behind_drops + self.requests.evicted, **fields)
+
+    def _drop_behind(self, reason: str) -> None:
+        """Drop a chunk because this node is behind: counted apart too (telemetry
+        `behind_drops`), the coordinator takes such drops as load (`core.lateness.node_load`)."""
+        self.behind_drops += 1
+        self.rt.rejected.count(reason)
 
     # --- timers -------------------------------------------------------------------------
     def _heartbeat(self) -> None:

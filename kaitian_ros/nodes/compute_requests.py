@@ -53,6 +53,7 @@ class RequestTable:
         self._by_id: dict[int, RequestState] = {}
         self._count_drop = count_drop
         self.dropped_since_trim = 0  # evicted or expired since the node last gave memory back
+        self.evicted = 0  # requests evicted for room since start: the node was behind (its telemetry)
         self._dropped_at_last_check = 0
 
     def __len__(self) -> int:
@@ -125,6 +126,7 @@ class RequestTable:
         return sum(1 for s in self._by_id.values() if now - s.last_fed_s <= IN_PROGRESS_S)
 
     def _evict(self, victim: RequestState, why: str) -> None:
+        self.evicted += 1
         self._drop(victim, f"evicted: request {victim.request_id} ({why})")
 
     def _drop(self, state: RequestState, reason: str) -> None:

@@ -81,8 +81,8 @@ class Coordinator(DirectPath):
         self.delivered: set[str] = set()  # nodes that delivered rows: warm, judged by lateness
         self.in_progress: dict[str, int] = {}  # requests in progress on each node (its telemetry)
         self.foreign: dict[str, collections.deque] = {}  # when each node reported requests we never issued
-        self.drops: dict[str, collections.deque] = {}  # (when, how many) each node's rejected_count grew
-        self.rejected_counts: dict[str, int] = {}  # each node's latest telemetry rejected_count
+        self.drops: dict[str, collections.deque] = {}  # (when, how many) each node's behind_drops grew
+        self.behind_drops: dict[str, int] = {}  # each node's latest telemetry behind_drops
         self.last_finished_s = 0.0  # wall time the latest request completed or timed out
         self.current: Assignment | None = None
         self.pending: Assignment | None = None  # adopted, effective from a later request
@@ -164,12 +164,11 @@ class Coordinator(DirectPath):
             return  # sent before it died, handled after: it must not rejoin the dead node
         if int(msg.request_id) >= self.next_request:  # finished a request we never issued: a flood's
             self.foreign.setdefault(msg.node_id, collections.deque(maxlen=256)).append(time.monotonic())
-        rejected, before = int(msg.rejected_count), self.rejected_counts.get(msg.node_id)
-        self.rejected_counts[msg.node_id] = rejected
-        if before is not None and rejected > before and lateness.overload_drop(msg.last_reject_reason):
-            # (a restarted node starts from 0: no growth; the growth is taken for its last reason's)
+        behind, before = int(msg.behind_drops), self.behind_drops.get(msg.node_id)
+        self.behind_drops[msg.node_id] = behind
+        if before is not None and behind > before:  # (a restarted node counts from 0 again: no growth)
             self.drops.setdefault(msg.node_id, collections.deque(maxlen=256)).append(
-                (time.monotonic(), rejected - before))
+                (time.monotonic(), behind - before))
         if self._held_out(msg.node_id, int(msg.queue_depth)):
             return
         first = msg.node_id not in self.alive

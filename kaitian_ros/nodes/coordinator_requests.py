@@ -415,6 +415,9 @@ class RequestFlow:
         req.dispatched_s = time.time()
         req.inputs_sent_s = None
         req.predicted_ms = self.predicted_ms
+        # under a version that has not completed a request yet it pays that version's one-off
+        # costs (new row shapes) like any first request: its nodes get the longer lateness threshold
+        req.first_of_version = version == self.unmeasured_version
         req.direct = False  # the node it goes to now may not have its image: send the rows
         self.counts["redispatched"] += 1
 

@@ -14,7 +14,8 @@ proposes shares, when a node joins or leaves, when a profile changes and every
 that stops sending heartbeats leaves the plan; its in-flight requests are re-dispatched to the
 survivors under a new version so no frame is lost.
 
-Requests run in `coordinator_requests`, /diagnostics in `coordinator_report`, parameters in
+Requests run in `coordinator_requests`, late nodes are judged in `coordinator_lateness`,
+/diagnostics in `coordinator_report`, parameters in
 `coordinator_params`, plan prices in `coordinator_costs`, plans that ran in `core.plan_memory`,
 what a measured latency sets off in `coordinator_measured`.
 """
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kaitian_ros.core import exploration, lateness, planner
+from kaitian_ros.core import exploration, planner
 from kaitian_ros.core.authority import AuthorityTracker, ImpersonationGuard, new_incarnation
 from kaitian_ros.core.costs import DeviceProfile, LinkMeter, profile_problem
 from kaitian_ros.core.plan import Plan, same_spec
@@ -76,13 +77,8 @@ class Coordinator(DirectPath):
         self.assignment_s = time.monotonic()  # of the latest accepted proposal (start: none yet)
         # compute node -> (monotonic, wall) time its session's end was handled
         self.departed: dict[str, tuple[float, float]] = {}
-        # late nodes out of the plan for now, each node's latest quarantine (its strikes)
-        self.quarantines: dict[str, lateness.Quarantine] = {}
         self.delivered: set[str] = set()  # nodes that delivered rows: warm, judged by lateness
-        self.in_progress: dict[str, int] = {}  # requests in progress on each node (its telemetry)
-        self.foreign: dict[str, collections.deque] = {}  # when each node reported requests we never issued
-        self.drops: dict[str, collections.deque] = {}  # (when, how many) each node's behind_drops grew
-        self.behind_drops: dict[str, int] = {}  # each node's latest telemetry behind_drops
+        self._start_lateness_watch()
         self.last_finished_s = 0.0  # wall time the latest request completed or timed out
         self.current: Assignment | None = None
         self.pending: Assignment | None = None  # adopted, effective from a later request
@@ -162,13 +158,7 @@ class Coordinator(DirectPath):
         gone_mono, gone_wall = self.departed.get(msg.node_id, (float("-inf"), float("-inf")))
         if info.received_s <= gone_wall or time.monotonic() - gone_mono < DEPARTED_QUIET_S:
             return  # sent before it died, handled after: it must not rejoin the dead node
-        if int(msg.request_id) >= self.next_request:  # finished a request we never issued: a flood's
-            self.foreign.setdefault(msg.node_id, collections.deque(maxlen=256)).append(time.monotonic())
-        behind, before = int(msg.behind_drops), self.behind_drops.get(msg.node_id)
-        self.behind_drops[msg.node_id] = behind
-        if before is not None and behind > before:  # (a restarted node counts from 0 again: no growth)
-            self.drops.setdefault(msg.node_id, collections.deque(maxlen=256)).append(
-                (time.monotonic(), behind - before))
+        self._note_load(msg)
         if self._held_out(msg.node_id, int(msg.queue_depth)):
             return
         first = msg.node_id not in self.alive

@@ -24,7 +24,8 @@ from typing import Any
 from kaitian_ros.core.plan import Plan
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.nodes import protocol as proto
-from kaitian_ros.nodes.coordinator_requests import Request, RequestFlow
+from kaitian_ros.nodes.coordinator_lateness import LatenessWatch
+from kaitian_ros.nodes.coordinator_requests import Request
 
 # tickets given back in a row before the direct path is put off: a node's first tickets after
 # it subscribed come back while the camera's route to it forms (1-3 at a stream of frames here)
@@ -32,7 +33,7 @@ DIRECT_MAX_RETURNS = 8
 DIRECT_RETRY_S = 30.0  # then it is tried again this much later
 
 
-class DirectPath(RequestFlow):
+class DirectPath(LatenessWatch):
     """Tickets, their returns, and which plan versions take the direct path."""
 
     direct_off_until: float | None  # monotonic: the direct path is off until then

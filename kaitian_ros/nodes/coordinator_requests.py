@@ -17,14 +17,13 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from kaitian_ros.core import exploration, lateness
+from kaitian_ros.core import exploration
 from kaitian_ros.core.costs import LinkMeter, observe_link
 from kaitian_ros.core.graph import ModelGraph
 from kaitian_ros.core.plan import Plan
@@ -77,11 +76,7 @@ class RequestFlow:
     predicted_ms: float  # the running plan's latency as last predicted
     delivered: set[str]  # compute nodes that delivered OUTPUT rows at least once (warm)
     alive: tuple[str, ...]
-    in_progress: dict[str, int]  # compute node -> requests in progress on it (its latest telemetry)
-    foreign: dict[str, collections.deque]  # compute node -> times it reported requests we never issued
-    drops: dict[str, collections.deque]  # compute node -> (time, messages) it dropped for being behind
     last_finished_s: float  # wall time the latest request completed or timed out
-    quarantines: dict[str, lateness.Quarantine]  # each node's latest (held out until it ends)
     requests: dict[int, Request]
     waiting: Any  # newest image waiting for an in-flight slot
     next_request: int
@@ -327,7 +322,7 @@ class RequestFlow:
         now = time.time()
         for req in [r for r in self.requests.values() if now - r.dispatched_s > self.params["request_timeout_s"]]:
             missing = np.flatnonzero(~req.got)
-            owners = _owners_missing(req)
+            owners = owners_missing(req)
             del self.requests[req.request_id]
             self.last_finished_s = time.time()
             self.counts["timeouts"] += 1
@@ -339,61 +334,6 @@ class RequestFlow:
     def _drop(self, dead: list[str], why: str, label: str = "lost") -> None:
         """Take nodes out of the plan and re-dispatch their requests (the coordinator's)."""
         raise NotImplementedError
-
-    def _held_out(self, node: str, in_progress: int) -> bool:
-        """A node's telemetry reports `in_progress` requests: whether it stays out of the plan
-        (quarantined for lateness; it is let back once `core.lateness.may_rejoin`)."""
-        self.in_progress[node] = in_progress
-        q = self.quarantines.get(node)
-        if q is None or q.ended:
-            return False
-        load = self._load(node)
-        if not lateness.may_rejoin(q, time.monotonic(), load, self.params["max_in_flight"]):
-            return True
-        self.quarantines[node] = dataclasses.replace(q, ended=True)
-        self.rt.logger.info(f"{node} back after {time.monotonic() - q.since_s:.1f} s out of the plan ({q.reason}); "
-                            f"{load} requests on it")
-        return False
-
-    def _load(self, node: str) -> int:
-        return lateness.node_load(self.in_progress.get(node, 0), self.foreign.get(node, ()), time.monotonic(),
-                                  self.drops.get(node, ()))
-
-    def _drop_late(self, now_m: float, dead: Collection[str]) -> None:
-        """Late nodes leave the plan for their quarantine; their requests go to the others."""
-        for n, why in self._late_nodes().items():
-            if n in dead or n not in self.alive or not any(m != n and m not in dead for m in self.alive):
-                continue  # nobody left to take its rows
-            q = self.quarantines[n] = lateness.quarantine_after(self.quarantines.get(n), now_m, why)
-            self.counts["late_drops"] += 1
-            self._drop([n], f"{why}: out of the plan for {q.until_s - q.since_s:.0f} s at least", "late")
-
-    def _late_nodes(self) -> dict[str, str]:
-        """Warm nodes that owe rows of the request they should be working on past its lateness
-        threshold (node -> why), when other nodes can take over (`core.lateness`).
-
-        Only the request whose inputs went out first is judged, from when its last input slab
-        was published or the request before it finished, whichever is later: a node computes
-        requests in the order their chunks arrive, so a later request waits behind it, and
-        inputs queued behind a paced (EMULATED slow) link are not the node's delay."""
-        late_after = self.params["late_after_s"]
-        sent = [r for r in self.requests.values() if r.inputs_sent_s is not None]
-        if late_after <= 0 or not sent:
-            return {}
-        req = min(sent, key=lambda r: r.inputs_sent_s or 0.0)
-        elapsed = time.time() - max(req.inputs_sent_s or 0.0, self.last_finished_s)
-        busy = {n for n in self.in_progress if lateness.overloaded(self._load(n), self.params["max_in_flight"])}
-        owners = _owners_missing(req)
-        # a node that never delivered is cold (its first calls build kernels): not judged yet
-        thresholds = {n: lateness.late_threshold_s(req.predicted_ms, late_after, req.first_of_version, n in busy)
-                      for n in owners if n in self.delivered}
-        late: dict[str, str] = {}
-        feeders = req.plan.feeder_nodes()
-        for n in lateness.late_owners(owners, req.plan.active_nodes(), self.alive, elapsed, thresholds, busy, feeders):
-            held = f", {self._load(n)} requests on it" if n in busy else ""
-            late[n] = (f"late: rows of request {req.request_id} still missing {elapsed:.2f} s after its inputs "
-                       f"(predicted {req.predicted_ms:.0f} ms{held})")
-        return late
 
     def _redispatch(self, dead: set[str]) -> None:
         """Restart the lost nodes' in-flight requests on the survivors under the new plan."""
@@ -451,7 +391,7 @@ class RequestFlow:
             self._send_inputs(req)
 
 
-def _owners_missing(req: Request) -> list[str]:
+def owners_missing(req: Request) -> list[str]:
     """The nodes of the request's plan that owe trunk-output rows it has not received."""
     missing = ~req.got
     return [n for n in req.plan.active_nodes() if missing[slice(*req.plan.output_rows_for(n))].any()]

@@ -137,3 +137,9 @@ def test_messages_a_node_dropped_lately_count_as_load() -> None:
     later = now + lateness.FOREIGN_WINDOW_S + 0.01
     assert lateness.node_load(1, [], later, drops) == 1
 
+
+def test_drops_since_the_previous_report_and_after_a_restart() -> None:
+    assert lateness.drops_since(None, 500) == 0  # a first report: old drops are not new load
+    assert lateness.drops_since(500, 540) == 40
+    assert lateness.drops_since(540, 540) == 0
+    assert lateness.drops_since(540, 7) == 7  # restarted: counts from 0 again

@@ -58,7 +58,12 @@ def test_flooded_node_leaves_the_plan_every_frame_is_answered_and_it_comes_back(
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                bufsize=1)
 
+        loads: dict[str, int] = {}  # the highest load the coordinator reported for each node
+
         def late_version() -> int | None:
+            for item in filter(None, g.coordinator_values.get("load", "").split(",")):
+                node, load = item.split(":")
+                loads[node] = max(loads.get(node, 0), int(load))
             return next((v for v, m in sorted(g.plan_table().items()) if f"{victim} late" in m.reason), None)
 
         try:
@@ -80,7 +85,8 @@ def test_flooded_node_leaves_the_plan_every_frame_is_answered_and_it_comes_back(
 
         left = late_version()
         if left is None:
-            pytest.fail(f"{victim} never left the plan as late; flood: {sent.strip()}; {g.story()}")
+            pytest.fail(f"{victim} never left the plan as late; flood: {sent.strip()}; highest loads seen: {loads}; "
+                        f"{g.story()}")
         assert victim not in _active(g.plan_table()[left])
 
         def back() -> bool:
@@ -104,4 +110,4 @@ def test_flooded_node_leaves_the_plan_every_frame_is_answered_and_it_comes_back(
         gap = max((b - a for a, b in itertools.pairwise(arrivals)), default=0.0)
         plans = [(v, sorted(_active(m))) for v, m in sorted(g.plan_table().items())]
         print(f"\n{victim} left the plan at v{left} ({g.plan_table()[left].reason}); longest gap between "
-              f"answers from the flood on {gap:.2f} s; plans: {plans}")
+              f"answers from the flood on {gap:.2f} s; highest loads seen: {loads}; plans: {plans}")

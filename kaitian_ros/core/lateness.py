@@ -67,6 +67,16 @@ def late_threshold_s(predicted_ms: float, late_after_s: float, first_of_version:
     return max(late_after_s, LATE_FACTOR * first * max(predicted_ms, 0.0) / 1e3)
 
 
+def drops_since(before: int | None, reported: int) -> int:
+    """The drops for being behind a node reports since its previous telemetry (`before`: the
+    count that one reported; None for its first, which counts none: a coordinator started beside
+    a long-running node must not take all its old drops for new ones). A count below the
+    previous is a restarted node's, counting from 0 again: all of it is new."""
+    if before is None:
+        return 0
+    return reported - before if reported >= before else reported
+
+
 def node_load(in_progress: int, foreign_s: Iterable[float], now_s: float,
               dropped: Iterable[tuple[float, int]] = ()) -> int:
     """Requests on a node: those in progress (its telemetry) plus those it reported finishing in

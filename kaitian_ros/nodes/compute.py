@@ -184,7 +184,7 @@ class ComputeNode(NodeCosts):
                 # every new plan, which must not restart its pending_timeout_s clock)
                 if len(self.pending) >= MAX_PENDING or self.pending_bytes + len(msg.data) > MAX_PENDING_BYTES:
                     self._drop_behind(f"pending full: chunk of unknown plan v{version} "
-                                           f"({len(self.pending)} chunks held)")
+                                      f"({len(self.pending)} chunks held)")
                     return
                 self.pending.append((arrived, msg, info))
                 self.pending_bytes += len(msg.data)

@@ -41,11 +41,11 @@ class LatenessWatch(RequestFlow):
         """A node's telemetry: what it says of the node's load beside its requests in progress."""
         if int(msg.request_id) >= self.next_request:  # finished a request we never issued: a flood's
             self.foreign.setdefault(msg.node_id, collections.deque(maxlen=256)).append(time.monotonic())
-        behind, before = int(msg.behind_drops), self.behind_drops.get(msg.node_id)
+        behind = int(msg.behind_drops)
+        grown = lateness.drops_since(self.behind_drops.get(msg.node_id), behind)
         self.behind_drops[msg.node_id] = behind
-        if before is not None and behind > before:  # (a restarted node counts from 0 again: no growth)
-            self.drops.setdefault(msg.node_id, collections.deque(maxlen=256)).append(
-                (time.monotonic(), behind - before))
+        if grown > 0:
+            self.drops.setdefault(msg.node_id, collections.deque(maxlen=256)).append((time.monotonic(), grown))
 
     def _held_out(self, node: str, in_progress: int) -> bool:
         """A node's telemetry reports `in_progress` requests: whether it stays out of the plan
@@ -61,6 +61,10 @@ class LatenessWatch(RequestFlow):
         self.rt.logger.info(f"{node} back after {time.monotonic() - q.since_s:.1f} s out of the plan ({q.reason}); "
                             f"{load} requests on it")
         return False
+
+    def node_loads(self) -> dict[str, int]:
+        """Each alive node's load now (`core.lateness.node_load`), for /diagnostics."""
+        return {n: self._load(n) for n in self.alive}
 
     def _load(self, node: str) -> int:
         return lateness.node_load(self.in_progress.get(node, 0), self.foreign.get(node, ()), time.monotonic(),

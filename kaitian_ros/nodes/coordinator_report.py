@@ -79,6 +79,8 @@ def report(c: Coordinator) -> None:
         "planner": planner_state(c), "plan_round_ms": f"{c.planner.last_round_ms:.0f}",
         "alive": ",".join(c.alive), "in_flight": len(c.requests),
         "late": ",".join(f"{n}:{_quarantine_left(q.until_s)}" for n, q in sorted(held.items())),
+        # requests on each node in the last second, its drops for being behind included
+        "load": ",".join(f"{n}:{load}" for n, load in c.node_loads().items()),
         "latency_p50_ms": f"{p50:.1f}", "latency_p95_ms": f"{p95:.1f}"}
         | dict(c.counts))
 

@@ -61,6 +61,24 @@ def test_a_split_where_every_node_owes_rows_blames_only_an_overloaded_node():
     assert not lateness.overloaded(2 + lateness.SPARE_REQUESTS, max_in_flight=2)
 
 
+def test_of_several_overloaded_nodes_only_the_most_loaded_is_blamed():
+    """A flood on compute_0 fills compute_1's table too (the flood's requests its halo rows
+    started there): both overloaded, both owing rows. Blaming both would leave nobody to take
+    over, so nobody was blamed; the most loaded one is the flood's target."""
+    both = {"compute_0", "compute_1"}
+    assert late_owners(both, NODES, NODES, elapsed_s=3.0, thresholds_s=_at(0.5), overloaded_nodes=both) == ()
+    assert late_owners(both, NODES, NODES, elapsed_s=3.0, thresholds_s=_at(0.5), overloaded_nodes=both,
+                       loads={"compute_0": 790, "compute_1": 70}) == ("compute_0",)
+    # equal loads: no telling which one the flood aims at - nobody, as before
+    assert late_owners(both, NODES, NODES, elapsed_s=3.0, thresholds_s=_at(0.5), overloaded_nodes=both,
+                       loads={"compute_0": 64, "compute_1": 64}) == ()
+    # three nodes: the most loaded goes, the third takes over
+    three = ("compute_0", "compute_1", "compute_2")
+    assert late_owners(set(three), three, three, elapsed_s=3.0, thresholds_s=dict.fromkeys(three, 0.5),
+                       overloaded_nodes=both, loads={"compute_0": 300, "compute_1": 500, "compute_2": 1}) == \
+        ("compute_1",)
+
+
 def test_a_single_node_plan_blames_its_node_when_another_is_alive():
     assert late_owners({"compute_0"}, ("compute_0",), NODES, elapsed_s=0.6, thresholds_s=_at(0.5)) == ("compute_0",)
     # nobody to take over: keep waiting (the request timeout still applies)

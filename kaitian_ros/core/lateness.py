@@ -102,18 +102,25 @@ def overloaded(queue_depth: int, max_in_flight: int) -> bool:
 
 def late_owners(missing_owners: Collection[str], active: Sequence[str], alive: Collection[str],
                 elapsed_s: float, thresholds_s: Mapping[str, float],
-                overloaded_nodes: Collection[str] = (), feeders: Collection[str] = ()) -> tuple[str, ...]:
+                overloaded_nodes: Collection[str] = (), feeders: Collection[str] = (),
+                loads: Mapping[str, int] | None = None) -> tuple[str, ...]:
     """The nodes to blame for a request in flight for `elapsed_s`: those that owe rows past
     their threshold (`thresholds_s`, by node: `late_threshold_s`), when somebody else can take
     over. When every node of a split owes rows, a late node also delays the others (they wait
     for its halo rows), so only those that are `overloaded_nodes` are blamed; if none is,
     nobody (the host, not one node, is slow). The same when the plan has `feeders` - active
     nodes that own no output rows (a layer-wise plan's first device, a stripes plan's nodes
-    before a solo tail): the rows owed may be waiting for them. Nobody either when no alive
-    node is left without blame."""
+    before a solo tail): the rows owed may be waiting for them. Of several overloaded nodes
+    only the most loaded (`loads`, by node: `node_load`) is blamed: a flooded node's partners
+    hold made-up requests too - the flood's requests its halo rows started on them - but fewer,
+    and blaming both left nobody to take over, so a flood on a two-node split was never
+    blamed. Nobody either when no alive node is left without blame."""
     late = tuple(n for n in active if n in missing_owners and elapsed_s > thresholds_s.get(n, math.inf))
     if (len(active) > 1 and all(n in missing_owners for n in active)) or any(n in active for n in feeders):
         late = tuple(n for n in late if n in overloaded_nodes)
+        if len(late) > 1 and loads:
+            top = max(loads.get(n, 0) for n in late)
+            late = tuple(n for n in late if loads.get(n, 0) == top)
     if not late:
         return ()
     if not any(n not in late for n in alive):

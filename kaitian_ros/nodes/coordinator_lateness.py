@@ -93,15 +93,17 @@ class LatenessWatch(RequestFlow):
             return {}
         req = min(sent, key=lambda r: r.inputs_sent_s or 0.0)
         elapsed = time.time() - max(req.inputs_sent_s or 0.0, self.last_finished_s)
-        busy = {n for n in self.in_progress if lateness.overloaded(self._load(n), self.params["max_in_flight"])}
+        loads = {n: self._load(n) for n in self.in_progress}
+        busy = {n for n, load in loads.items() if lateness.overloaded(load, self.params["max_in_flight"])}
         owners = owners_missing(req)
         # a node that never delivered is cold (its first calls build kernels): not judged yet
         thresholds = {n: lateness.late_threshold_s(req.predicted_ms, late_after, req.first_of_version, n in busy)
                       for n in owners if n in self.delivered}
         late: dict[str, str] = {}
         feeders = req.plan.feeder_nodes()
-        for n in lateness.late_owners(owners, req.plan.active_nodes(), self.alive, elapsed, thresholds, busy, feeders):
-            held = f", {self._load(n)} requests on it" if n in busy else ""
+        for n in lateness.late_owners(owners, req.plan.active_nodes(), self.alive, elapsed, thresholds, busy, feeders,
+                                      loads):
+            held = f", {loads[n]} requests on it" if n in busy else ""
             late[n] = (f"late: rows of request {req.request_id} still missing {elapsed:.2f} s after its inputs "
                        f"(predicted {req.predicted_ms:.0f} ms{held})")
         return late

@@ -79,7 +79,7 @@ class Coordinator(DirectPath):
         self.departed: dict[str, tuple[float, float]] = {}
         self.delivered: set[str] = set()  # nodes that delivered rows: warm, judged by lateness
         self._start_lateness_watch()
-        self.last_finished_s = 0.0  # wall time the latest request completed or timed out
+        self.oldest_finished_s = 0.0  # wall time the oldest request in flight last completed or timed out
         self.current: Assignment | None = None
         self.pending: Assignment | None = None  # adopted, effective from a later request
         self.plans: dict[int, Plan] = {}

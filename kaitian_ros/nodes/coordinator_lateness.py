@@ -86,13 +86,14 @@ class LatenessWatch(RequestFlow):
         Only the request whose inputs went out first is judged, from when its last input slab
         was published or the request before it finished, whichever is later: a node computes
         requests in the order their chunks arrive, so a later request waits behind it, and
-        inputs queued behind a paced (EMULATED slow) link are not the node's delay."""
+        inputs queued behind a paced (EMULATED slow) link are not the node's delay. A newer
+        request that finished first does not restart the clock (`RequestFlow._finished`)."""
         late_after = self.params["late_after_s"]
         sent = [r for r in self.requests.values() if r.inputs_sent_s is not None]
         if late_after <= 0 or not sent:
             return {}
         req = min(sent, key=lambda r: r.inputs_sent_s or 0.0)
-        elapsed = time.time() - max(req.inputs_sent_s or 0.0, self.last_finished_s)
+        elapsed = time.time() - max(req.inputs_sent_s or 0.0, self.oldest_finished_s)
         loads = {n: self._load(n) for n in self.in_progress}
         busy = {n for n, load in loads.items() if lateness.overloaded(load, self.params["max_in_flight"])}
         owners = owners_missing(req)

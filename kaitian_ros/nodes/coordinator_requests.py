@@ -76,7 +76,7 @@ class RequestFlow:
     predicted_ms: float  # the running plan's latency as last predicted
     delivered: set[str]  # compute nodes that delivered OUTPUT rows at least once (warm)
     alive: tuple[str, ...]
-    last_finished_s: float  # wall time the latest request completed or timed out
+    oldest_finished_s: float  # wall time the oldest request in flight last completed or timed out
     requests: dict[int, Request]
     waiting: Any  # newest image waiting for an in-flight slot
     next_request: int
@@ -266,10 +266,19 @@ class RequestFlow:
         if req.got.all():
             self._complete(req)
 
+    def _finished(self, req: Request) -> None:
+        """`req` leaves the requests in flight (completed or timed out). Only the oldest one's end
+        starts the next one's lateness clock: a newer request that finishes first says nothing
+        of an older one, whose rows may be lost (a flood evicted a real request from a node's
+        table; with every newer answer restarting its clock the node was never late for it, and
+        the request waited its whole timeout)."""
+        del self.requests[req.request_id]
+        if all(r.request_id > req.request_id for r in self.requests.values()):
+            self.oldest_finished_s = time.time()
+
     def _complete(self, req: Request) -> None:
         t0 = time.perf_counter()
-        del self.requests[req.request_id]
-        self.last_finished_s = time.time()
+        self._finished(req)
         if req.direct:  # its node published the FusedOutput; the sum it sent is bookkeeping
             self.direct_returns = 0
             self.counts["direct_requests"] += 1
@@ -323,8 +332,7 @@ class RequestFlow:
         for req in [r for r in self.requests.values() if now - r.dispatched_s > self.params["request_timeout_s"]]:
             missing = np.flatnonzero(~req.got)
             owners = owners_missing(req)
-            del self.requests[req.request_id]
-            self.last_finished_s = time.time()
+            self._finished(req)
             self.counts["timeouts"] += 1
             self._publish_fused(req, None, f"timeout: missing rows {missing[0]}-{missing[-1]} from "
                                                   f"{', '.join(owners)}")

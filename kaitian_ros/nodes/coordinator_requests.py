@@ -269,9 +269,9 @@ class RequestFlow:
     def _finished(self, req: Request) -> None:
         """`req` leaves the requests in flight (completed or timed out). Only the oldest one's end
         starts the next one's lateness clock: a newer request that finishes first says nothing
-        of an older one, whose rows may be lost (a flood evicted a real request from a node's
-        table; with every newer answer restarting its clock the node was never late for it, and
-        the request waited its whole timeout)."""
+        of an older one, whose rows may be lost (likely in a flood test that failed: a flood
+        evicts a real request from the node's full table; with every newer answer restarting
+        its clock the node was never late for it, and the request waited its whole timeout)."""
         del self.requests[req.request_id]
         if all(r.request_id > req.request_id for r in self.requests.values()):
             self.oldest_finished_s = time.time()

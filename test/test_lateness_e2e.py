@@ -19,6 +19,7 @@ import pytest
 from inference_helpers import shared_fork_server
 
 from kaitian_ros.bench.adaptivity_graph import AdaptivityGraph, check_requests, scenario_config
+from kaitian_ros.nodes import protocol as proto
 from kaitian_ros.processes import start_child
 
 pytestmark = pytest.mark.e2e
@@ -28,10 +29,6 @@ MODEL = dict(model="resnet18", height=128, width=128, num_classes=10, slab_rows=
 # the victim, and a flood at a node without rows delays nobody)
 BOTH_NODES = {"strategy": "stripes", "share_search": False}
 FLOOD_MAX_S = 30
-
-
-def _active(plan_msg) -> set[str]:
-    return {n for n, s in zip(plan_msg.node_ids, plan_msg.shares) if s > 0}
 
 
 @pytest.mark.parametrize("flood", ["slabs", "whole_stripes"])
@@ -87,10 +84,10 @@ def test_flooded_node_leaves_the_plan_every_frame_is_answered_and_it_comes_back(
         if left is None:
             pytest.fail(f"{victim} never left the plan as late; flood: {sent.strip()}; highest loads seen: {loads}; "
                         f"{g.story()}")
-        assert victim not in _active(g.plan_table()[left])
+        assert victim not in proto.members(g.plan_table()[left])
 
         def back() -> bool:
-            return any(v > left and victim in _active(m) for v, m in g.plan_table().items())
+            return any(v > left and victim in proto.members(m) for v, m in g.plan_table().items())
 
         g.drive(until=back, window=1, timeout_s=90.0)
         g.drive(5, window=1, timeout_s=60.0)
@@ -108,6 +105,6 @@ def test_flooded_node_leaves_the_plan_every_frame_is_answered_and_it_comes_back(
         assert during, "no request ran without the late node"
         arrivals = sorted(r["arrived_s"] for r in records if r["request_id"] > first_flooded)
         gap = max((b - a for a, b in itertools.pairwise(arrivals)), default=0.0)
-        plans = [(v, sorted(_active(m))) for v, m in sorted(g.plan_table().items())]
+        plans = [(v, sorted(proto.members(m))) for v, m in sorted(g.plan_table().items())]
         print(f"\n{victim} left the plan at v{left} ({g.plan_table()[left].reason}); longest gap between "
               f"answers from the flood on {gap:.2f} s; highest loads seen: {loads}; plans: {plans}")

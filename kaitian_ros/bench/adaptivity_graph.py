@@ -200,7 +200,9 @@ class AdaptivityGraph:
     def story(self) -> str:
         """What happened, on one line (a failure's last line is what a CI log keeps): each plan
         version's nodes and the head of its reason, and the coordinator's counters."""
-        plans = "; ".join(f"v{v} {'+'.join(n for n, s in zip(m.node_ids, m.shares) if s > 0)}: {m.reason[:48]}"
+        from kaitian_ros.nodes import protocol as proto
+
+        plans = "; ".join(f"v{v} {'+'.join(sorted(proto.members(m)))}: {m.reason[:48]}"
                           for v, m in sorted(self.plan_table().items()))
         keys = ("completed", "timeouts", "late_drops", "redispatched", "departures", "dropped_busy")
         counts = ", ".join(f"{k} {self.coordinator_values[k]}" for k in keys if k in self.coordinator_values)

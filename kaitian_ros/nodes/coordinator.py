@@ -230,7 +230,7 @@ class Coordinator(DirectPath):
         previous, self.assignment = self.assignment, proposal
         self.assignment_s = time.monotonic()
         if self.params["share_search"] and proposal.policy == "adaptive" and previous is not None and \
-                previous.policy == "adaptive" and _members(previous) == _members(proposal):
+                previous.policy == "adaptive" and proto.members(previous) == proto.members(proposal):
             # the planner searches shares by the nodes' measured speeds itself: the scheduler's
             # newest shares are one candidate among those, taken at the next round. A round per
             # proposal kept the planner process busy back to back while speeds changed (the
@@ -483,10 +483,6 @@ class Coordinator(DirectPath):
         if incarnation is not None:
             self._reincarnate(incarnation, reason)
 
-
-def _members(a: Assignment) -> frozenset:
-    """The nodes an assignment gives rows."""
-    return frozenset(n for n, x in zip(a.node_ids, a.shares) if x > 0)
 
 
 def main(argv: list[str] | None = None) -> int:

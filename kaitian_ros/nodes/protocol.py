@@ -121,6 +121,12 @@ def assignment_from_msg(msg: Any) -> Assignment:
                       msg.reason, float(msg.predicted_makespan_ms))
 
 
+def members(assignment: Any) -> frozenset[str]:
+    """The nodes an assignment gives rows: an `Assignment`, or a LoadAssignment message (a plan
+    or a proposal), alike."""
+    return frozenset(n for n, x in zip(assignment.node_ids, assignment.shares) if x > 0)
+
+
 def static_shares_problem(shares: list[float], nodes: list[str], *, empty_ok: bool = False) -> str:
     """'' if ``shares`` fit ``nodes`` (one per node, not all zero), else why not: the
     coordinator and the scheduler refuse the same values with the same words."""

@@ -285,7 +285,12 @@ class RequestFlow:
             self.latencies.append((time.time() - req.received_s) * 1e3)
         else:
             self._answer(req, t0)
-        if req.version == self.unmeasured_version:
+        if not req.direct and req.version in self.direct_versions:
+            # its ticket came back (the camera's route to the node was still forming): it ran the
+            # coordinator's path, not its plan's, so it measures neither that plan nor the one-off
+            # costs the plan's first request on the direct path still pays
+            pass
+        elif req.version == self.unmeasured_version:
             # a plan version's first request pays one-off costs on its new row shapes (kernel
             # selection, weight packing: 2-5x its steady latency here); folded into the plan's
             # measured latency it made a good plan look slow for the next ~8 requests

@@ -58,6 +58,18 @@ def test_warming_runs_with_or_without_a_pooled_head_and_leaves_the_model_unchang
     assert torch.equal(graph.run_ops(x), before)
 
 
+def test_a_node_that_cannot_take_the_direct_path_does_not_load_opencv():
+    """No pooled head, no direct path: nothing to warm (OpenCV costs a process about 16 MB)."""
+    assert _run("""
+        import dataclasses, sys
+        from kaitian_ros.nodes import inference_common as ic
+        from kaitian_ros.nodes.compute_direct import warm_direct_path
+        graph = ic.build_graph(ic.ModelSpec("resnet18", (3, 32, 32), 10, 0, ""), "cpu")
+        warm_direct_path(dataclasses.replace(graph, pooled_head=False), [])
+        print("cv2" in sys.modules)
+    """) == "False"
+
+
 def test_the_warming_message_is_a_valid_fused_output():
     """What warming encodes is what the node publishes: the same builder and codec."""
     result = torch.tensor([[0.0, 2.0, 1.0]])

@@ -119,10 +119,11 @@ def warm_direct_path(graph: Any, labels: Sequence[str]) -> None:
     the first encoding of a FusedOutput (its serializer is built then). That request measured
     them here: 32 ms for the image, 17 ms to publish, twice its compute; counted as the plan's
     measured latency, it made the coordinator leave a single-device plan 1.3x faster than the
-    one it went to (`kaitian bench adaptivity`)."""
-    warm_resize()
+    one it went to (`kaitian bench adaptivity`). Only where the path can run (a pooled head):
+    OpenCV adds about 16 MB to the process."""
     if not graph.pooled_head:
         return
+    warm_resize()
     c = graph.trunk_output_shape[0]
     with torch.no_grad():
         result = graph.run_head_on_sums([torch.zeros(1, c, 1, 1)])

@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers import pid_running, wait_until
 
+from kaitian_ros.training import launch
 from kaitian_ros.training.config import TrainingConfig
 from kaitian_ros.training.launch import main_train
 from kaitian_ros.training.local_ranks import run_local
@@ -148,6 +149,23 @@ def test_killed_rank_is_named_and_others_fail_then_resume(tmp_path: Path) -> Non
     assert f"[progress] kaitian train epochs: {ep + 2}/{ep + 2} - test acc " in err2, err2
     assert "[progress]" not in out
     assert not list((tmp_path / "tmp").glob("kaitian-train-*"))  # results read, folder removed
+
+
+@pytest.mark.parametrize("step", ["tie_own_group", "name_process"])
+def test_a_ctrl_c_while_a_forked_rank_sets_itself_up_ends_it_with_130_not_a_traceback(monkeypatch, step):
+    """The forwarded SIGINT can come before the rank runs (a clean-clone CI run caught one
+    between naming the process and starting the rank). The process-group and naming calls are
+    replaced by stand-ins here: the real ones would act on the test process."""
+    def interrupted(*_args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "tie_own_group", lambda: None)
+    monkeypatch.setattr(launch, "name_process", lambda _name: None)
+    monkeypatch.setattr(launch, step, interrupted)
+    monkeypatch.setattr(launch, "_rank_main", lambda _cfg: pytest.fail("the rank ran after the Ctrl-C"))
+    with pytest.raises(SystemExit) as ended:
+        launch._forked_rank_main(None, {"RANK": "0"})
+    assert ended.value.code == 130
 
 
 @pytest.mark.e2e

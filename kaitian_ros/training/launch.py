@@ -166,11 +166,18 @@ class _ForkedRank:
 
 
 def _forked_rank_main(cfg: Any, env: dict[str, str]) -> None:
-    tie_own_group()  # as start_child's children: ended with this process, Ctrl-C forwarded by it
-    name_process(f"kaitian-rank{env['RANK']}")  # in ps and top (a fork keeps its parent's name)
-    os.environ.clear()
-    os.environ.update(env)
-    sys.exit(_rank_main(cfg))
+    # one handler from the rank's first line on: a Ctrl-C forwarded while the fork still set
+    # up its environment once ended it with multiprocessing's traceback (a clean-clone CI
+    # run: the SIGINT came between naming the process and `_rank_main`)
+    try:
+        tie_own_group()  # as start_child's children: ended with this process, Ctrl-C forwarded by it
+        name_process(f"kaitian-rank{env['RANK']}")  # in ps and top (a fork keeps its parent's name)
+        os.environ.clear()
+        os.environ.update(env)
+        code = _rank_main(cfg)
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
 
 
 def _rank_main(cfg: Any) -> int:

@@ -166,9 +166,9 @@ class _ForkedRank:
 
 
 def _forked_rank_main(cfg: Any, env: dict[str, str]) -> None:
-    # one handler from the rank's first line on: a Ctrl-C forwarded while the fork still set
-    # up its environment once ended it with multiprocessing's traceback (a clean-clone CI
-    # run: the SIGINT came between naming the process and `_rank_main`)
+    # one handler from the rank's first line on: a Ctrl-C forwarded while the fork still sets
+    # itself up (it is visible by name from `name_process` on) ends it with 130 too, not with
+    # multiprocessing's traceback of the KeyboardInterrupt
     try:
         tie_own_group()  # as start_child's children: ended with this process, Ctrl-C forwarded by it
         name_process(f"kaitian-rank{env['RANK']}")  # in ps and top (a fork keeps its parent's name)

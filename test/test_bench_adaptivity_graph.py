@@ -51,3 +51,17 @@ def test_a_plan_that_never_comes_is_waited_for_no_longer_than_asked() -> None:
     g._wait_for_plans(0.3)
     assert time.monotonic() - t0 >= 0.3
     assert g.records()[-1]["shares"] == {}
+
+
+def test_each_answer_carries_its_nodes_compute_and_wait_from_their_telemetry() -> None:
+    """A slow launch is told apart as slower computing (device time) or waiting for a core."""
+    g = _graph_logs()
+    g.plans(_plan(1))
+    g.telemetry(SimpleNamespace(request_id=0, node_id="compute_0", compute_ms=0.0, wait_ms=0.0))  # heartbeat
+    g.telemetry(SimpleNamespace(request_id=1, node_id="compute_0", compute_ms=14.25, wait_ms=1.5))
+    g.telemetry(SimpleNamespace(request_id=1, node_id="compute_2", compute_ms=13.0, wait_ms=6.125))
+    g.fused(_answer(1, 1))
+    g.fused(_answer(2, 1))  # no telemetry (yet) for this one
+    got = g.records()
+    assert got[0]["node_ms"] == {"compute_0": [14.25, 1.5], "compute_2": [13.0, 6.12]}
+    assert got[1]["node_ms"] == {}

@@ -344,7 +344,7 @@ def main(argv: list[str]) -> int:
                         "rolling_median": ROLLING, "quick": args.quick, "rounds": rounds, "cpus": os.cpu_count(),
                         "wall_s": round(time.monotonic() - t_all, 1)}
     summary["timelines"] = [{r.policy: [{k: x[k] for k in ("request_id", "plan_version", "complete", "latency_ms",
-                                                            "shares")} for x in r.records] for r in runs}
+                                                            "shares", "node_ms")} for x in r.records] for r in runs}
                             for runs in all_rounds]
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(summary, indent=1))

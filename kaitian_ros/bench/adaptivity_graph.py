@@ -326,8 +326,16 @@ class AdaptivityGraph:
 
     # --- results -------------------------------------------------------------------------
     def records(self) -> list[dict[str, Any]]:
-        """One dict per FusedOutput (arrival order): request id, plan version, latency, shares."""
+        """One dict per FusedOutput (arrival order): request id, plan version, latency, shares,
+        and each node's time on the request from its telemetry (`node_ms`: node -> [compute,
+        wait] ms; compute is the device's time, CPU time on a CPU, so a node that waited for a
+        core shows it as wait, not compute)."""
         plans = self.plan_table()
+        node_ms: dict[int, dict[str, list[float]]] = {}
+        for _, m in self.telemetry.snapshot():
+            if int(m.request_id):  # 0: a heartbeat
+                node_ms.setdefault(int(m.request_id), {})[m.node_id] = [round(float(m.compute_ms), 2),
+                                                                        round(float(m.wait_ms), 2)]
         out = []
         for t, f in self.fused.snapshot():
             plan = plans.get(int(f.plan_version))
@@ -335,7 +343,7 @@ class AdaptivityGraph:
             out.append({"request_id": int(f.request_id), "plan_version": int(f.plan_version),
                         "complete": bool(f.complete), "status": f.status, "latency_ms": float(f.latency_ms),
                         "node_ids": list(f.node_ids), "node_rows": [int(r) for r in f.node_rows],
-                        "shares": shares, "arrived_s": t,
+                        "shares": shares, "arrived_s": t, "node_ms": node_ms.get(int(f.request_id), {}),
                         "sent_s": self.sent.get(stamp_key(f.header.stamp))})
         return out
 

@@ -84,7 +84,8 @@ class ComputeNode(NodeCosts):
         self.pubs: dict[str, Any] = {}
         self.telemetry = rt.create_publisher(proto.TELEMETRY_TOPIC, "NodeTelemetry")
         self.direct = DirectImages(rt, self._run_direct, self._give_back)
-        self.fused_pub: Any = None  # made when the direct path first starts
+        # made when the direct path first starts (`_on_plan`), before any image it answers
+        self.fused_pub: Any = None
         warm_direct_path(self.graph, self.labels)
         self.diagnostics = DiagnosticsPublisher(rt, hardware_id=self.params["device"])
         self._measure_costs()
@@ -353,8 +354,6 @@ class ComputeNode(NodeCosts):
         """The direct path's FusedOutput: the head on this node's sum of every output row."""
         with torch.no_grad():
             result = self.graph.run_head_on_sums([output_sum])
-        if self.fused_pub is None:
-            self.fused_pub = self.rt.create_publisher(proto.FUSED_TOPIC, "FusedOutput")
         self.fused_pub.publish(ic.fused_message(
             request_id=state.request_id, plan_version=state.plan_version, frame_id=state.frame_id,
             image_stamp=state.image_stamp, latency_ms=(time.time() - state.image_received_s) * 1e3, result=result,

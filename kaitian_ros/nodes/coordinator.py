@@ -484,7 +484,6 @@ class Coordinator(DirectPath):
             self._reincarnate(incarnation, reason)
 
 
-
 def main(argv: list[str] | None = None) -> int:
     prefork()  # before the middleware's threads start (planner_process docstring)
     return run_node(Coordinator, "coordinator", argv)

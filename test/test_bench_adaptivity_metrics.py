@@ -130,3 +130,25 @@ def test_equal_plans_spread_compares_single_plans_of_nodes_at_the_same_speed_onl
     assert equal_plans_spread(plans, names, [1.0, 1.0, 1.0]) == 3.0
     assert equal_plans_spread(plans, names, [1.0, 3.0, math.inf]) is None  # no two alive at one speed
     assert equal_plans_spread({"single compute_0": 20.0}, names, [1.0, 1.0, 1.0]) is None
+
+
+def test_a_run_is_judged_against_the_reference_measured_in_its_own_launch() -> None:
+    """Two launches of one round ran at different machine speeds (the same answers 1.3x apart):
+    each is judged against the reference measured in its own launch, so the slower launch is
+    not a miss merely for being slower; the round's common reference applies only to a run
+    without its own."""
+    fast = _timeline(slowed=_flat(50.0))
+    slow = _timeline(slowed=_flat(65.0))
+    own_fast = _run("fast", fast)
+    own_fast.reference_ms = {"slowed": 50.0, "recovered": 66.0, "killed": 55.0}
+    own_slow = _run("slow", slow)
+    own_slow.reference_ms = {"slowed": 64.0, "recovered": 66.0, "killed": 55.0}
+    round_reference = {"slowed": 50.0, "recovered": 66.0, "killed": 55.0}
+    out = summarise([own_fast, own_slow], round_reference)["policies"]
+    assert out["slow"]["phases"]["slowed"]["reference_ms"] == 64.0
+    assert out["slow"]["phases"]["slowed"]["reconverged"] is True
+    assert out["fast"]["phases"]["slowed"]["reference_ms"] == 50.0
+    # without its own, the slow launch is judged against the round's: never within 1.10x
+    out = summarise([_run("fast", fast), _run("slow", slow)], round_reference)["policies"]
+    assert out["slow"]["phases"]["slowed"]["reconverged"] is False
+    assert out["slow"]["phases"]["slowed"]["reference_ms"] == 50.0

@@ -24,6 +24,7 @@ The harness is :mod:`kaitian_ros.bench.adaptivity_graph`, the metrics
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -56,7 +57,8 @@ def run_policy(policy: str, timeline: Timeline, *, model: str, size: int, slowdo
                dead_after_s: float, window: int, echo: bool = False) -> PolicyRun:
     """One launch, one policy: warm-up and calibration on equal static shares with the scheduler
     ignored, then the policy's start phase, then slow / recover / kill, each phase
-    ``timeline.phase`` answers long counted from its first request."""
+    ``timeline.phase`` answers long counted from its first request; then, in the same launch,
+    the reference of every event phase (`measure_references`)."""
     static = [1.0 / s for s in slowdowns]  # static baseline: shares tuned to the START speeds
     # The coordinator starts on equal static shares, scheduler ignored: the calibration phase
     # measures this run's machine speed with the same plan for every policy (the normaliser).
@@ -124,8 +126,10 @@ def run_policy(policy: str, timeline: Timeline, *, model: str, size: int, slowdo
             if t >= kill_at[0] and timeline.kill_node not in m.node_ids:
                 kill_detect = t - kill_at[0]
                 break
-        records = g.records()
-        return PolicyRun(policy, records, bounds, kill_detect, startup, check_requests(records), g.out.text(30))
+        records = g.records()  # the policy's answers: the reference's come after them
+        reference = measure_references(g, timeline, slowdowns, per_plan=REFERENCE_ANSWERS, window=window)
+        return PolicyRun(policy, records, bounds, kill_detect, startup, check_requests(records), g.out.text(30),
+                         extra={"reference": reference}, reference_ms=reference["best_ms"])
 
 
 def reference_plans(names: Sequence[str], slowdowns: Sequence[float]) -> list[tuple[str, str, list[float]]]:
@@ -142,34 +146,85 @@ def reference_plans(names: Sequence[str], slowdowns: Sequence[float]) -> list[tu
     return out
 
 
+def _measure_plan(g: AdaptivityGraph, strategy: str, shares: list[float], per_plan: int, window: int) -> float:
+    """One fixed plan (coordinator with fixed shares and a forced strategy, as `kaitian param set`
+    does): two warm-up answers, then the median of `per_plan` complete answers (ms)."""
+    g.set_param("/coordinator", "strategy", strategy)
+    g.set_param("/coordinator", "static_shares", shares)
+    g.drive(2, window=window, timeout_s=300.0)  # the plan's first requests: new shapes
+    before = len(g.fused)
+    g.drive(per_plan, window=window, timeout_s=300.0)
+    got = [float(m.latency_ms) for _, m in g.fused.snapshot()[before:] if m.complete]
+    return round(statistics.median(got), 2) if got else math.inf
+
+
+def _measure_phase(g: AdaptivityGraph, speeds: Sequence[float], per_plan: int, window: int
+                   ) -> tuple[dict[str, float], str, float, float | None]:
+    """Every `reference_plans` plan for `speeds` (a dead node: inf) once, then the fastest once
+    more: (every plan's first-pass median, the best plan, its second measurement, the
+    equal-plans spread). The fastest of several noisy measurements is biased low by the
+    selection itself (the same plan on equal devices measured 17-24 ms one after the other
+    here); a second measurement of the chosen plan is not."""
+    candidates = reference_plans(g.compute_names, speeds)
+    plans = {label: _measure_plan(g, strategy, shares, per_plan, window) for label, strategy, shares in candidates}
+    label, strategy, shares = min(candidates, key=lambda c: plans[c[0]])
+    return plans, label, _measure_plan(g, strategy, shares, per_plan, window), \
+        equal_plans_spread(plans, g.compute_names, speeds)
+
+
+def _reference_record(measured: Mapping[str, tuple[dict[str, float], str, float, float | None]]) -> dict[str, Any]:
+    return {"best_ms": {p: m[2] for p, m in measured.items()},
+            "best_plan": {p: m[1] for p, m in measured.items()},
+            "first_pass_best_ms": {p: min(m[0].values()) for p, m in measured.items()},
+            "plans": {p: m[0] for p, m in measured.items()},
+            "equal_plans_spread": {p: m[3] for p, m in measured.items()}}
+
+
+def measure_references(g: AdaptivityGraph, timeline: Timeline, slowdowns: Sequence[float], *, per_plan: int,
+                       window: int) -> dict[str, Any]:
+    """The reference of every event phase, measured in the launch whose policy it judges, after
+    the policy's timeline (so that no phase the policy is judged in runs after a fixed plan
+    the coordinator would remember): the scheduler ignored, every `reference_plans` plan for
+    the killed phase's speeds as the timeline left them, then the killed node started again and
+    the slowed and the recovered speeds set in turn. Machine speed differs between launches
+    here (the same fixed plan measured up to 1.15x apart in two launches minutes apart); in
+    the same launch the policy and its reference share the processes, their placement on the
+    cores and the minutes they ran in."""
+    names = g.compute_names
+    slow, kill = names.index(timeline.slow_node), names.index(timeline.kill_node)
+    speeds = list(slowdowns)
+    speeds[kill] = math.inf
+    g.set_param("/coordinator", "use_scheduler", False)
+    measured = {"killed": _measure_phase(g, speeds, per_plan, window)}
+    g.set_param("/coordinator", "strategy", "stripes")
+    g.set_param("/coordinator", "static_shares", [1.0] * len(names))
+    g.restart(timeline.kill_node)
+    g.wait_ready(timeout_s=120.0)
+
+    def back_in_plan() -> bool:
+        plan = g.latest_plan()
+        return plan is not None and timeline.kill_node in plan.node_ids
+
+    g.drive(until=back_in_plan, window=window, timeout_s=120.0)
+    speeds[kill] = slowdowns[kill]
+    for phase, value in (("slowed", slowdowns[slow] * timeline.slow_factor), ("recovered", slowdowns[slow])):
+        speeds[slow] = value
+        g.set_param(f"/{timeline.slow_node}", "emulated_slowdown", value)
+        measured[phase] = _measure_phase(g, speeds, per_plan, window)
+    return _reference_record({p: measured[p] for p in EVENT_PHASES})
+
+
 def run_reference(timeline: Timeline, *, model: str, size: int, slowdowns: Sequence[float], dead_after_s: float,
                   window: int, per_plan: int, echo: bool = False) -> dict[str, Any]:
-    """One launch that measures, for each event phase's device speeds, every `reference_plans`
-    plan (coordinator with fixed shares and a forced strategy, as `kaitian param set` does):
-    two warm-up answers, then the median of `per_plan` answers. The fastest plan of that pass
-    is then measured once more, the same way, and that second measurement is the phase's
-    reference (``best_ms``; the plan in ``best_plan``, the first pass's minimum in
-    ``first_pass_best_ms``): the fastest of several noisy measurements is biased low by the
-    selection itself (the same plan on equal devices measured 17-24 ms one after the other
-    here), a second measurement of the chosen plan is not. Every plan's first-pass median is in
-    ``plans``."""
+    """The reference measured in a launch of its own (`--separate-reference`, the method until
+    the same-launch one): for each event phase's device speeds in timeline order, every
+    `reference_plans` plan once and the fastest once more (`_measure_phase`)."""
     cfg = scenario_config(model=model, height=size, width=size, slowdowns=slowdowns, policy="static",
                           static_shares=[1.0] * len(slowdowns), dead_after_s=dead_after_s,
                           coordinator={"use_scheduler": False, "static_shares": [1.0] * len(slowdowns),
                                        "strategy": "stripes"})
-    plans: dict[str, dict[str, float]] = {}
-    spreads: dict[str, float | None] = {}
-    best: dict[str, tuple[str, float]] = {}
+    measured = {}
     with AdaptivityGraph(cfg, echo=echo) as g:
-        def measure(strategy: str, shares: list[float]) -> float:
-            g.set_param("/coordinator", "strategy", strategy)
-            g.set_param("/coordinator", "static_shares", shares)
-            g.drive(2, window=window, timeout_s=300.0)  # the plan's first requests: new shapes
-            before = len(g.fused)
-            g.drive(per_plan, window=window, timeout_s=300.0)
-            got = [float(m.latency_ms) for _, m in g.fused.snapshot()[before:] if m.complete]
-            return round(statistics.median(got), 2) if got else math.inf
-
         g.wait_ready(timeout_s=120.0)
         g.drive(timeline.warm, window=window, timeout_s=300.0)
         names = g.compute_names
@@ -185,15 +240,8 @@ def run_reference(timeline: Timeline, *, model: str, size: int, slowdowns: Seque
             else:
                 g.kill(timeline.kill_node)
                 speeds[names.index(timeline.kill_node)] = math.inf
-            candidates = reference_plans(names, speeds)
-            plans[phase] = {label: measure(strategy, shares) for label, strategy, shares in candidates}
-            label, strategy, shares = min(candidates, key=lambda c: plans[phase][c[0]])
-            best[phase] = (label, measure(strategy, shares))
-            spreads[phase] = equal_plans_spread(plans[phase], names, speeds)
-    return {"best_ms": {p: ms for p, (_, ms) in best.items()},
-            "best_plan": {p: label for p, (label, _) in best.items()},
-            "first_pass_best_ms": {p: min(v.values()) for p, v in plans.items()}, "plans": plans,
-            "equal_plans_spread": spreads}
+            measured[phase] = _measure_phase(g, speeds, per_plan, window)
+    return _reference_record(measured)
 
 
 def equal_plans_spread(plans: Mapping[str, float], names: Sequence[str], speeds: Sequence[float]) -> float | None:
@@ -257,6 +305,14 @@ def plot(runs: Sequence[PolicyRun], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _describe_reference(ref: Mapping[str, Any]) -> str:
+    """Each phase's best fixed plan and its ms, and the same plan on equal nodes (slowest / fastest)."""
+    best = ", ".join(f"{p} {ref['best_plan'][p]} {ms:.1f} ms (first pass {ref['first_pass_best_ms'][p]:.1f})"
+                     for p, ms in ref["best_ms"].items())
+    spread = ", ".join(f"{p} {x:.2f}" for p, x in ref["equal_plans_spread"].items() if x is not None)
+    return f"{best}; the same plan on equal nodes, slowest / fastest: {spread or '-'}"
+
+
 def print_table(summary: dict[str, Any], speeds: str) -> None:
     print(f"\nadaptivity ({speeds}; EMULATED speeds)")
     print(f"{'policy':<13}{'reconverge':>11}{'lost':>6}{'p50 ms':>9}{'p95 ms':>9}   per round  "
@@ -266,8 +322,11 @@ def print_table(summary: dict[str, Any], speeds: str) -> None:
                          for ph in m["phases"].values())
         rounds = ",".join(map(str, m["requests_to_reconverge_per_round"]))
         cal = ",".join(map(str, m["requests_to_reconverge_calibrated_per_round"]))
+        other = m.get("requests_to_reconverge_per_round_vs_separate_launch")
+        also = f"; against the separate reference launch: {','.join(map(str, other))}" if other else ""
         print(f"{name:<13}{m['requests_to_reconverge']:>11}{m['lost_requests']:>6}{m['p50_ms']:>9}{m['p95_ms']:>9}"
-              f"   {rounds:<10} {per:<28} (calibration-normalised per round: {cal})")
+              f"   {rounds:<10} {per:<28} (worst round {m['worst_round']}; calibration-normalised per round: "
+              f"{cal}{also})")
 
 
 def main(argv: list[str]) -> int:
@@ -284,6 +343,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rounds", type=int, help="rounds of one run per policy, reported as medians "
                    "(default 3, quick 1; the policy order rotates between rounds)")
     p.add_argument("--echo", action="store_true", help="print the nodes' output")
+    p.add_argument("--separate-reference", action="store_true",
+                   help="also measure each round's reference in a launch of its own (the method before "
+                        "the same-launch reference) and report re-convergence against it beside")
     args = p.parse_args(argv)
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
     if rounds < 1:
@@ -307,23 +369,21 @@ def main(argv: list[str]) -> int:
     print(f"kaitian bench adaptivity: {args.model} {args.size}x{args.size}, {speeds}; EMULATED speeds; "
           f"window {args.window}, dead_after_s {args.dead_after}", flush=True)
     all_rounds: list[list[PolicyRun]] = []
-    references: list[dict[str, Any]] = []
+    separate: list[dict[str, Any]] = []
     t_all = time.monotonic()
     for k in range(rounds):
         order = policies[k % len(policies):] + policies[:k % len(policies)]  # drift hits all alike
         # said before the round's first run: each run takes minutes, its line comes after it
-        print(f"  round {k + 1}/{rounds}: reference, then {', '.join(order)}", flush=True)
-        t = time.monotonic()
-        ref = run_reference(timeline, model=args.model, size=args.size, slowdowns=slowdowns,
-                            dead_after_s=args.dead_after, window=args.window, per_plan=REFERENCE_ANSWERS,
-                            echo=args.echo)
-        references.append(ref)
-        print(f"  round {k + 1}/{rounds} reference (best fixed plan per phase): "
-              + ", ".join(f"{p} {ref['best_plan'][p]} {ms:.1f} ms (first pass {ref['first_pass_best_ms'][p]:.1f})"
-                          for p, ms in ref["best_ms"].items())
-              + f" ({time.monotonic() - t:.0f} s); the same plan on equal nodes, slowest / fastest: "
-              + ", ".join(f"{p} {x:.2f}" for p, x in ref["equal_plans_spread"].items() if x is not None),
-              flush=True)
+        print(f"  round {k + 1}/{rounds}: {'a reference launch, then ' if args.separate_reference else ''}"
+              f"{', '.join(order)}, each with its reference in its launch", flush=True)
+        if args.separate_reference:
+            t = time.monotonic()
+            ref = run_reference(timeline, model=args.model, size=args.size, slowdowns=slowdowns,
+                                dead_after_s=args.dead_after, window=args.window, per_plan=REFERENCE_ANSWERS,
+                                echo=args.echo)
+            separate.append(ref)
+            print(f"  round {k + 1}/{rounds} separate reference launch: {_describe_reference(ref)} "
+                  f"({time.monotonic() - t:.0f} s)", flush=True)
         runs = []
         for policy in order:
             t = time.monotonic()
@@ -333,10 +393,18 @@ def main(argv: list[str]) -> int:
             print(f"  round {k + 1}/{rounds} {policy}: {len(run.records)} answers in {time.monotonic() - t:.0f} s "
                   f"(startup {run.startup_s:.0f} s), phases from request {run.boundaries}, "
                   f"lost {run.lost['lost']}, kill detected after "
-                  f"{run.kill_detect_s if run.kill_detect_s is None else round(run.kill_detect_s, 2)} s", flush=True)
+                  f"{run.kill_detect_s if run.kill_detect_s is None else round(run.kill_detect_s, 2)} s; "
+                  f"reference in its launch: {_describe_reference(run.extra['reference'])}", flush=True)
         all_rounds.append(sorted(runs, key=lambda r: policies.index(r.policy)))
-    summary = combine_rounds(all_rounds, [r["best_ms"] for r in references])
-    summary["references"] = references
+    summary = combine_rounds(all_rounds)
+    summary["references"] = [{r.policy: r.extra["reference"] for r in runs} for runs in all_rounds]
+    if separate:
+        # the same answers judged against the other launch's reference (the method before)
+        other = combine_rounds([[dataclasses.replace(r, reference_ms=None) for r in runs] for runs in all_rounds],
+                               [ref["best_ms"] for ref in separate])["policies"]
+        for name, m in summary["policies"].items():
+            m["requests_to_reconverge_per_round_vs_separate_launch"] = other[name]["requests_to_reconverge_per_round"]
+        summary["separate_references"] = separate
     summary["setup"] = {"model": args.model, "input": [3, args.size, args.size], "compute_nodes": 3,
                         "start_slowdowns": slowdowns, "emulated": True, "timeline": speeds,
                         "answers_per_phase": n, "warmup_answers": warm, "window": args.window,

@@ -37,6 +37,9 @@ class PolicyRun:
     lost: dict[str, Any]
     log_tail: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # event phase -> ms: the best fixed plan for that phase's speeds, measured in this run's own
+    # launch after its timeline (`adaptivity.measure_references`); None: the round's is used
+    reference_ms: dict[str, float] | None = None
 
 
 PHASES = ("calibration", "start", "slowed", "recovered", "killed")
@@ -76,9 +79,10 @@ def requests_to_reconverge(latencies: Sequence[float], best: float) -> int | Non
 def summarise(runs: Sequence[PolicyRun], reference: Mapping[str, float] | None = None) -> dict[str, Any]:
     """Metrics per policy (definitions: docs/benchmarks-adaptivity.md).
 
-    With `reference` (event phase -> ms: the best fixed plan for that phase's device speeds,
-    measured in the same round, `run_reference`), a phase has re-converged once the rolling
-    median of its latencies is within RECONVERGE_FACTOR of that reference.
+    With a reference (event phase -> ms: the best fixed plan for that phase's device speeds), a
+    phase has re-converged once the rolling median of its latencies is within RECONVERGE_FACTOR
+    of it. A run's own reference (`PolicyRun.reference_ms`, measured in its launch) comes first;
+    else `reference`, one for every run of the round.
 
     Without it, and always as ``requests_to_reconverge_calibrated``: each run's latencies are
     normalised by the median of its calibration phase (equal static shares on the equal start
@@ -103,13 +107,14 @@ def summarise(runs: Sequence[PolicyRun], reference: Mapping[str, float] | None =
         worst = 0
         never = False
         worst_cal = 0
+        ref = r.reference_ms if r.reference_ms is not None else reference
         for p in EVENT_PHASES:
             xs = rel[r.policy][p]
             best_p = best[p]
             k_cal = requests_to_reconverge(xs, best_p) if best_p is not None else None
             k_cal_count = len(xs) if k_cal is None else k_cal  # never: censored at the whole phase
-            if reference is not None and reference.get(p) is not None:
-                k = requests_to_reconverge(slices[r.policy][p], reference[p])
+            if ref is not None and ref.get(p) is not None:
+                k = requests_to_reconverge(slices[r.policy][p], ref[p])
             else:
                 k = k_cal
             k_count = len(xs) if k is None else k
@@ -117,7 +122,7 @@ def summarise(runs: Sequence[PolicyRun], reference: Mapping[str, float] | None =
             worst, worst_cal = max(worst, k_count), max(worst_cal, k_cal_count)
             phases[p] = {"first_request": r.boundaries[p], "requests": len(xs),
                          "requests_to_reconverge": k_count, "reconverged": k is not None,
-                         "reference_ms": round_or_none(reference.get(p)) if reference is not None else None,
+                         "reference_ms": round_or_none(ref.get(p)) if ref is not None else None,
                          "requests_to_reconverge_calibrated": k_cal_count,
                          "steady_ms": round_or_none(steady_state(slices[r.policy][p])),
                          "steady_rel": round_or_none(steady_state(xs), 3), "best_steady_rel": round_or_none(best[p], 3),

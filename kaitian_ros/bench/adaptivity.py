@@ -127,9 +127,14 @@ def run_policy(policy: str, timeline: Timeline, *, model: str, size: int, slowdo
                 kill_detect = t - kill_at[0]
                 break
         records = g.records()  # the policy's answers: the reference's come after them
+        # every plan version the policy's answers ran under, with why the coordinator chose it
+        plans = [{"version": v, "nodes": list(m.node_ids), "shares": [round(float(x), 3) for x in m.shares],
+                  "predicted_ms": round(float(m.predicted_makespan_ms), 2), "strategy": str(m.strategy),
+                  "slab_rows": int(m.slab_rows), "direct": bool(m.image_topic), "reason": str(m.reason)}
+                 for v, m in sorted(g.plan_table().items()) if v <= max(r["plan_version"] for r in records)]
         reference = measure_references(g, timeline, slowdowns, per_plan=REFERENCE_ANSWERS, window=window)
         return PolicyRun(policy, records, bounds, kill_detect, startup, check_requests(records), g.out.text(30),
-                         extra={"reference": reference}, reference_ms=reference["best_ms"])
+                         extra={"reference": reference, "plans": plans}, reference_ms=reference["best_ms"])
 
 
 def reference_plans(names: Sequence[str], slowdowns: Sequence[float]) -> list[tuple[str, str, list[float]]]:
@@ -414,6 +419,7 @@ def main(argv: list[str]) -> int:
     summary["timelines"] = [{r.policy: [{k: x[k] for k in ("request_id", "plan_version", "complete", "latency_ms",
                                                             "shares", "node_ms")} for x in r.records] for r in runs}
                             for runs in all_rounds]
+    summary["plans"] = [{r.policy: r.extra["plans"] for r in runs} for runs in all_rounds]
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(summary, indent=1))
     pngs = []

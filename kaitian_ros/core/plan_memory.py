@@ -107,6 +107,10 @@ class PlanMemory:
                 del self.observed[k]
         return self.observed.get(key)
 
+    def forget(self, key: tuple) -> None:
+        """Drop what the plan `key` measured: its next requests measure it afresh."""
+        self.observed.pop(key, None)
+
     @staticmethod
     def still_valid(seen: ObservedPlan, now: float, profiles: Mapping[str, DeviceProfile],
                     alive: Collection[str]) -> bool:

@@ -128,10 +128,11 @@ def run_policy(policy: str, timeline: Timeline, *, model: str, size: int, slowdo
                 break
         records = g.records()  # the policy's answers: the reference's come after them
         # every plan version the policy's answers ran under, with why the coordinator chose it
+        last_version = max((r["plan_version"] for r in records), default=0)
         plans = [{"version": v, "nodes": list(m.node_ids), "shares": [round(float(x), 3) for x in m.shares],
                   "predicted_ms": round(float(m.predicted_makespan_ms), 2), "strategy": str(m.strategy),
                   "slab_rows": int(m.slab_rows), "direct": bool(m.image_topic), "reason": str(m.reason)}
-                 for v, m in sorted(g.plan_table().items()) if v <= max(r["plan_version"] for r in records)]
+                 for v, m in sorted(g.plan_table().items()) if v <= last_version]
         reference = measure_references(g, timeline, slowdowns, per_plan=REFERENCE_ANSWERS, window=window)
         return PolicyRun(policy, records, bounds, kill_detect, startup, check_requests(records), g.out.text(30),
                          extra={"reference": reference, "plans": plans}, reference_ms=reference["best_ms"])

@@ -95,8 +95,8 @@ class Coordinator(DirectPath):
         self.unmeasured_version: int | None = None  # the newest plan version until its first request completes
         self.predicted_ms = 0.0  # the newest plan's latency as last predicted
         self.measure_replanned = 0  # the plan version a measurement last made the planner look again at
-        # a streaming twin on trial: (its plan version, its spec_key, the spec_key of the plan it was tried from)
-        self.twin_trial: tuple[int, tuple, tuple] | None = None
+        # a streaming twin on trial: (its plan version, the spec_key of the plan it was tried from)
+        self.twin_trial: tuple[int, tuple] | None = None
         self.planner, self.planner_lost = planner_for(self.spec), False  # planning rounds off the executor
         self._replan_again: tuple[str, int] | None = None
         self.last_replan = 0.0

@@ -37,8 +37,8 @@ def observe_latency(c: Coordinator, plan: Plan, ms: float) -> None:
     version = c.current.version if c.current is not None else 0
     if now is None or not is_running or now.n < MEASURED_MIN:
         return
-    if c.twin_trial is not None and c.twin_trial[0] == version and c.twin_trial[1] == key:
-        origin_key, c.twin_trial = c.twin_trial[2], None
+    if c.twin_trial is not None and c.twin_trial[0] == version:  # the version's plan is the twin
+        origin_key, c.twin_trial = c.twin_trial[1], None
         if _back_from_twin(c, origin_key, now.ms):
             return
     # when its measurement first counts, and once per version (a plan kept on an older one):
@@ -125,8 +125,9 @@ def _try_twin(c: Coordinator, plan: Plan, ms: float, now: float) -> None:
     if twin is not None:
         trial = dataclasses.replace(twin, label=f"{twin.label} (trial: streamed or not, only measuring tells)")
         _switch(c, choice, trial, f"measured {ms:.1f} ms")
+        # the switch may have been declined (the trial budget spent): only a twin that runs is on trial
         latest = c.pending or c.current
         started = c.plans.get(latest.version) if latest is not None else None
-        twin_key = planner.spec_key(twin.spec, twin.slab_rows)
-        if latest is not None and started is not None and planner.spec_key(started.spec, started.slab_rows) == twin_key:
-            c.twin_trial = (latest.version, twin_key, planner.spec_key(plan.spec, plan.slab_rows))
+        if latest is not None and started is not None and planner.spec_key(started.spec, started.slab_rows) == \
+                planner.spec_key(twin.spec, twin.slab_rows):
+            c.twin_trial = (latest.version, planner.spec_key(plan.spec, plan.slab_rows))

@@ -49,11 +49,12 @@ def _single_step() -> list[torch.Tensor]:
     return [p.detach().clone() for p in m.parameters()]
 
 
-def _ddp_step(rank: int, world: int, labels: list[str], hook_name: str) -> list[torch.Tensor]:
+def _ddp_step(rank: int, world: int, labels: list[str], hook_name: str,
+              spin: bool = False) -> list[torch.Tensor]:
     groups = build_groups(labels[rank], timeout_s=30)
     m = _model()
     ddp = DDP(m, process_group=groups.world, init_sync=False)
-    state = HookState(groups=groups, flat_group=groups.world)
+    state = HookState(groups=groups, flat_group=groups.world, spin=spin)
     ddp.register_comm_hook(state, hierarchical_hook if hook_name == "hier" else flat_hook)
     x, y = _data()
     lo = sum(BATCHES[:rank])
@@ -102,6 +103,42 @@ def test_hierarchical_step_equals_single_process(labels: list[str]) -> None:
         assert _max_diff(params, ref) < 1e-9
     # a step actually happened (the parameters moved)
     assert _max_diff(ref, [p.detach() for p in _model().parameters()]) > 1e-4
+
+
+def test_waiting_by_spinning_gives_the_same_step() -> None:
+    """spin_wait: the collectives are polled instead of blocked on; the update is the same (a
+    group of two exercises the intra-group reduce and broadcast as well)."""
+    ref = _single_step()
+    for hook_name in ("hier", "flat"):
+        for params in run_local(_ddp_step, 3, ["cpu:a", "cpu:b", "cpu:b"], hook_name, True, timeout_s=30):
+            assert _max_diff(params, ref) < 1e-9
+
+
+def test_spin_wait_resolves_to_the_rank_having_its_own_core() -> None:
+    from kaitian_ros.training.config import TrainingConfig
+
+    assert TrainingConfig(spin_wait="auto").spins(pinned=True)
+    assert not TrainingConfig(spin_wait="auto").spins(pinned=False)
+    assert TrainingConfig(spin_wait="on").spins(pinned=False)
+    assert not TrainingConfig(spin_wait=False).spins(pinned=True)  # YAML false
+    with pytest.raises(ValueError, match="spin_wait"):
+        TrainingConfig(spin_wait="sometimes")
+
+
+def test_busy_emulated_slowdown_lasts_as_long_as_the_sleep() -> None:
+    import time
+
+    from kaitian_ros.training.trainer import slow_down
+
+    cpu = {}
+    for busy in (False, True):
+        t0, c0 = time.thread_time(), time.perf_counter()
+        slow_down(0.05, busy=busy)
+        assert 0.05 <= time.perf_counter() - c0 < 1.0
+        cpu[busy] = time.thread_time() - t0
+    # busy keeps running whenever the core is free (on a loaded machine that may be seldom)
+    assert cpu[False] < 0.01 and cpu[True] > cpu[False], cpu
+    slow_down(-1.0, busy=True)  # nothing owed: returns at once
 
 
 def _ddp_step_on_device(rank: int, world: int, labels: list[str]) -> list[torch.Tensor]:

@@ -256,3 +256,82 @@ def test_a_fixed_cost_within_the_noise_counts_as_none() -> None:
             fixed.record(c * (b + 40) * (1 + e / 6), b)
         assert max(seen) < 10, (seed, max(seen))
         assert fixed.fixed_samples == pytest.approx(40, rel=0.25), seed
+
+
+def _rebalance_all(samplers: list[AdaptiveBatchSampler]) -> list[bool]:
+    """Every rank's maybe_rebalance, as the trainer calls it after a step, with an all-gather
+    test double: one thread per rank, values exchanged at a barrier."""
+    import threading
+
+    n = len(samplers)
+    handed: list = [None] * n
+    barrier = threading.Barrier(n)
+    out: list = [None] * n
+
+    def rank(r: int) -> None:
+        def gather(own):  # type: ignore[no-untyped-def]
+            handed[r] = own
+            barrier.wait(timeout=10)
+            got = list(handed)
+            barrier.wait(timeout=10)  # nobody hands the next value before all have read
+            return got
+        out[r] = samplers[r].maybe_rebalance(gather)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    return out
+
+
+def test_first_split_comes_from_the_warm_up_step() -> None:
+    """After the first (warm-up) step every rank gathers its warm-up time per sample and the
+    shares follow it: the first measured step no longer runs at the equal split."""
+    for policy in ("adaptive", "profile_once"):
+        samplers = _ranks(1000, 2, 100, policy=policy, rebalance_every=3)
+        for s in samplers:
+            next(iter(s.epoch(0)))
+        samplers[0].record_warmup(0.05, 50)  # 1 ms per sample
+        samplers[1].record_warmup(0.15, 50)  # 3 ms per sample
+        assert _rebalance_all(samplers) == [True, True]
+        for s in samplers:
+            assert s.shares == pytest.approx((0.75, 0.25))
+            assert s.rebalances == 0  # profile_once keeps its one profile for measured steps
+        # only once, and only after the first step
+        assert _rebalance_all(samplers) == [False, False]
+    # equal never moves; a rank without a warm-up time leaves the split equal
+    samplers = _ranks(1000, 2, 100, policy="equal")
+    samplers[0].record_warmup(0.05, 50)
+    samplers[1].record_warmup(0.15, 50)
+    assert _rebalance_all(samplers) == [False, False] and samplers[0].shares == (0.5, 0.5)
+    samplers = _ranks(1000, 2, 100, policy="adaptive")
+    samplers[0].record_warmup(0.05, 50)
+    samplers[1].record_warmup(0.0, 0)  # an empty slice
+    assert _rebalance_all(samplers) == [False, False] and samplers[1].shares == (0.5, 0.5)
+
+
+def test_short_batch_split_follows_its_measured_ratio_and_drift() -> None:
+    """The epoch's short last batch is split with each rank's per-sample cost there (its short
+    ratio times c), which it measured, not extrapolated; a uniform slowdown keeps the ratio."""
+    s = AdaptiveBatchSampler(300, 128, 0, 2, policy="adaptive", rebalance_every=1, model="proportional")
+    s.record(0.128, 128, 128)  # 1 ms per sample on full batches
+    s.record(0.060, 40, 44)    # 1.5 ms per sample on the short batch
+    assert s.short_ratio == pytest.approx(1.5)
+    s.record(0.256, 128, 128)  # the device becomes 2x slower everywhere ...
+    s.record(0.256, 128, 128)
+    assert s.short_ratio == pytest.approx(1.5)  # ... the ratio stays
+    # two ranks: rank 1 costs the same on full batches but 2x per sample on short ones
+    samplers = _ranks(300, 2, 128, policy="adaptive", rebalance_every=1, model="proportional")
+    for s, short_t in zip(samplers, (0.022, 0.044)):
+        s.record(0.064, 64, 128)
+        s.record(short_t, 22, 44)
+    assert _rebalance_all(samplers) == [True, True]
+    steps = [list(s.epoch(0)) for s in samplers]  # batches 128, 128, 44
+    assert steps[0][0].counts == (64, 64)
+    short = steps[0][2].counts
+    assert short == steps[1][2].counts and sum(short) == 44
+    assert short == split_counts(44, (2 / 3, 1 / 3))  # finish together at 1 : 2 per sample
+    s2 = AdaptiveBatchSampler(300, 128, 0, 2)
+    s2.load_state_dict(samplers[0].state_dict())
+    assert list(s2.epoch(0))[2].counts == short

@@ -179,6 +179,9 @@ def run_config(bc: BenchConfig, quick: bool, repeats: int, progress: Progress,
                   "lr_schedule": base.lr_schedule, "warmup_steps": base.warmup_steps,
                   "rebalance_every": base.rebalance_every, "share_model": base.share_model,
                   "threads_per_rank": 1, "quick": quick, "cpus": os.cpu_count(),
+                  # ranks and solo jobs are pinned, so "auto" polls in collectives and emulates
+                  # slowdowns busy (training.hooks, training.trainer.slow_down)
+                  "spin_wait": base.spin_wait,
                   "solo_steps_of_slowest_device": solo_steps,
                   "micro_batch": micro, "micro_batch_us_per_sample": per_sample_us,
                   "single_device_samples_per_s": single["samples_per_s"]},

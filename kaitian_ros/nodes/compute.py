@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from kaitian_ros import heap
 from kaitian_ros.core.authority import AuthorityTracker
 from kaitian_ros.core.costs import observe_link
 from kaitian_ros.core.plan import Plan
@@ -45,7 +46,7 @@ from kaitian_ros.nodes.compute_direct import DirectImages, ticket_back_message, 
 from kaitian_ros.nodes.compute_params import PARAMETERS
 from kaitian_ros.nodes.compute_prepare import PREPARED, PreparedKey, drop_prepared
 from kaitian_ros.nodes.compute_requests import MB, RequestState, RequestTable
-from kaitian_ros.runtime import interfaces, memory, run_node
+from kaitian_ros.runtime import interfaces, run_node
 from kaitian_ros.runtime.api import MessageInfo, QoS, Runtime, SetParametersResult
 from kaitian_ros.runtime.diagnostics import DiagnosticsPublisher, Level
 
@@ -417,7 +418,7 @@ class ComputeNode(NodeCosts):
         self.pending = keep
         self.pending_bytes = sum(len(chunk.data) for _, chunk, _ in keep)
         if self.requests.drops_ended():  # a burst of junk is over: give its memory back
-            memory.trim_heap()
+            heap.trim_heap()
         rejected = self.rt.rejected
         level = Level.OK
         text = f"{self.completed} requests" + (f", {rejected.total} dropped" if rejected.total else "")

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
+from kaitian_ros import heap
 from kaitian_ros.core import profiling
 from kaitian_ros.nodes import inference_common as ic
 from kaitian_ros.nodes.compute_params import PARAMETERS
 from kaitian_ros.nodes.preparation import Preparation, refused
-from kaitian_ros.runtime import memory
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def prepare(argv: list[str], by: str = "the warm interpreter before this respawn
     costs, inputs = profiling.measure_profile(graph, ic.busy_clock(device), slowdown=1.0,
                                               budget_s=key.profile_budget_s)
     PREPARED[key] = Prepared(graph, costs, inputs, by)
-    memory.trim_heap()  # the measurement's activations are freed: give their pages back while it waits
+    heap.trim_heap()  # the measurement's activations are freed: give their pages back while it waits
     return Preparation("built", f"{key.spec.name} {key.spec.input_shape} on {key.device}: built, costs measured "
                                 f"({costs.trunk_ms:.1f} ms)")
 
@@ -102,4 +102,4 @@ def drop_prepared() -> None:
     carry a compute node's model) and give its pages back."""
     if PREPARED:
         PREPARED.clear()
-        memory.trim_heap()
+        heap.trim_heap()

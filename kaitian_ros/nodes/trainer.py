@@ -88,6 +88,9 @@ PARAMETERS = (
     P("work_stealing", T.STRING, "auto", "move slice boundaries inside a step to the rank "
       "that finishes first (auto: off, measured slower)", read_only=True,
       choices=("auto", "on", "off")),
+    P("spin_wait", T.STRING, "auto", "wait for gloo collectives by polling instead of blocking "
+      "(auto: where the rank was pinned to a core of its own)", read_only=True,
+      choices=("auto", "on", "off")),
     P("micro_batch", T.INTEGER, 0, "forward/backward passes of at most this many samples, the "
       "gradient accumulated (0: the whole slice; not with work stealing)", 0, 2**31 - 1, read_only=True),
     P("rebalance_every", T.INTEGER, 5, "steps between share updates", 1, 2**31 - 1,
@@ -106,7 +109,7 @@ PARAMETERS = (
 )
 
 _CONFIG_KEYS = ("model", "dataset", "global_batch", "epochs", "lr", "momentum", "lr_schedule",
-                "warmup_steps", "seed", "policy", "work_stealing", "micro_batch", "optimizer",
+                "warmup_steps", "seed", "policy", "work_stealing", "spin_wait", "micro_batch", "optimizer",
                 "standardize_inputs", "camera_inputs",
                 "rebalance_every", "ewma_alpha", "hook", "timeout_s")
 

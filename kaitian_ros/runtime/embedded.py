@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kaitian_ros import heap
 from kaitian_ros.runtime import zenoh_session as zs
 from kaitian_ros.runtime.api import (
     ParameterDescriptor,
@@ -34,34 +35,6 @@ from kaitian_ros.runtime.node_args import NodeArgs, resolve_topic
 from kaitian_ros.runtime.security import Security, publish_refusal
 
 _QOS_TOKEN = {QoS.RELIABLE: "1:2:1,10", QoS.BEST_EFFORT: "2:2:1,5", QoS.LATCHED: "1:1:1,1"}
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_allocator_tuned = False
-
-
-def tune_allocator() -> None:
-    """Keep multi-MiB message buffers in the heap instead of an mmap/munmap per message.
-
-    glibc serves allocations above its mmap threshold with a fresh mmap and returns them with
-    munmap, so every 4 MiB payload (serialize, zenoh's copy, to_bytes) costs page faults and
-    zeroing; measured in docs/transport.md (4 MiB TensorChunks ~0.5 -> ~1.2 GB/s between two
-    processes). ``KAITIAN_MALLOC_TUNE=0`` turns it off; explicit MALLOC_*_ variables win.
-    """
-    global _allocator_tuned
-    if _allocator_tuned or os.environ.get("KAITIAN_MALLOC_TUNE", "1") == "0" or not sys.platform.startswith("linux"):
-        return
-    _allocator_tuned = True
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None)
-        if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-            libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024 * 1024)
-        if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
-            libc.mallopt(_M_TRIM_THRESHOLD, 256 * 1024 * 1024)
-    except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to tune
-        pass
 
 
 def make_logger(name: str) -> logging.Logger:
@@ -98,7 +71,7 @@ class EmbeddedRuntime:
         self.domain = zs.domain_id() if domain is None else domain
         self.logger = make_logger(self.node_name)
         self.rejected = RejectCounter()
-        tune_allocator()
+        heap.tune_allocator()  # multi-MiB message buffers stay in the heap
         self._reject_lock = threading.Lock()
         # security: a runtime/security.Security, None (off) or zs.FROM_ENV (KAITIAN_SECURITY)
         self.security = zs.resolve_security(security)

@@ -11,7 +11,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kaitian_ros.runtime import fast_cdr, interfaces, memory
+from kaitian_ros import heap
+from kaitian_ros.runtime import fast_cdr, interfaces
 from kaitian_ros.runtime import zenoh_session as zs
 from kaitian_ros.runtime.api import MessageInfo, QoS
 
@@ -233,7 +234,7 @@ class EmbeddedSubscription:
                 self._rt.post(self._deliver)
         elif self._overflowed:  # a flood is over: give its memory back
             self._overflowed = False
-            memory.trim_heap()
+            heap.trim_heap()
 
 
 class EmbeddedTimer:

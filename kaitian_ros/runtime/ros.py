@@ -42,6 +42,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kaitian_ros import heap
 from kaitian_ros.runtime import interfaces
 from kaitian_ros.runtime.api import (
     MessageInfo,
@@ -214,6 +215,7 @@ class RosRuntime:
 
         self._rclpy = rclpy
         self._argv = list(argv)
+        heap.tune_allocator()  # as the embedded runtime: large buffers stay in the heap
         self._owns_context = False
         if not rclpy.ok():
             # rcl handles --ros-args itself: node name (-r __node:=), namespace, remaps, params files

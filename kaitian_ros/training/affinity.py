@@ -36,7 +36,17 @@ def pin_local_rank(local_rank: int, local_world: int, threads: int = 1) -> tuple
     ``KAITIAN_PIN_CORES=0``)."""
     if not hasattr(os, "sched_setaffinity") or os.environ.get("KAITIAN_PIN_CORES", "1") == "0":
         return ()
+    global _pinned
     cores = rank_cores(tuple(os.sched_getaffinity(0)), local_rank, local_world, threads)
     if cores:
         os.sched_setaffinity(0, cores)
+        _pinned = cores
     return cores
+
+
+_pinned: tuple[int, ...] = ()
+
+
+def pinned_cores() -> tuple[int, ...]:
+    """The cores ``pin_local_rank`` gave this process (its own), empty if it did not pin it."""
+    return _pinned

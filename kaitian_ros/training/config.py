@@ -16,6 +16,7 @@ from kaitian_ros.training.sampler import MODELS, POLICIES
 CHECKPOINT_NAME = "checkpoint.pt"
 LR_SCHEDULES = ("constant", "cosine")
 WORK_STEALING = ("auto", "on", "off")
+SPIN_WAIT = ("auto", "on", "off")
 OPTIMIZERS = ("sgd", "adam")
 
 
@@ -57,6 +58,10 @@ class TrainingConfig:
     # "auto" = off: in 8 of the 10 configuration medians of the full `kaitian bench training`
     # runs measured, the adaptive shares alone trained faster than with stealing (docs/training.md)
     work_stealing: str = "auto"
+    # wait for gloo collectives by polling instead of blocking ("on", "off", or "auto" = on
+    # where the rank was pinned to cores of its own by ``training.affinity``): a blocked rank's
+    # idle core took milliseconds to wake on a virtual machine (``training.hooks``)
+    spin_wait: str = "auto"
     hook: str = "hierarchical"
     devices: tuple[str, ...] = ("cpu",)
     emulated_slowdown: tuple[float, ...] = (1.0,)
@@ -91,6 +96,10 @@ class TrainingConfig:
         if self.work_stealing not in WORK_STEALING:
             raise ValueError(f"work_stealing must be one of {', '.join(WORK_STEALING)}, "
                              f"got {self.work_stealing!r}")
+        if isinstance(self.spin_wait, bool):  # YAML true/false
+            object.__setattr__(self, "spin_wait", "on" if self.spin_wait else "off")
+        if self.spin_wait not in SPIN_WAIT:
+            raise ValueError(f"spin_wait must be one of {', '.join(SPIN_WAIT)}, got {self.spin_wait!r}")
         if self.camera_inputs and self.standardize_inputs:
             raise ValueError("camera_inputs and standardize_inputs exclude each other: camera "
                              "inputs are normalised as the inference nodes do it")
@@ -115,6 +124,11 @@ class TrainingConfig:
     def steals(self) -> bool:
         """Whether ranks steal work inside a step (``work_stealing``, resolved)."""
         return self.work_stealing == "on"  # "auto": off (the field's comment)
+
+    def spins(self, pinned: bool) -> bool:
+        """Whether a rank waits for gloo collectives by polling (``spin_wait`` resolved;
+        ``pinned``: the rank has cores of its own, ``training.affinity.pinned_cores``)."""
+        return self.spin_wait == "on" or (self.spin_wait == "auto" and pinned)
 
     def device_for(self, rank: int, local_rank: int | None = None) -> str:
         if len(self.devices) == 1:

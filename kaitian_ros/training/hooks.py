@@ -12,9 +12,20 @@ group. Communication runs synchronously inside the hook so that the time spent b
 in it is measurable per step; on the CPU/gloo setups this package targets there is
 nothing to overlap with anyway, and on fast accelerators the blocked time is the honest
 cost.
+
+Waiting by spinning (``spin=True``, :func:`wait_for`): a rank that arrives first at a gloo
+collective otherwise blocks, its core goes idle, and when the peer's data arrives the kernel
+must wake it on that idle core. On a virtual machine an idle virtual CPU is halted and handed
+back to the host, and waking it took milliseconds: between two processes pinned to a core each,
+a 150 KB all-reduce that one of them entered 5 ms late blocked the late one for 2.7 ms (median
+of 200; 0.27 ms when both entered together), 0.38 ms while the cores were kept busy. Polling the
+work with ``sched_yield`` keeps the waiting rank's core running, and gloo's own threads, which
+do the transfer on that core, run whenever they are ready. Worth it only where the rank has its
+core to itself (``TrainingConfig.spin_wait``); elsewhere it would take CPU from a neighbour.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -27,36 +38,55 @@ import torch.distributed as dist
 from kaitian_ros.training.groups import CommGroups
 
 
+def wait_for(work: Any, spin: bool = False) -> None:
+    """Wait for a collective's ``work``; with ``spin``, poll it (yielding the core to any other
+    ready thread) instead of blocking. Errors and timeouts surface from ``work.wait()`` alike."""
+    if spin:
+        while not work.is_completed():
+            os.sched_yield()
+    work.wait()
+
+
+def _spins_on(group: Any, spin: bool) -> bool:
+    """Spin only on gloo: an NCCL work completes on the GPU, where waiting costs no core."""
+    return spin and dist.get_backend(group) == "gloo"
+
+
 def hierarchical_all_reduce(tensor: torch.Tensor, groups: CommGroups,
-                            weight: float = 1.0) -> torch.Tensor:
+                            weight: float = 1.0, spin: bool = False) -> torch.Tensor:
     """In place: ``tensor <- sum over ranks of weight_r * tensor_r`` via group leaders.
 
-    Collective over the world: every rank calls it with its own ``weight``.
+    Collective over the world: every rank calls it with its own ``weight``. ``spin``: wait
+    for gloo transfers by polling (:func:`wait_for`).
     """
     topo = groups.topology
     if weight != 1.0:
         tensor.mul_(weight)
     single_group = len(topo.groups) == 1
-    if len(topo.group_ranks) > 1:
+    in_group = len(topo.group_ranks) > 1
+    spin_intra = in_group and _spins_on(groups.intra, spin)
+    if in_group:
         # reduce/broadcast take *global* ranks for dst/src.
-        dist.reduce(tensor, dst=topo.leader, op=dist.ReduceOp.SUM, group=groups.intra)
+        wait_for(dist.reduce(tensor, dst=topo.leader, op=dist.ReduceOp.SUM, group=groups.intra,
+                             async_op=True), spin_intra)
     if topo.is_leader and not single_group:
         # gloo between vendors: work on a host copy unless the tensor already lives there.
         host = tensor if tensor.device.type == "cpu" else tensor.detach().to("cpu")
-        dist.all_reduce(host, op=dist.ReduceOp.SUM, group=groups.inter)
+        wait_for(dist.all_reduce(host, op=dist.ReduceOp.SUM, group=groups.inter, async_op=True), spin)
         if host is not tensor:
             tensor.copy_(host)
-    if len(topo.group_ranks) > 1:
-        dist.broadcast(tensor, src=topo.leader, group=groups.intra)
+    if in_group:
+        wait_for(dist.broadcast(tensor, src=topo.leader, group=groups.intra, async_op=True), spin_intra)
     return tensor
 
 
 def flat_all_reduce(tensor: torch.Tensor, weight: float = 1.0,
-                    group: Any = None) -> torch.Tensor:
+                    group: Any = None, spin: bool = False) -> torch.Tensor:
     """In place: ``tensor <- sum over ranks of weight_r * tensor_r`` in one all-reduce."""
     if weight != 1.0:
         tensor.mul_(weight)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    wait_for(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True),
+             _spins_on(group, spin))
     return tensor
 
 
@@ -74,6 +104,7 @@ class HookState:
     flat_group: Any = None
     local_batch: int = 0
     global_batch: int = 0
+    spin: bool = False  # wait for gloo transfers by polling (``wait_for``)
     comm_seconds: float = 0.0
     total_comm_seconds: float = 0.0
     calls: int = 0
@@ -114,7 +145,7 @@ def hierarchical_hook(state: HookState, bucket: dist.GradBucket) -> torch.future
         raise RuntimeError("hierarchical_hook needs HookState.groups")
     buf = bucket.buffer()
     t0 = time.perf_counter()
-    hierarchical_all_reduce(buf, state.groups, state.weight)
+    hierarchical_all_reduce(buf, state.groups, state.weight, state.spin)
     state.add_comm(time.perf_counter() - t0)
     return _done(buf)
 
@@ -123,7 +154,7 @@ def flat_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
     """DDP comm hook baseline: batch-weighted flat all-reduce over one group."""
     buf = bucket.buffer()
     t0 = time.perf_counter()
-    flat_all_reduce(buf, state.weight, state.flat_group)
+    flat_all_reduce(buf, state.weight, state.flat_group, state.spin)
     state.add_comm(time.perf_counter() - t0)
     return _done(buf)
 

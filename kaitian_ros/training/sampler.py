@@ -191,11 +191,16 @@ class AdaptiveBatchSampler:
         self._since_rebalance = 0
         self._ewma: float = math.nan  # c: compute seconds per sample (beyond the fixed cost)
         self._beta: float = 0.0  # fixed per-step cost in samples (a / c)
+        # per-sample cost of the epoch's short last batch over the full batches' c (EWMA)
+        self._short_ratio: float = math.nan
+        # seconds per sample of the first (warm-up) step: only for the provisional split
+        self._warmup_per_sample: float = math.nan
+        self._provisional_done = False
         # forgotten sums: w, w b, w t, w b^2, w b t, w t^2, w^2 (for the effective count)
         self._fit = np.zeros(7)
         self._fit_updates = 0
-        # the (c, beta) of every rank behind the current shares (short batches use it)
-        self._gathered: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+        # the (c, beta, short ratio) of every rank behind the current shares (short batches use it)
+        self._gathered: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]] | None = None
 
     # -- iteration -----------------------------------------------------------------
     def steps_per_epoch(self) -> int:
@@ -220,12 +225,21 @@ class AdaptiveBatchSampler:
         ``self.shares`` equalise finish times for the full ``global_batch``. With fixed
         costs the balanced split depends on the batch size (``b_r = T/c_r - beta_r``), so a
         short batch (end of epoch) is split from the same gathered model at its own size;
-        every rank holds the same gathered vector, so all compute the same counts.
+        every rank holds the same gathered vector, so all compute the same counts. Where every
+        rank has measured short batches, its per-sample cost there is ``c_r`` times its short
+        ratio: the fixed cost is often too noisy to fit (then beta is 0), and the slow rank of
+        a 1 : 0.33 run, given its full-batch share of the short batch, finished it 14-20 ms
+        after the fast one every epoch (``compute`` configuration, docs/training.md).
         """
         m = self._gathered
-        if batch >= self.global_batch or m is None or not any(b > 0 for b in m[1]):
+        if batch >= self.global_batch or m is None:
             return self.shares
-        return shares_from_model(m[0], m[1], batch)
+        times, betas, ratios = m
+        if all(math.isfinite(r) and r > 0 for r in ratios):
+            return shares_from_model([c * r for c, r in zip(times, ratios)], betas, batch)
+        if not any(b > 0 for b in betas):
+            return self.shares
+        return shares_from_model(times, betas, batch)
 
     # -- measurement and rebalancing ---------------------------------------------------
     def record(self, compute_seconds: float, local_batch: int,
@@ -235,7 +249,10 @@ class AdaptiveBatchSampler:
         Every non-empty step feeds the fixed-cost fit (short end-of-epoch batches help:
         they spread the batch sizes). Steps of a short global batch do not feed the
         per-sample EWMA when ``global_batch`` is given (the shares are for full batches),
-        except the first, when the EWMA has nothing else.
+        except the first, when the EWMA has nothing else; they feed the short ratio (their
+        per-sample cost over that EWMA), which splits the next short batch. A ratio, not a
+        cost: short batches come once an epoch, and a device that slows down uniformly
+        keeps its ratio while the EWMA follows it.
         """
         if local_batch <= 0 or not compute_seconds > 0:
             return  # no information about speed from an empty slice
@@ -248,11 +265,20 @@ class AdaptiveBatchSampler:
             if beta != self._beta:
                 self._beta = beta
                 self._fit_updates += 1
-        if global_batch is not None and global_batch < self.global_batch and not math.isnan(self._ewma):
-            return
         x = t / (b + self._beta)
         a = self.ewma_alpha
+        if global_batch is not None and global_batch < self.global_batch and not math.isnan(self._ewma):
+            r = x / self._ewma
+            self._short_ratio = r if math.isnan(self._short_ratio) else a * r + (1 - a) * self._short_ratio
+            return
         self._ewma = x if math.isnan(self._ewma) else a * x + (1 - a) * self._ewma
+
+    def record_warmup(self, compute_seconds: float, local_batch: int) -> None:
+        """Feed a warm-up step's compute time: not a speed sample (lazy allocation, DDP's
+        bucket rebuild), but the first step's ratio between ranks is close enough to split the
+        next steps better than equally (see ``maybe_rebalance``)."""
+        if local_batch > 0 and compute_seconds > 0:
+            self._warmup_per_sample = float(compute_seconds) / local_batch
 
     def _fixed_samples(self) -> float:
         """beta = a / c from the forgotten least-squares fit of t = a + c b.
@@ -299,9 +325,14 @@ class AdaptiveBatchSampler:
         """Per-sample cost ``c`` (seconds; nan before the first measurement)."""
         return self._ewma
 
-    def estimate(self) -> tuple[float, float]:
-        """What a rebalance all-gathers from this rank: (c, beta)."""
-        return (self._ewma, self._beta if self.model == "affine" else 0.0)
+    @property
+    def short_ratio(self) -> float:
+        """Per-sample cost on the epoch's short last batch over ``c`` (nan before measured)."""
+        return self._short_ratio
+
+    def estimate(self) -> tuple[float, float, float]:
+        """What a rebalance all-gathers from this rank: (c, beta, short ratio)."""
+        return (self._ewma, self._beta if self.model == "affine" else 0.0, self._short_ratio)
 
     def due(self) -> bool:
         """Whether this step is a rebalancing point (same answer on every rank)."""
@@ -309,26 +340,46 @@ class AdaptiveBatchSampler:
             return False
         return not (self.policy == "profile_once" and self.rebalances >= 1)
 
-    def maybe_rebalance(self, gather: Callable[[tuple[float, float]], Sequence]) -> bool:
+    def _provisional_due(self) -> bool:
+        """After the first step of a fresh run (same answer on every rank): the one split from
+        warm-up times, before any measured step. Without it the first measured step ran at the
+        equal split: in a 1 : 0.33 run of the ``compute`` configuration the fast rank waited
+        200-250 ms in it, 2 % of its 20 epochs."""
+        return (self.policy != "equal" and not self._provisional_done and self.rebalances == 0
+                and self._since_rebalance == 1 and math.isnan(self._ewma))
+
+    def maybe_rebalance(self, gather: Callable[[tuple[float, float, float]], Sequence]) -> bool:
         """Count the step; collective when due: all ranks must call it after every step.
 
-        ``gather(estimate)`` all-gathers this rank's ``(c, beta)`` in rank order; an entry
-        may also be a bare float (seconds per sample, no fixed cost).
+        ``gather(estimate)`` all-gathers this rank's ``(c, beta, short ratio)`` in rank order;
+        an entry may also be ``(c, beta)`` or a bare float (seconds per sample, no fixed cost).
         """
         self._since_rebalance += 1
+        if self._provisional_due():
+            self._provisional_done = True
+            first = [float(g[0] if isinstance(g, (tuple, list, np.ndarray)) else g)
+                     for g in gather((self._warmup_per_sample, 0.0, math.nan))]
+            if not all(math.isfinite(t) and t > 0 for t in first):
+                return False  # a rank without samples in it: its speed is not known yet
+            # shares only: the model (_gathered) waits for measured steps, and this split does
+            # not count as profile_once's one rebalance
+            self.shares = shares_from_times(first)
+            return True
         if not self.due():
             return False
         got = list(gather(self.estimate()))
         if len(got) != self.world_size:
             raise RuntimeError(f"gather returned {len(got)} values for {self.world_size} ranks")
-        times, betas = [], []
+        times, betas, ratios = [], [], []
         for g in got:
             if isinstance(g, (tuple, list, np.ndarray)):
                 times.append(float(g[0]))
                 betas.append(float(g[1]) if len(g) > 1 else 0.0)
+                ratios.append(float(g[2]) if len(g) > 2 else math.nan)
             else:
                 times.append(float(g))
                 betas.append(0.0)
+                ratios.append(math.nan)
         measured = [math.isfinite(t) and t > 0 for t in times]
         # Same gathered vector on every rank -> same decision everywhere. Without data
         # (warm-up, only short batches so far) keep the shares and don't spend the one
@@ -336,15 +387,16 @@ class AdaptiveBatchSampler:
         if not all(measured) if self.policy == "profile_once" else not any(measured):
             return False
         self.shares = shares_from_model(times, betas, self.global_batch)
-        self._gathered = (tuple(times), tuple(betas))
+        self._gathered = (tuple(times), tuple(betas), tuple(ratios))
         self.rebalances += 1
         self._since_rebalance = 0
         return True
 
     def state_dict(self) -> dict:
         return {"shares": list(self.shares), "step": self.step, "rebalances": self.rebalances,
-                "ewma": self._ewma, "beta": self._beta, "fit": self._fit.tolist(),
-                "fit_updates": self._fit_updates,
+                "ewma": self._ewma, "beta": self._beta, "short_ratio": self._short_ratio,
+                "fit": self._fit.tolist(),
+                "fit_updates": self._fit_updates, "provisional_done": self._provisional_done,
                 "gathered": None if self._gathered is None else [list(x) for x in self._gathered]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -353,10 +405,13 @@ class AdaptiveBatchSampler:
         self.rebalances = int(state["rebalances"])
         self._ewma = float(state.get("ewma", math.nan))
         self._beta = float(state.get("beta", 0.0))
+        self._short_ratio = float(state.get("short_ratio", math.nan))
         fit = np.asarray(state.get("fit", [0.0] * 7), dtype=np.float64)
         self._fit = fit if fit.shape == (7,) else np.zeros(7)
         self._fit_updates = int(state.get("fit_updates", 0))
+        self._provisional_done = bool(state.get("provisional_done", True))
         g = state.get("gathered")
         self._gathered = (None if g is None else
-                          (tuple(float(x) for x in g[0]), tuple(float(x) for x in g[1])))
+                          (tuple(float(x) for x in g[0]), tuple(float(x) for x in g[1]),
+                           tuple(float(x) for x in g[2]) if len(g) > 2 else (math.nan,) * len(g[0])))
         self._since_rebalance = 0

@@ -36,10 +36,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from kaitian_ros import heap
+from kaitian_ros.training.affinity import pinned_cores
 from kaitian_ros.training.config import CHECKPOINT_NAME, TrainingConfig, lr_at, make_optimizer, set_lr
 from kaitian_ros.training.data import DataSplit, dataset_size, evaluate, gather_batch, load_data
 from kaitian_ros.training.groups import CommGroups, build_groups, parse_device
-from kaitian_ros.training.hooks import HOOKS, HookState
+from kaitian_ros.training.hooks import HOOKS, HookState, wait_for
 from kaitian_ros.training.results import EpochDone, TrainingResult, TrainingStep
 from kaitian_ros.training.sampler import AdaptiveBatchSampler
 from kaitian_ros.training.stealing import StepClaims, forget_step
@@ -52,6 +54,23 @@ def import_lazy_dependencies() -> None:
     first step import torch._dynamo (about 1.5 s of CPU here, more than a short run's
     training). A process that forks ranks calls this first, so they share one import."""
     import torch._dynamo  # noqa: F401
+
+
+def slow_down(seconds: float, busy: bool = False) -> None:
+    """The extra time of an emulated slower device. ``busy``: keep the core running (yielding
+    it to any other ready thread) instead of sleeping, as a device that computes does. On this
+    virtual machine a rank that slept two thirds of every step (1 : 0.33) then computed its
+    next samples with about twice the spread of the step time (residual 5-10 ms against 9-22
+    ms in four interleaved pairs of 20-epoch ``compute`` runs): its idle core had been handed
+    back to the host. Where a rank has no core of its own, sleeping leaves it to the others."""
+    if seconds <= 0:
+        return
+    if not busy:
+        time.sleep(seconds)
+        return
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        os.sched_yield()
 
 
 def micro_slices(n: int, micro_batch: int) -> list[tuple[int, int]]:
@@ -118,12 +137,20 @@ class RankTrainer:
                                "work_stealing: off") from None
         return dist.PrefixStore("kaitian/steal", store)
 
+    @property
+    def spins(self) -> bool:
+        """Whether this rank waits for gloo collectives by polling (``spin_wait``, resolved:
+        "auto" spins where ``training.affinity`` pinned this process to cores of its own)."""
+        return self.config.spins(bool(pinned_cores()))
+
     def _gather(self, x: float | Sequence[float]) -> list[Any]:
         """All-gather a float or a fixed-length float vector from every rank (rank order)."""
         scalar = isinstance(x, (int, float))
         t = torch.tensor([x] if isinstance(x, (int, float)) else list(x), dtype=torch.float64)
         out = [torch.zeros_like(t) for _ in range(self.world_size)]
-        dist.all_gather(out, t, group=self.groups.world if self.groups else None)
+        group = self.groups.world if self.groups else None
+        wait_for(dist.all_gather(out, t, group=group, async_op=True),
+                 self.spins and dist.get_backend(group) == "gloo")
         return [float(o.item()) if scalar else tuple(o.tolist()) for o in out]
 
     def _checkpoint_path(self) -> Path | None:
@@ -166,6 +193,9 @@ class RankTrainer:
     # -- run ---------------------------------------------------------------------------
     def run(self) -> TrainingResult:
         cfg = self.config
+        # activations and gradients of several MiB would otherwise be an mmap, page faults and
+        # zeroing each time they are allocated: 20-25 % of a step here, and most of its spread
+        heap.tune_allocator()
         torch.manual_seed(cfg.seed)
         data = self._data or load_data(cfg.dataset, cfg.num_classes, cfg.image_size,
                                        standardize=cfg.standardize_inputs,
@@ -186,16 +216,17 @@ class RankTrainer:
             warnings.simplefilter("ignore", FutureWarning)
             ddp = DDP(model, process_group=self.groups.world, init_sync=False,
                       broadcast_buffers=False, gradient_as_bucket_view=True, **ddp_kw)
-        state = HookState(groups=self.groups, flat_group=self.groups.world)
+        state = HookState(groups=self.groups, flat_group=self.groups.world, spin=self.spins)
         hook = HOOKS[cfg.hook]
         # emulated slowdown of this step and the end of the last compute interval
         emu = {"s": 1.0, "mark": 0.0}
+        spins = self.spins
 
         def emulate() -> None:
             """Sleep (s-1) x the real compute since the last mark (no comm in between)."""
             now = time.perf_counter()
             if emu["s"] > 1.0:
-                time.sleep((emu["s"] - 1.0) * max(now - emu["mark"], 0.0))
+                slow_down((emu["s"] - 1.0) * max(now - emu["mark"], 0.0), busy=spins)
 
         def slowed_hook(st, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
             emulate()  # a slow device is late *at* the all-reduce, not after it
@@ -314,6 +345,8 @@ class RankTrainer:
                 # would count a fast rank's wait for a slow one as its compute.
                 if steps >= WARMUP_STEPS:
                     sampler.record(compute, count, sl.global_batch)
+                else:
+                    sampler.record_warmup(compute, count)
                 t_sync = time.perf_counter()
                 sampler.maybe_rebalance(self._gather)  # collective when due
                 # part of the step and of its communication (a rank waits in it for the others),

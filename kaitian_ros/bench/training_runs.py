@@ -123,9 +123,14 @@ def fastest_micro_batch(base: Any, repeats: int = 3) -> tuple[int, dict[int, flo
 
     import torch
 
+    from kaitian_ros import heap
     from kaitian_ros.training.data import load_data
     from kaitian_ros.training.trainer import build_training_model, micro_slices
 
+    # with the heap the ranks train with (RankTrainer.run tunes it): untuned, every pass's
+    # multi-MiB activations were fresh mmaps, which made small passes look fastest (32 samples
+    # at 32x32 and 64 at 16x16, against 64 and 256 before the ranks were tuned)
+    heap.tune_allocator()
     data = load_data(base.dataset, None, base.image_size, standardize=base.standardize_inputs)
     model = build_training_model(base, data)
     x_all, y_all = data.train

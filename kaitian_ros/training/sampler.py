@@ -228,8 +228,8 @@ class AdaptiveBatchSampler:
         every rank holds the same gathered vector, so all compute the same counts. Where every
         rank has measured short batches, its per-sample cost there is ``c_r`` times its short
         ratio: the fixed cost is often too noisy to fit (then beta is 0), and the slow rank of
-        a 1 : 0.33 run, given its full-batch share of the short batch, finished it 14-20 ms
-        after the fast one every epoch (``compute`` configuration, docs/training.md).
+        a 1 : 0.33 run, given its full-batch share of the short batch, finished it 4-10 ms
+        after the fast one on average (``compute`` configuration, docs/training.md).
         """
         m = self._gathered
         if batch >= self.global_batch or m is None:

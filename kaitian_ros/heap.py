@@ -26,6 +26,23 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD_BYTES = 64 * 1024 * 1024
 TRIM_THRESHOLD_BYTES = 256 * 1024 * 1024
 _allocator_tuned = False
+_libc: ctypes.CDLL | None = None
+_unavailable = False
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """glibc, loaded once; None where it is not there (musl, macOS)."""
+    global _libc, _unavailable
+    if _libc is None and not _unavailable:
+        try:
+            lib = ctypes.CDLL("libc.so.6")
+            lib.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+            lib.malloc_trim.argtypes = [ctypes.c_size_t]
+            lib.malloc_trim.restype = ctypes.c_int
+            _libc = lib
+        except (OSError, AttributeError):
+            _unavailable = True
+    return _libc
 
 
 def tune_allocator() -> bool:
@@ -40,35 +57,21 @@ def tune_allocator() -> bool:
         return True
     if os.environ.get("KAITIAN_MALLOC_TUNE", "1") == "0" or not sys.platform.startswith("linux"):
         return False
-    try:
-        libc = ctypes.CDLL(None)
-        if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-            libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-        if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
-            libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
-    except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to tune
+    libc = _glibc()
+    if libc is None:  # not glibc (e.g. musl): nothing to tune
         return False
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+        libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
     _allocator_tuned = True
     return True
-
-_libc: ctypes.CDLL | None = None
-_unavailable = False
 
 
 def trim_heap() -> bool:
     """Return free heap pages to the OS; False where that is not possible (not glibc)."""
-    global _libc, _unavailable
-    if _unavailable:
-        return False
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL("libc.so.6")
-            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
-            _libc.malloc_trim.restype = ctypes.c_int
-        except (OSError, AttributeError):  # musl, macOS: no malloc_trim
-            _unavailable = True
-            return False
-    return bool(_libc.malloc_trim(0))
+    libc = _glibc()
+    return libc is not None and bool(libc.malloc_trim(0))
 
 
 def rss_bytes(pid: int | None = None) -> int:

@@ -15,8 +15,7 @@ from kaitian_ros.training.sampler import MODELS, POLICIES
 
 CHECKPOINT_NAME = "checkpoint.pt"
 LR_SCHEDULES = ("constant", "cosine")
-WORK_STEALING = ("auto", "on", "off")
-SPIN_WAIT = ("auto", "on", "off")
+AUTO_ON_OFF = ("auto", "on", "off")  # work_stealing, spin_wait
 OPTIMIZERS = ("sgd", "adam")
 
 
@@ -91,15 +90,13 @@ class TrainingConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, "
                              f"got {self.optimizer!r}")
-        if isinstance(self.work_stealing, bool):  # YAML true/false
-            object.__setattr__(self, "work_stealing", "on" if self.work_stealing else "off")
-        if self.work_stealing not in WORK_STEALING:
-            raise ValueError(f"work_stealing must be one of {', '.join(WORK_STEALING)}, "
-                             f"got {self.work_stealing!r}")
-        if isinstance(self.spin_wait, bool):  # YAML true/false
-            object.__setattr__(self, "spin_wait", "on" if self.spin_wait else "off")
-        if self.spin_wait not in SPIN_WAIT:
-            raise ValueError(f"spin_wait must be one of {', '.join(SPIN_WAIT)}, got {self.spin_wait!r}")
+        for name in ("work_stealing", "spin_wait"):
+            value = getattr(self, name)
+            if isinstance(value, bool):  # YAML true/false
+                value = "on" if value else "off"
+                object.__setattr__(self, name, value)
+            if value not in AUTO_ON_OFF:
+                raise ValueError(f"{name} must be one of {', '.join(AUTO_ON_OFF)}, got {value!r}")
         if self.camera_inputs and self.standardize_inputs:
             raise ValueError("camera_inputs and standardize_inputs exclude each other: camera "
                              "inputs are normalised as the inference nodes do it")

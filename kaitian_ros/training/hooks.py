@@ -47,7 +47,7 @@ def wait_for(work: Any, spin: bool = False) -> None:
     work.wait()
 
 
-def _spins_on(group: Any, spin: bool) -> bool:
+def spins_on(group: Any, spin: bool) -> bool:
     """Spin only on gloo: an NCCL work completes on the GPU, where waiting costs no core."""
     return spin and dist.get_backend(group) == "gloo"
 
@@ -64,7 +64,7 @@ def hierarchical_all_reduce(tensor: torch.Tensor, groups: CommGroups,
         tensor.mul_(weight)
     single_group = len(topo.groups) == 1
     in_group = len(topo.group_ranks) > 1
-    spin_intra = in_group and _spins_on(groups.intra, spin)
+    spin_intra = in_group and spins_on(groups.intra, spin)
     if in_group:
         # reduce/broadcast take *global* ranks for dst/src.
         wait_for(dist.reduce(tensor, dst=topo.leader, op=dist.ReduceOp.SUM, group=groups.intra,
@@ -86,7 +86,7 @@ def flat_all_reduce(tensor: torch.Tensor, weight: float = 1.0,
     if weight != 1.0:
         tensor.mul_(weight)
     wait_for(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True),
-             _spins_on(group, spin))
+             spins_on(group, spin))
     return tensor
 
 

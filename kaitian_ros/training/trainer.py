@@ -41,7 +41,7 @@ from kaitian_ros.training.affinity import pinned_cores
 from kaitian_ros.training.config import CHECKPOINT_NAME, TrainingConfig, lr_at, make_optimizer, set_lr
 from kaitian_ros.training.data import DataSplit, dataset_size, evaluate, gather_batch, load_data
 from kaitian_ros.training.groups import CommGroups, build_groups, parse_device
-from kaitian_ros.training.hooks import HOOKS, HookState, wait_for
+from kaitian_ros.training.hooks import HOOKS, HookState, spins_on, wait_for
 from kaitian_ros.training.results import EpochDone, TrainingResult, TrainingStep
 from kaitian_ros.training.sampler import AdaptiveBatchSampler
 from kaitian_ros.training.stealing import StepClaims, forget_step
@@ -150,7 +150,7 @@ class RankTrainer:
         out = [torch.zeros_like(t) for _ in range(self.world_size)]
         group = self.groups.world if self.groups else None
         wait_for(dist.all_gather(out, t, group=group, async_op=True),
-                 self.spins and dist.get_backend(group) == "gloo")
+                 spins_on(group, self.spins))
         return [float(o.item()) if scalar else tuple(o.tolist()) for o in out]
 
     def _checkpoint_path(self) -> Path | None:
@@ -216,11 +216,11 @@ class RankTrainer:
             warnings.simplefilter("ignore", FutureWarning)
             ddp = DDP(model, process_group=self.groups.world, init_sync=False,
                       broadcast_buffers=False, gradient_as_bucket_view=True, **ddp_kw)
-        state = HookState(groups=self.groups, flat_group=self.groups.world, spin=self.spins)
+        spins = self.spins
+        state = HookState(groups=self.groups, flat_group=self.groups.world, spin=spins)
         hook = HOOKS[cfg.hook]
         # emulated slowdown of this step and the end of the last compute interval
         emu = {"s": 1.0, "mark": 0.0}
-        spins = self.spins
 
         def emulate() -> None:
             """Sleep (s-1) x the real compute since the last mark (no comm in between)."""

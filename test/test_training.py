@@ -327,3 +327,32 @@ def test_optimizer_standardised_inputs_and_work_stealing_options() -> None:
     scale = float(raw.train[0].std())
     shift = float(raw.train[0].mean())
     assert torch.allclose(d.test[0], (raw.test[0] - shift) / scale, atol=1e-5)
+
+
+def _train_counting_gathers(rank: int, world: int, cfg: TrainingConfig) -> dict:
+    class CountingGathers(RankTrainer):
+        """The product's trainer; counts its all-gathers of its own (outside the comm hook)."""
+        gathers = 0
+
+        def _gather(self, x):  # type: ignore[no-untyped-def]
+            CountingGathers.gathers += 1
+            return super()._gather(x)
+
+    steps: list[TrainingStep] = []
+    res = CountingGathers(cfg, on_step=steps.append).run()
+    return {"gathers": CountingGathers.gathers, "shares": res.final_shares,
+            "local_batches": [s.local_batch for s in steps]}
+
+
+@pytest.mark.e2e
+def test_rebalances_gather_with_the_gradient_not_after_the_step() -> None:
+    """Rebalancing every step, the ranks all-gather their estimates inside the gradient
+    reduction: the only gather of its own is the provisional split's after the warm-up step,
+    and the shares still follow the emulated speeds, alike on every rank."""
+    cfg = TrainingConfig(epochs=2, global_batch=64, seed=3, rebalance_every=1, policy="adaptive",
+                         devices=("cpu:a", "cpu:b"), emulated_slowdown=(1.0, 3.0))
+    outs = run_local(_train_counting_gathers, 2, cfg, timeout_s=60)
+    assert [o["gathers"] for o in outs] == [1, 1]
+    assert outs[0]["shares"] == outs[1]["shares"]
+    assert outs[0]["shares"][1] < 0.4  # the rank 3x slower got well under half
+    assert len(set(outs[0]["local_batches"][2:])) > 1  # rebalanced along the way

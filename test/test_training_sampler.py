@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -335,3 +336,53 @@ def test_short_batch_split_follows_its_measured_ratio_and_drift() -> None:
     s2 = AdaptiveBatchSampler(300, 128, 0, 2)
     s2.load_state_dict(samplers[0].state_dict())
     assert list(s2.epoch(0))[2].counts == short
+
+
+
+def _gathers_of(samplers: list[AdaptiveBatchSampler]) -> tuple[list[bool], int]:
+    """``_rebalance_all`` and how many ranks called their gather."""
+    calls: list[int] = []
+    real = [s.maybe_rebalance for s in samplers]
+    for s, fn in zip(samplers, real):
+        s.maybe_rebalance = (lambda g, fn=fn: fn(lambda x: calls.append(1) or g(x)))  # type: ignore[method-assign]
+    try:
+        return _rebalance_all(samplers), len(calls)
+    finally:
+        for s in samplers:
+            del s.maybe_rebalance
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "profile_once", "equal"])
+@pytest.mark.parametrize("every", [1, 2, 3])
+def test_estimates_exchanged_with_the_gradient_replace_the_gather(policy: str, every: int) -> None:
+    """``exchange_payload`` (asked before a step) is the estimate exactly where the
+    ``maybe_rebalance`` ending that step gathers one, so ranks that all-gather it with the
+    step's gradient never gather after the step, except for the one-off provisional split;
+    the shares then come from the exchanged estimates on every rank alike."""
+    exchanging = _ranks(2000, 2, 100, policy=policy, rebalance_every=every)
+    for step in range(12):
+        payloads = [s.exchange_payload() for s in exchanging]
+        assert (payloads[0] is None) == (payloads[1] is None)
+        for r, s in enumerate(exchanging):
+            if step == 0:
+                s.record_warmup(0.01 * (1 + 2 * r), 50)
+            else:
+                s.record(0.001 * (1 + 2 * r) * (60 + step), 60 + step, 100)
+        # the same ranks, left to gather after the step: they gather where a payload was sent
+        _, calls = _gathers_of(copy.deepcopy(exchanging))
+        provisional = step == 0 and policy != "equal"
+        assert (calls > 0 and not provisional) == (payloads[0] is not None), step
+        if payloads[0] is None:
+            _, calls = _gathers_of(exchanging)
+            assert calls == (2 if provisional else 0), step
+        else:
+            before = exchanging[0].rebalances
+            for s in exchanging:
+                s.maybe_rebalance(lambda x: pytest.fail("gathered again"), payloads)
+            if exchanging[0].rebalances > before:  # estimates measured by then: the shares follow them
+                assert exchanging[0].shares == pytest.approx(
+                    shares_from_model([p[0] for p in payloads], [p[1] for p in payloads], 100))
+        assert exchanging[0].shares == exchanging[1].shares
+    if policy != "equal":
+        assert exchanging[0].rebalances >= 1
+        assert exchanging[0].shares[1] < 0.4  # the slow rank's share follows its speed

@@ -22,6 +22,10 @@ of 200; 0.27 ms when both entered together), 0.38 ms while the cores were kept b
 work with ``sched_yield`` keeps the waiting rank's core running, and gloo's own threads, which
 do the transfer on that core, run whenever they are ready. Worth it only where the rank has its
 core to itself (``TrainingConfig.spin_wait``); elsewhere it would take CPU from a neighbour.
+
+Riding along (``HookState.exchange``): the sampler's rebalance needs every rank's speed
+estimate. The hooks all-gather it beside the first bucket's reduction of the step before a
+rebalance, where the ranks meet anyway, instead of in a collective of its own after the step.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
@@ -105,6 +109,11 @@ class HookState:
     local_batch: int = 0
     global_batch: int = 0
     spin: bool = False  # wait for gloo transfers by polling (``wait_for``)
+    # values every rank all-gathers with the next gradient reduction (the sampler's
+    # ``exchange_payload``) over ``exchange_group``, and the gathered ones (rank order)
+    exchange: tuple[float, ...] | None = None
+    exchange_group: Any = None
+    exchanged: list[tuple[float, ...]] | None = None
     comm_seconds: float = 0.0
     total_comm_seconds: float = 0.0
     calls: int = 0
@@ -132,6 +141,32 @@ class HookState:
             s, self.comm_seconds = self.comm_seconds, 0.0
         return s
 
+    def take_exchanged(self) -> list[tuple[float, ...]] | None:
+        """The values all-gathered with this step's gradient (None if none were); resets."""
+        got, self.exchanged = self.exchanged, None
+        return got
+
+
+def _start_exchange(state: HookState, bucket: dist.GradBucket) -> tuple[Any, list[torch.Tensor]] | None:
+    """Launch the all-gather of ``state.exchange`` beside the first bucket's reduction.
+
+    The ranks meet in that reduction anyway, so the gather costs a transfer and no wait of its
+    own; launched first, its transfer overlaps the gradient's."""
+    if state.exchange is None or bucket.index() != 0:
+        return None
+    own = torch.tensor(state.exchange, dtype=torch.float64)
+    out = [torch.empty_like(own) for _ in range(dist.get_world_size(state.exchange_group))]
+    return dist.all_gather(out, own, group=state.exchange_group, async_op=True), out
+
+
+def _finish_exchange(state: HookState, started: tuple[Any, list[torch.Tensor]] | None) -> None:
+    if started is None:
+        return
+    work, out = started
+    wait_for(work, spins_on(state.exchange_group, state.spin))
+    state.exchanged = [tuple(o.tolist()) for o in out]
+    state.exchange = None
+
 
 def _done(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     fut: torch.futures.Future = torch.futures.Future()
@@ -145,7 +180,9 @@ def hierarchical_hook(state: HookState, bucket: dist.GradBucket) -> torch.future
         raise RuntimeError("hierarchical_hook needs HookState.groups")
     buf = bucket.buffer()
     t0 = time.perf_counter()
+    started = _start_exchange(state, bucket)
     hierarchical_all_reduce(buf, state.groups, state.weight, state.spin)
+    _finish_exchange(state, started)
     state.add_comm(time.perf_counter() - t0)
     return _done(buf)
 
@@ -154,7 +191,9 @@ def flat_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
     """DDP comm hook baseline: batch-weighted flat all-reduce over one group."""
     buf = bucket.buffer()
     t0 = time.perf_counter()
+    started = _start_exchange(state, bucket)
     flat_all_reduce(buf, state.weight, state.flat_group, state.spin)
+    _finish_exchange(state, started)
     state.add_comm(time.perf_counter() - t0)
     return _done(buf)
 

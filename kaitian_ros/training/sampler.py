@@ -334,25 +334,45 @@ class AdaptiveBatchSampler:
         """What a rebalance all-gathers from this rank: (c, beta, short ratio)."""
         return (self._ewma, self._beta if self.model == "affine" else 0.0, self._short_ratio)
 
-    def due(self) -> bool:
-        """Whether this step is a rebalancing point (same answer on every rank)."""
-        if self.policy == "equal" or self._since_rebalance < self.rebalance_every:
+    def due(self, since: int | None = None) -> bool:
+        """Whether this step is a rebalancing point (same answer on every rank); ``since``:
+        asked for a count of steps since the last rebalance other than the current one."""
+        since = self._since_rebalance if since is None else since
+        if self.policy == "equal" or since < self.rebalance_every:
             return False
         return not (self.policy == "profile_once" and self.rebalances >= 1)
 
-    def _provisional_due(self) -> bool:
+    def _provisional_due(self, since: int | None = None) -> bool:
         """After the first step of a fresh run (same answer on every rank): the one split from
         warm-up times, before any measured step. Without it the first measured step ran at the
         equal split: in a 1 : 0.33 run of the ``compute`` configuration the fast rank waited
         200-250 ms in it, 2 % of its 20 epochs."""
+        since = self._since_rebalance if since is None else since
         return (self.policy != "equal" and not self._provisional_done and self.rebalances == 0
-                and self._since_rebalance == 1 and math.isnan(self._ewma))
+                and since == 1 and math.isnan(self._ewma))
 
-    def maybe_rebalance(self, gather: Callable[[tuple[float, float, float]], Sequence]) -> bool:
+    def exchange_payload(self) -> tuple[float, float, float] | None:
+        """This rank's estimate, when the ``maybe_rebalance`` that ends the step in progress
+        will gather estimates; else None. Called before the step, so that the ranks can
+        all-gather it with the step's gradient (``training.hooks``) and pass the result to
+        ``maybe_rebalance(gather, exchanged)``: a gather after the step was a synchronisation
+        of its own, in which the fast rank waited for the slow one's optimizer step (2-3 ms
+        every third step of ``digits``). The estimate is then one step older when it is used.
+        Not for the provisional split, which gathers warm-up times once, on its own."""
+        since = self._since_rebalance + 1
+        if self._provisional_due(since) or not self.due(since):
+            return None
+        return self.estimate()
+
+    def maybe_rebalance(self, gather: Callable[[tuple[float, float, float]], Sequence],
+                        exchanged: Sequence | None = None) -> bool:
         """Count the step; collective when due: all ranks must call it after every step.
 
         ``gather(estimate)`` all-gathers this rank's ``(c, beta, short ratio)`` in rank order;
         an entry may also be ``(c, beta)`` or a bare float (seconds per sample, no fixed cost).
+        ``exchanged``: the estimates already all-gathered during the step (what every rank's
+        ``exchange_payload`` returned before it); a rebalance due now uses them instead of
+        calling ``gather``.
         """
         self._since_rebalance += 1
         if self._provisional_due():
@@ -367,7 +387,7 @@ class AdaptiveBatchSampler:
             return True
         if not self.due():
             return False
-        got = list(gather(self.estimate()))
+        got = list(exchanged) if exchanged is not None else list(gather(self.estimate()))
         if len(got) != self.world_size:
             raise RuntimeError(f"gather returned {len(got)} values for {self.world_size} ranks")
         times, betas, ratios = [], [], []

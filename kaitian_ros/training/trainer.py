@@ -217,7 +217,8 @@ class RankTrainer:
             ddp = DDP(model, process_group=self.groups.world, init_sync=False,
                       broadcast_buffers=False, gradient_as_bucket_view=True, **ddp_kw)
         spins = self.spins
-        state = HookState(groups=self.groups, flat_group=self.groups.world, spin=spins)
+        state = HookState(groups=self.groups, flat_group=self.groups.world, spin=spins,
+                          exchange_group=self.groups.world)
         hook = HOOKS[cfg.hook]
         # emulated slowdown of this step and the end of the last compute interval
         emu = {"s": 1.0, "mark": 0.0}
@@ -319,6 +320,8 @@ class RankTrainer:
                 t0 = time.perf_counter()
                 emu["s"], emu["mark"] = self.emulated_slowdown, t0
                 opt.zero_grad(set_to_none=False)
+                # a rebalance due after this step gathers the estimates with its gradient
+                state.exchange = sampler.exchange_payload() if self.world_size > 1 else None
                 if claims_store is not None:
                     count, loss_sum = stolen_forward_backward(sl)
                 else:
@@ -348,7 +351,8 @@ class RankTrainer:
                 else:
                     sampler.record_warmup(compute, count)
                 t_sync = time.perf_counter()
-                sampler.maybe_rebalance(self._gather)  # collective when due
+                # a collective only for the provisional split (or where no hook ran)
+                sampler.maybe_rebalance(self._gather, state.take_exchanged())
                 # part of the step and of its communication (a rank waits in it for the others),
                 # never of the compute the shares are fitted to
                 sync = time.perf_counter() - t_sync

@@ -7,7 +7,7 @@ import pytest
 
 from kaitian_ros.bench import training as bench
 from kaitian_ros.bench.training_report import METRICS, plot, summarise, table, targets
-from kaitian_ros.bench.training_runs import RunSpec, ideal_rate
+from kaitian_ros.bench.training_runs import RunSpec, comm_breakdown, ideal_rate
 
 
 def _record(eff: float, comm: float = 1.0, acc_pp: float = 0.0) -> dict:
@@ -113,3 +113,21 @@ def test_command_writes_medians_spread_and_every_rank_comm(tmp_path, monkeypatch
                                  "comm_mean_over_ranks_le_3pct", "accuracy_within_0.3pp"}
     assert c["accuracy_check"] is None and c["setup"]["image_size"] == 8 and c["seconds"] > 0
     assert (tmp_path / "training_throughput.png").exists()
+
+
+def test_comm_splits_into_transfer_and_waiting_systematic_or_noise():
+    """Two ranks: the last to arrive is blocked only for the transfer (1 ms a step); the early
+    one waits on top. Waiting that always falls on rank 0 is systematic; waiting that changes
+    side every step is noise, although the waiting is as long."""
+    always = comm_breakdown([[5.0, 5.0, 5.0, 5.0], [1.0, 1.0, 1.0, 1.0]], wall_s=0.1)
+    alternating = comm_breakdown([[5.0, 1.0, 5.0, 1.0], [1.0, 5.0, 1.0, 5.0]], wall_s=0.1)
+    for b in (always, alternating):
+        assert b["transfer_pct"] == pytest.approx(4.0)  # 4 x 1 ms of 100 ms
+        assert b["imbalance_pct"] == pytest.approx(16.0)
+    assert always["systematic_wait_pct"] == pytest.approx(16.0)
+    assert alternating["systematic_wait_pct"] == pytest.approx(0.0)
+    # mean comm over the ranks = transfer + wait / 2 with two ranks
+    assert (sum(map(sum, [[5.0, 1.0, 5.0, 1.0], [1.0, 5.0, 1.0, 5.0]])) / 2 / 100 * 100
+            == pytest.approx(alternating["transfer_pct"] + alternating["imbalance_pct"] / 2))
+    assert comm_breakdown([], 0.0) == {"transfer_pct": 0.0, "imbalance_pct": 0.0,
+                                       "systematic_wait_pct": 0.0}

@@ -25,8 +25,11 @@ measured first): the ideal is each device at its best, and the baselines get tha
 median and the min-max of every number. Comm % = the time each rank sits blocked in the comm
 hook (transfer and waiting for the other rank), the mean over the ranks (min and max over the
 ranks reported beside it), over the training wall time. Wait % = per step the largest minus
-the smallest blocked time (the early rank waiting). The first two steps of every run are left
-out of all rates.
+the smallest blocked time (the early rank waiting); of it, "systematic" is the part that falls
+on one rank more than on the other over the run (a better split could remove it; the rest
+changes side from step to step: compute-time noise). Transfer % = per step the smallest blocked
+time (the last rank's: no waiting in it). With two ranks, comm % = transfer % + wait % / 2.
+The first two steps of every run are left out of all rates.
 
 Accuracy: a single-device run per configuration (speed 1, the full schedule; deterministic,
 so run once) gives the reference. For digits the accuracy check (``bench.training_accuracy``)
@@ -119,7 +122,8 @@ def _record(spec: RunSpec, r: dict, solo: dict[tuple[float, ...], list[float]],
         "comm_overhead_min_pct": r["comm_overhead_min_pct"],
         "comm_overhead_max_pct": r["comm_overhead_max_pct"],
         "comm_overhead_by_rank_pct": r["comm_overhead_by_rank_pct"],
-        "imbalance_pct": r["imbalance_pct"], "final_accuracy": r["final_accuracy"],
+        "imbalance_pct": r["imbalance_pct"], "transfer_pct": r["transfer_pct"],
+        "systematic_wait_pct": r["systematic_wait_pct"], "final_accuracy": r["final_accuracy"],
         "accuracy_minus_single_pp": 100 * (r["final_accuracy"] - single_acc),
         "policy": spec.policy, "work_stealing": "on" if spec.config(cfg).steals else "off",
         "emulated_speeds": ":".join(f"{1 / s:.2g}" for s in spec.slowdowns),

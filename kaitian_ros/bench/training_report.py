@@ -10,8 +10,8 @@ from typing import Any
 
 # per-run numbers summarised over the repeats (median, and min-max as the spread)
 METRICS = ("samples_per_s", "ideal_samples_per_s", "efficiency", "comm_overhead_pct",
-           "comm_overhead_min_pct", "comm_overhead_max_pct", "imbalance_pct", "final_accuracy",
-           "accuracy_minus_single_pp")
+           "comm_overhead_min_pct", "comm_overhead_max_pct", "imbalance_pct", "transfer_pct",
+           "systematic_wait_pct", "final_accuracy", "accuracy_minus_single_pp")
 # the targets of issue #18, checked on the "adaptive" run of every configuration
 TARGET_EFFICIENCY = 0.90
 TARGET_COMM_PCT = 3.0
@@ -60,7 +60,8 @@ def table(result: Mapping[str, Any]) -> str:
                     f"{s['global_batch']}, {s['epochs']} epochs, {c['repeats']} repeat(s); "
                     f"medians [min-max]; speeds EMULATED")
         rows.append(f"{'run':22s} {'speeds':>7s} {'steal':>5s} {'samples/s':>10s} "
-                    f"{'efficiency':>19s} {'comm % mean [ranks]':>24s} {'wait %':>7s} "
+                    f"{'efficiency':>19s} {'comm % mean [ranks]':>24s} {'transfer %':>10s} "
+                    f"{'wait % [systematic]':>19s} "
                     f"{'acc-single pp':>14s}  shares")
         for name, p in c["policies"].items():
             sp = p["spread"]
@@ -69,7 +70,8 @@ def table(result: Mapping[str, Any]) -> str:
                 f"{p['samples_per_s']:10.0f} {p['efficiency']:6.3f} [{_r(sp['efficiency'], '.3f')}] "
                 f"{p['comm_overhead_pct']:6.2f} [{p['comm_overhead_min_pct']:.2f}/"
                 f"{p['comm_overhead_max_pct']:.2f}] [{_r(sp['comm_overhead_pct'], '.2f')}] "
-                f"{p['imbalance_pct']:7.2f} {p['accuracy_minus_single_pp']:+6.2f} "
+                f"{p['transfer_pct']:10.2f} {p['imbalance_pct']:7.2f} [{p['systematic_wait_pct']:5.2f}] "
+                f"{p['accuracy_minus_single_pp']:+6.2f} "
                 f"[{_r(sp['accuracy_minus_single_pp'], '+.2f')}]  "
                 f"{[round(x, 2) for x in p['final_shares']]}"
                 + (f"  ({p['drift']})" if p["drift"] else ""))

@@ -81,9 +81,6 @@ def run(spec: RunSpec, base: Any) -> dict:
     n = len(outs[0]["steps"])
     w = WARMUP
     per_step_wall = [max(o["steps"][i][3] for o in outs) for i in range(n)]
-    # the early rank(s) sit blocked waiting for the last one: imbalance or descheduling
-    per_step_wait = [max(o["steps"][i][4] for o in outs) - min(o["steps"][i][4] for o in outs)
-                     for i in range(n)]
     gb = [s[1] for s in outs[0]["steps"]]
     # ranks' step boundaries are offset, so the training time is the largest per-rank sum of
     # step times (not a sum of per-step maxima)
@@ -96,12 +93,31 @@ def run(spec: RunSpec, base: Any) -> dict:
             "comm_overhead_pct": statistics.fmean(comm_pct),
             "comm_overhead_min_pct": min(comm_pct), "comm_overhead_max_pct": max(comm_pct),
             "comm_overhead_by_rank_pct": comm_pct,
-            "imbalance_pct": 100 * sum(per_step_wait[w:]) / 1e3 / wall_s if wall_s else 0.0,
+            **comm_breakdown([[s[4] for s in o["steps"][w:]] for o in outs], wall_s),
             "final_accuracy": outs[0]["acc"], "final_shares": outs[0]["shares"],
             "throughput": [g / (t / 1e3) for g, t in zip(gb, per_step_wall)],
             "slowdown_per_step": [[o["steps"][i][5] for o in outs] for i in range(n)],
             "global_batches": gb, "wall_s": wall_s,
             "counts": [tuple(o["steps"][i][2] for o in outs) for i in range(n)]}
+
+
+def comm_breakdown(comm_ms: Sequence[Sequence[float]], wall_s: float) -> dict[str, float]:
+    """What the ranks' blocked time per step (``comm_ms[rank][step]``) is made of, each as a
+    share of the training wall time: ``transfer_pct``, the time the last rank to arrive spends
+    in the step's collectives (the smallest blocked time of the step: no waiting in it);
+    ``imbalance_pct`` (wait %), the early ranks' waiting for it (per step the largest minus the
+    smallest blocked time); ``systematic_wait_pct``, the part of the waiting that falls on
+    some ranks more than on others over the run (the largest minus the smallest per-rank sum
+    of waiting): a better split could remove that part, while waiting that changes side from
+    step to step is the noise of the ranks' compute times, which no split removes."""
+    if not wall_s or not comm_ms or not comm_ms[0]:
+        return {"transfer_pct": 0.0, "imbalance_pct": 0.0, "systematic_wait_pct": 0.0}
+    floor = [min(c[i] for c in comm_ms) for i in range(len(comm_ms[0]))]
+    waits = [sum(c[i] - floor[i] for i in range(len(floor))) for c in comm_ms]
+    per_step_wait = [max(c[i] for c in comm_ms) - floor[i] for i in range(len(floor))]
+    pct = 100 / 1e3 / wall_s
+    return {"transfer_pct": pct * sum(floor), "imbalance_pct": pct * sum(per_step_wait),
+            "systematic_wait_pct": pct * (max(waits) - min(waits))}
 
 
 MICRO_BATCH_MIN = 16  # the smallest pass size tried for the solo jobs' best

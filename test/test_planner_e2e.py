@@ -36,7 +36,9 @@ def _plan_with(g: InferenceGraph, predicate, what: str, timeout_s: float = 30.0)
     try:
         return wait_until(check, what, timeout_s, interval_s=0.05)
     except AssertionError as exc:
-        raise AssertionError(f"{exc}; plans: {[(p.version, p.strategy, p.reason) for p in g.plans.snapshot()]}"
+        plans = [(p.version, p.strategy, p.image_topic, p.reason) for p in g.plans.snapshot()]
+        raise AssertionError(f"{exc}; plans: {plans}"
+                             f"\ncoordinator: {_coordinator_values(g)}"
                              f"\n--- launcher output ---\n{g.out.text()}") from None
 
 
@@ -45,7 +47,10 @@ def _direct_single_plan(g: InferenceGraph):
     ok, why = g.probe_client().set_parameters("coordinator", {"strategy": "single", "slab_rows": 64,
                                                               "direct_single": True})
     assert ok, why
-    plan = _plan_with(g, lambda p: p.strategy == "single" and p.image_topic, "a single plan on the direct path")
+    # 60 s: in loaded suite runs this wait ran out at 30 s (twice in one run; the plans then
+    # predicted the single node 4-6x slower than unloaded); a failure names the plans and counters
+    plan = _plan_with(g, lambda p: p.strategy == "single" and p.image_topic, "a single plan on the direct path",
+                      timeout_s=60.0)
     return plan, ic.spec_from_msg(plan).node_ids[0]
 
 

@@ -386,3 +386,34 @@ def test_estimates_exchanged_with_the_gradient_replace_the_gather(policy: str, e
     if policy != "equal":
         assert exchanging[0].rebalances >= 1
         assert exchanging[0].shares[1] < 0.4  # the slow rank's share follows its speed
+
+
+def test_slices_in_multiples_take_few_sizes_and_still_cover_the_batch() -> None:
+    """``multiple``: every slice but the largest share's is a multiple of it, the largest takes
+    the batch's odd samples, the slices sum to the batch; a share below one multiple falls back
+    to exact rounding (no rank loses its slice); equal never uses it."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        batch = int(rng.integers(1, 1000))
+        shares = rng.dirichlet(np.ones(int(rng.integers(1, 5))))
+        counts = split_counts(batch, shares, 8)
+        assert sum(counts) == batch
+        if (shares * batch).min() >= 8:
+            big = int(np.argmax(shares))
+            assert all(c % 8 == 0 for i, c in enumerate(counts) if i != big)
+            assert all(abs(c - s * batch) <= 8 + batch % 8 for c, s in zip(counts, shares))
+        else:
+            assert counts == split_counts(batch, shares)
+    assert split_counts(512, (0.75, 0.25), 8) == (384, 128)
+    assert split_counts(323, (0.75, 0.25), 8) == (243, 80)  # 40 units 30/10, 3 odd samples to rank 0
+    with pytest.raises(ValueError, match="multiple"):
+        split_counts(10, (1.0,), 0)
+    # shares wandering by a few percent, as the measurements make them: few distinct slices
+    wander = [(0.74 + 0.02 * math.sin(k), 0.26 - 0.02 * math.sin(k)) for k in range(60)]
+    assert len({split_counts(512, s, 8) for s in wander}) <= 4  # +-10 samples: 21 exact sizes
+    assert len({split_counts(512, s) for s in wander}) > 15
+    sampler = AdaptiveBatchSampler(2000, 512, 0, 2, policy="adaptive", slice_multiple=8)
+    sampler.shares = (0.7431, 0.2569)
+    assert all(sl.counts[1] % 8 == 0 for sl in sampler.epoch(0))
+    equal = AdaptiveBatchSampler(2000, 323, 0, 2, policy="equal", slice_multiple=8)
+    assert next(iter(equal.epoch(0))).counts == (162, 161)

@@ -95,6 +95,9 @@ PARAMETERS = (
       "gradient accumulated (0: the whole slice; not with work stealing)", 0, 2**31 - 1, read_only=True),
     P("rebalance_every", T.INTEGER, 5, "steps between share updates", 1, 2**31 - 1,
       read_only=True),
+    P("slice_multiple", T.INTEGER, 8, "slices in multiples of this many samples, where every "
+      "rank gets that many (few new input shapes as shares move; 1: exact shares)", 1, 2**31 - 1,
+      read_only=True),
     P("ewma_alpha", T.DOUBLE, 0.5, "EWMA weight of the newest step time", 0.01, 1.0,
       read_only=True),
     P("hook", T.STRING, "hierarchical", "gradient all-reduce", read_only=True, choices=_HOOKS),
@@ -111,7 +114,7 @@ PARAMETERS = (
 _CONFIG_KEYS = ("model", "dataset", "global_batch", "epochs", "lr", "momentum", "lr_schedule",
                 "warmup_steps", "seed", "policy", "work_stealing", "spin_wait", "micro_batch", "optimizer",
                 "standardize_inputs", "camera_inputs",
-                "rebalance_every", "ewma_alpha", "hook", "timeout_s")
+                "rebalance_every", "slice_multiple", "ewma_alpha", "hook", "timeout_s")
 
 
 def rank_environment(params: dict[str, Any], environ: Any = None) -> dict[str, Any]:

@@ -62,6 +62,8 @@ def train_parser() -> argparse.ArgumentParser:
                    help="move slice boundaries inside a step (auto: off, measured slower here)")
     p.add_argument("--spin-wait", choices=("auto", "on", "off"),
                    help="wait for gloo collectives by polling (auto: where a rank has its own core)")
+    p.add_argument("--slice-multiple", type=int,
+                   help="slices in multiples of this many samples (default 8; 1: exact shares)")
     p.add_argument("--checkpoint-dir")
     p.add_argument("--save-weights", metavar="PATH",
                    help="write the final model's state_dict here (what coordinator and compute "
@@ -154,6 +156,7 @@ def config_from_args(a: argparse.Namespace) -> tuple[TrainingConfig, int]:
                          ("image_size", "image_size"), ("lr_schedule", "lr_schedule"),
                          ("warmup_steps", "warmup_steps"), ("work_stealing", "work_stealing"),
                          ("spin_wait", "spin_wait"), ("optimizer", "optimizer"),
+                         ("slice_multiple", "slice_multiple"),
                          ("seed", "seed"), ("checkpoint_dir", "checkpoint_dir"),
                          ("save_weights", "save_weights"),
                          ("timeout", "timeout_s")):

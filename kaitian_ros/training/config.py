@@ -53,6 +53,10 @@ class TrainingConfig:
     rebalance_every: int = 5
     ewma_alpha: float = 0.5
     share_model: str = "affine"  # step time a + c b per rank ("proportional": c b)
+    # slices in multiples of this many samples where every rank gets at least that many (not
+    # for "equal"): few distinct slice sizes, so few new input shapes for oneDNN to build
+    # kernels for while the shares move (``sampler.split_counts``); 1: exact shares
+    slice_multiple: int = 8
     # slice boundaries settled at run time by claims (``training.stealing``): "on", "off", or
     # "auto" = off: in 8 of the 10 configuration medians of the full `kaitian bench training`
     # runs measured, the adaptive shares alone trained faster than with stealing (docs/training.md)
@@ -102,6 +106,8 @@ class TrainingConfig:
                              "inputs are normalised as the inference nodes do it")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.slice_multiple < 1:
+            raise ValueError(f"slice_multiple must be >= 1, got {self.slice_multiple}")
         if self.micro_batch < 0:
             raise ValueError(f"micro_batch must be >= 0 (0: the whole slice at once), got {self.micro_batch}")
         if self.global_batch <= 0 or self.epochs <= 0 or self.rebalance_every <= 0:

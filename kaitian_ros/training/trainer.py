@@ -291,7 +291,8 @@ class RankTrainer:
         sampler = AdaptiveBatchSampler(dataset_size(data.train), cfg.global_batch, self.rank,
                                        self.world_size, seed=cfg.seed, policy=cfg.policy,
                                        rebalance_every=cfg.rebalance_every,
-                                       ewma_alpha=cfg.ewma_alpha, model=cfg.share_model)
+                                       ewma_alpha=cfg.ewma_alpha, model=cfg.share_model,
+                                       slice_multiple=cfg.slice_multiple)
         start_epoch, accs = 0, []
         if cfg.resume:
             ck = self._load()

@@ -405,6 +405,28 @@ def test_measured_plans_are_candidates_but_fixed_shares_stay_fixed() -> None:
     assert again.best.measured_ms == 0.002  # its own measurement counts
 
 
+def test_a_measured_plan_of_another_slab_size_is_no_candidate() -> None:
+    """The slab size is a parameter: a plan that ran (and measured fast) in slabs of 8 rows is
+    no candidate once `slab_rows` is 4, nor with the whole image when that is not allowed; at
+    its own slab size, and with the whole image where that may be chosen, it is."""
+    g = _graph("resnet18", (3, 64, 64))
+    h = g.input_shape[1]
+    costs = Costs({"a": _profile(g, "a", 0.05)}, {}, FREE)
+    a = PlanSpec.single("a")
+    ran = {spec_key(a, 8): MeasuredPlan(a, 8, 0.001), spec_key(a, h): MeasuredPlan(a, h, 0.002)}
+    other = choose_plan(g, ["a"], costs, slab_rows=4, strategy="single", measured=ran)
+    assert {c.slab_rows for c in other.candidates} == {4, h}
+    assert other.best.slab_rows == h and other.best.measured_ms == 0.002  # the whole image's own
+    streamed_only = choose_plan(g, ["a"], costs, slab_rows=4, strategy="single", measured=ran,
+                                whole_image=False)
+    assert {c.slab_rows for c in streamed_only.candidates} == {4}
+    assert streamed_only.best.measured_ms is None
+    whole = choose_plan(g, ["a"], costs, slab_rows=h, strategy="single", measured=ran)
+    assert {c.slab_rows for c in whole.candidates} == {h} and whole.best.measured_ms == 0.002
+    same = choose_plan(g, ["a"], costs, slab_rows=8, strategy="single", measured=ran)
+    assert same.best.slab_rows == 8 and same.best.measured_ms == 0.001
+
+
 def test_the_running_plan_is_judged_by_its_measured_latency() -> None:
     """The coordinator's planning round reports the running plan as (predicted, measured) ms:
     the measurement itself, not another field of the record (a slab size taken for a latency

@@ -355,7 +355,7 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
     `whole_image` False keeps every plan at `slab_rows`.
 
     `measured` maps `spec_key`s of plans that ran lately to their `MeasuredPlan`:
-    those plans are candidates too (if their strategy and nodes fit), and every candidate with a
+    those plans are candidates too (if their strategy, nodes and slab size fit), and every candidate with a
     measured latency is compared by it rather than by its prediction.
 
     `earlier_errors` maps a set of nodes computing at once to the measured / predicted latency
@@ -415,8 +415,14 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
         return cands[key].expected_ms
 
     whole = graph.input_shape[1]
+    # the slab sizes the parameters allow: the one set, and the whole image where that may be chosen
+    slabs = {slab_rows, whole} if whole_image else {min(slab_rows, whole)}
     for spec, slab, _ in measured.values():
         if strategy not in ("auto", spec.strategy) or not set(spec.node_ids) <= set(ids):
+            continue
+        if min(slab, whole) not in slabs:
+            # it ran under another slab_rows: a user who set 64 rows got the plan of 8-row slabs
+            # back, because it measured faster than the whole image was predicted under load
             continue
         if spec.strategy == "stripes" and not adapt_shares:
             # fixed shares: only stripes by those shares (the search builds them, and they get

@@ -425,6 +425,9 @@ def test_a_measured_plan_of_another_slab_size_is_no_candidate() -> None:
     assert {c.slab_rows for c in whole.candidates} == {h} and whole.best.measured_ms == 0.002
     same = choose_plan(g, ["a"], costs, slab_rows=8, strategy="single", measured=ran)
     assert same.best.slab_rows == 8 and same.best.measured_ms == 0.001
+    # "one slab whatever the height" (the benchmark's 4096) is the whole image
+    huge = choose_plan(g, ["a"], costs, slab_rows=4096, strategy="single", measured=ran, whole_image=False)
+    assert huge.best.measured_ms == 0.002 and all(c.slab_rows != 8 for c in huge.candidates)
 
 
 def test_the_running_plan_is_judged_by_its_measured_latency() -> None:

@@ -416,7 +416,7 @@ def choose_plan(graph: ModelGraph, node_ids: Sequence[str], costs: Costs, *, sla
 
     whole = graph.input_shape[1]
     # the slab sizes the parameters allow: the one set, and the whole image where that may be chosen
-    slabs = {slab_rows, whole} if whole_image else {min(slab_rows, whole)}
+    slabs = {min(slab_rows, whole), whole} if whole_image else {min(slab_rows, whole)}
     for spec, slab, _ in measured.values():
         if strategy not in ("auto", spec.strategy) or not set(spec.node_ids) <= set(ids):
             continue

@@ -383,9 +383,15 @@ def test_the_direct_path_node_killed_mid_run_loses_no_frame(tmp_path):
                         coordinator={"strategy": "single", "dead_after_s": 1.5, "max_in_flight": 3}) as g:
         wait_values(g, "coordinator", lambda v: v.get("alive") == "compute_0,compute_1", "both nodes alive")
         # 60 s: at 30 s this wait ran out once under suite load (cause not found; its graph
-        # starts at 64-row slabs, so not the planner's slab fix of 2f261d2)
-        plan = wait_until(lambda: ((p := g.latest_plan()) is not None and p.image_topic and p) or None,
-                          "a single plan on the direct path", 60.0)
+        # starts at 64-row slabs, so not the planner's slab fix of 2f261d2): a failure now says
+        # which plans came and what the coordinator counted
+        try:
+            plan = wait_until(lambda: ((p := g.latest_plan()) is not None and p.image_topic and p) or None,
+                              "a single plan on the direct path", 60.0)
+        except AssertionError as exc:
+            plans = [(p.version, p.strategy, p.image_topic, p.reason) for p in g.plans.snapshot()]
+            raise AssertionError(f"{exc}; plans: {plans}; coordinator: {latest_values(g, 'coordinator')}"
+                                 f"\n--- launcher output ---\n{g.out.text()}") from None
         victim = ic.spec_from_msg(plan).node_ids[0]
         other = next(n for n in g.compute_names if n != victim)
         pid = g.pid(victim)

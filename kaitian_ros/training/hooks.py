@@ -32,7 +32,7 @@ rebalance, where the ranks meet anyway, instead of in a collective of its own af
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,6 +147,22 @@ class HookState:
         return got
 
 
+def start_all_gather(values: Sequence[float], group: Any = None) -> tuple[Any, list[torch.Tensor]]:
+    """Launch the all-gather of a float vector (the same length on every rank) over ``group``;
+    ``finish_all_gather`` waits for it."""
+    own = torch.tensor(list(values), dtype=torch.float64)
+    out = [torch.empty_like(own) for _ in range(dist.get_world_size(group))]
+    return dist.all_gather(out, own, group=group, async_op=True), out
+
+
+def finish_all_gather(started: tuple[Any, list[torch.Tensor]], group: Any = None,
+                      spin: bool = False) -> list[tuple[float, ...]]:
+    """Every rank's vector (rank order) of a ``start_all_gather``; ``spin``: poll (``wait_for``)."""
+    work, out = started
+    wait_for(work, spins_on(group, spin))
+    return [tuple(o.tolist()) for o in out]
+
+
 def _start_exchange(state: HookState, bucket: dist.GradBucket) -> tuple[Any, list[torch.Tensor]] | None:
     """Launch the all-gather of ``state.exchange`` beside the first bucket's reduction.
 
@@ -154,17 +170,13 @@ def _start_exchange(state: HookState, bucket: dist.GradBucket) -> tuple[Any, lis
     own; launched first, its transfer overlaps the gradient's."""
     if state.exchange is None or bucket.index() != 0:
         return None
-    own = torch.tensor(state.exchange, dtype=torch.float64)
-    out = [torch.empty_like(own) for _ in range(dist.get_world_size(state.exchange_group))]
-    return dist.all_gather(out, own, group=state.exchange_group, async_op=True), out
+    return start_all_gather(state.exchange, state.exchange_group)
 
 
 def _finish_exchange(state: HookState, started: tuple[Any, list[torch.Tensor]] | None) -> None:
     if started is None:
         return
-    work, out = started
-    wait_for(work, spins_on(state.exchange_group, state.spin))
-    state.exchanged = [tuple(o.tolist()) for o in out]
+    state.exchanged = finish_all_gather(started, state.exchange_group, state.spin)
     state.exchange = None
 
 

@@ -41,7 +41,7 @@ from kaitian_ros.training.affinity import pinned_cores
 from kaitian_ros.training.config import CHECKPOINT_NAME, TrainingConfig, lr_at, make_optimizer, set_lr
 from kaitian_ros.training.data import DataSplit, dataset_size, evaluate, gather_batch, load_data
 from kaitian_ros.training.groups import CommGroups, build_groups, parse_device
-from kaitian_ros.training.hooks import HOOKS, HookState, spins_on, wait_for
+from kaitian_ros.training.hooks import HOOKS, HookState, finish_all_gather, start_all_gather
 from kaitian_ros.training.results import EpochDone, TrainingResult, TrainingStep
 from kaitian_ros.training.sampler import AdaptiveBatchSampler
 from kaitian_ros.training.stealing import StepClaims, forget_step
@@ -145,13 +145,10 @@ class RankTrainer:
 
     def _gather(self, x: float | Sequence[float]) -> list[Any]:
         """All-gather a float or a fixed-length float vector from every rank (rank order)."""
-        scalar = isinstance(x, (int, float))
-        t = torch.tensor([x] if isinstance(x, (int, float)) else list(x), dtype=torch.float64)
-        out = [torch.zeros_like(t) for _ in range(self.world_size)]
         group = self.groups.world if self.groups else None
-        wait_for(dist.all_gather(out, t, group=group, async_op=True),
-                 spins_on(group, self.spins))
-        return [float(o.item()) if scalar else tuple(o.tolist()) for o in out]
+        if isinstance(x, (int, float)):
+            return [g[0] for g in finish_all_gather(start_all_gather([x], group), group, self.spins)]
+        return list(finish_all_gather(start_all_gather(x, group), group, self.spins))
 
     def _checkpoint_path(self) -> Path | None:
         d = self.config.checkpoint_dir
